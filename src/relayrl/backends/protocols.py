@@ -1,0 +1,73 @@
+"""Worker interfaces every backend implements (sim, local torch, Ray).
+
+Invariant: every call a stage makes on a worker is awaitable, so an in-process object and a Ray
+actor handle look the same to the orchestrator. Heavy compute never runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from relayrl.types import GenerateResult, MicroBatch, SampleRequest, Trajectory
+
+
+@dataclass(slots=True, frozen=True)
+class Weights:
+    """A policy version's weights as they travel to samplers; `payload` is backend-specific."""
+
+    version: int
+    payload: object
+
+
+class Sampler(Protocol):
+    replica: int
+
+    @property
+    def version(self) -> int:
+        """The policy version whose weights are loaded now."""
+        ...
+
+    async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        """Sample every request with the weights loaded when the call starts."""
+        ...
+
+    async def load_weights(self, weights: Weights) -> None:
+        """Swap to `weights` (no reload from disk). Never called while another load runs."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Trainer(Protocol):
+    async def train_step(self, mb: MicroBatch) -> None:
+        """Forward + backward on one packed micro-batch, accumulating gradients."""
+        ...
+
+    async def optim_step(self) -> int:
+        """Apply the accumulated update; returns the new policy version. Overwrites the metrics
+        slot that `get_metrics` reads."""
+        ...
+
+    async def get_metrics(self) -> dict[str, float]:
+        """Metrics of the last committed step (read from the slot `optim_step` filled)."""
+        ...
+
+    async def export_weights(self) -> Weights: ...
+
+    async def close(self) -> None: ...
+
+
+class Collator(Protocol):
+    """Turns a planned micro-batch into what the trainer consumes. Runs in a packing thread."""
+
+    def collate(self, mb: MicroBatch) -> object: ...
+
+
+class RewardFn(Protocol):
+    """Scores one trajectory. May raise: the trajectory is then marked failed with reward 0."""
+
+    __name__: str
+
+    def __call__(self, trajectory: Trajectory) -> float: ...

@@ -1,0 +1,158 @@
+"""Data that flows between stages: prompts, trajectories, groups, micro-batches, step results.
+
+Invariant: these are plain records. Stages exchange them through queues and never share mutable
+state beyond what a record carries; every trajectory records the policy version that sampled it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class TrajectoryStatus(StrEnum):
+    OK = "ok"
+    FAILED = "failed"  # a reward function raised; reward forced to 0
+
+
+class FilterReason(StrEnum):
+    ZERO_VARIANCE = "zero_variance"  # dynamic sampling: all rewards equal
+    STALE = "stale"  # sampled by a policy older than the staleness window allows
+    ALL_FAILED = "all_failed"  # every trajectory's reward function raised
+
+
+@dataclass(slots=True, frozen=True)
+class Prompt:
+    """One task instance: the text shown to the policy and the reference the verifier uses."""
+
+    prompt_id: str
+    text: str
+    answer: str
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    """Ask a sampler for `num_samples` completions of one prompt (one group)."""
+
+    group_id: int
+    prompt: Prompt
+    prompt_tokens: list[int]
+    num_samples: int
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sampled completion with the log-probs of its tokens under the sampling distribution."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str = "stop"
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """What a sampler returns for one request: the version that sampled it and its completions."""
+
+    request: SampleRequest
+    completions: list[Completion]
+    policy_version: int
+    replica: int
+
+
+@dataclass(slots=True)
+class Trajectory:
+    group_id: int
+    sample_index: int
+    prompt: Prompt
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    sampler_logprobs: list[float]
+    completion_text: str
+    policy_version: int
+    replica: int
+    reward: float = 0.0
+    advantage: float = 0.0
+    status: TrajectoryStatus = TrajectoryStatus.OK
+    error: str | None = None
+    finish_reason: str = "stop"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_tokens) + len(self.completion_tokens)
+
+
+@dataclass(slots=True)
+class Group:
+    """The G trajectories sampled for one prompt; advantages are relative within it."""
+
+    group_id: int
+    trajectories: list[Trajectory]
+
+    @property
+    def min_version(self) -> int:
+        return min(t.policy_version for t in self.trajectories)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+@dataclass(slots=True)
+class FilteredGroup:
+    group: Group
+    reason: FilterReason
+
+
+@dataclass(slots=True)
+class PaddingStats:
+    """How well a micro-batch's rows are filled: real tokens over the tokens the trainer computes."""
+
+    rows: int
+    row_tokens: int  # length every row is padded to
+    real_tokens: int
+    sequences: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.rows * self.row_tokens
+
+    @property
+    def efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+@dataclass(slots=True)
+class PackPlan:
+    """Which trajectories go in which row; rows are chunked into micro-batches."""
+
+    rows: list[list[int]]  # indices into the step's trajectory list, per packed row
+    microbatches: list[list[int]]  # indices into `rows`, per micro-batch
+    row_budget: int
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """A packed chunk of one step's trajectories. `payload` is backend-specific (e.g. tensors)."""
+
+    step: int
+    index: int
+    final: bool
+    trajectories: list[Trajectory]
+    rows: list[list[int]]  # indices into `trajectories`, per packed row
+    padding: PaddingStats
+    num_tokens: int
+    payload: object = None
+
+    @property
+    def min_version(self) -> int:
+        return min(t.policy_version for t in self.trajectories)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Everything known about step N once its bookkeeping ran: reduced metrics and the ledger."""
+
+    step: int
+    policy_version: int
+    metrics: dict[str, float | int | None] = field(default_factory=dict)
