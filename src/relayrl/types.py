@@ -156,3 +156,28 @@ class StepResult:
     step: int
     policy_version: int
     metrics: dict[str, float | int | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What the train loop knows about step N at its commit; bookkeeping reduces it later."""
+
+    step: int
+    groups: list[Group]
+    policy_version: int = 0  # version after this step's commit
+    filtered: list[FilteredGroup] = field(default_factory=list)
+    padding: list[PaddingStats] = field(default_factory=list)
+    step_time_sec: float = 0.0
+    boundary_gap_sec: float | None = None
+    exposed_generation_time: float = 0.0
+    packing_time: float = 0.0
+    weight_sync_time: float = 0.0
+    train_time: float = 0.0
+    loop_lag_max_ms: float = 0.0
+    metrics_fetch_time: float = 0.0
+    trainer_metrics: dict[str, float] = field(default_factory=dict)
+    commit_time: float = 0.0  # run clock, seconds
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]

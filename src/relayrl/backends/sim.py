@@ -1,0 +1,159 @@
+"""Deterministic latency-simulating sampler, trainer and collator.
+
+Device-side costs (generation, train/optim steps, metric fetch, weight export) are `asyncio.sleep`s:
+the simulated accelerator works while the orchestrator's thread is free. Host-side costs (packing;
+the bookkeeping costs applied by the run) burn real CPU holding the GIL.
+
+Invariant: given the same sequence of calls, outputs are a pure function of the seed; the success
+rate of sampled answers rises with the policy version, so rewards have variance and "learning" is
+visible. `get_metrics` reads the trainer's metrics slot when the fetch lands, and that slot is
+overwritten by the next `optim_step`, exactly the hazard step-boundary rule 2 guards against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from relayrl.backends.protocols import Weights
+from relayrl.config import Config, SimConfig
+from relayrl.threads import burn_cpu
+from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+class SimSampler:
+    def __init__(self, cfg: SimConfig, max_new_tokens: int, seed: int, replica: int = 0) -> None:
+        self.replica = replica
+        self._cfg = cfg
+        self._max_new_tokens = max_new_tokens
+        self._seed = seed
+        self._version = 0
+        self.generate_calls = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def success_rate(self, version: int) -> float:
+        return min(0.95, self._cfg.base_success + self._cfg.learn_rate * version)
+
+    async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        version = self._version
+        self.generate_calls += 1
+        await _sleep(self._cfg.generate_base + self._cfg.generate_per_request * len(requests))
+        p = self.success_rate(version)
+        results: list[GenerateResult] = []
+        for req in requests:
+            rng = random.Random(self._seed * 1_000_003 + req.group_id * 7919 + version)
+            wrong = str(int(req.prompt.answer) + 1) if req.prompt.answer.lstrip("-").isdigit() else "?"
+            completions: list[Completion] = []
+            for _ in range(req.num_samples):
+                text = req.prompt.answer if rng.random() < p else wrong
+                n = rng.randint(1, self._max_new_tokens)
+                tokens = [rng.randrange(2, 64) for _ in range(n)]
+                completions.append(Completion(tokens=tokens, logprobs=[-rng.random()] * n, text=text))
+            results.append(GenerateResult(req, completions, version, self.replica))
+        return results
+
+    async def load_weights(self, weights: Weights) -> None:
+        self._version = weights.version
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _Accum:
+    tokens: int = 0
+    trajectories: int = 0
+    adv_sum: float = 0.0
+    microbatches: int = 0
+
+
+class SimTrainer:
+    def __init__(self, cfg: SimConfig) -> None:
+        self._cfg = cfg
+        self.version = 0
+        self._accum = _Accum()
+        self._slot: dict[str, float] = {}
+        self.calls: list[tuple[str, int]] = []  # (method, version at call): lets tests check order
+
+    async def train_step(self, mb: MicroBatch) -> None:
+        self.calls.append(("train_step", self.version))
+        await _sleep(self._cfg.train_step)
+        self._accum.tokens += mb.num_tokens
+        self._accum.trajectories += len(mb.trajectories)
+        self._accum.adv_sum += sum(abs(t.advantage) for t in mb.trajectories)
+        self._accum.microbatches += 1
+
+    async def optim_step(self) -> int:
+        self.calls.append(("optim_step", self.version))
+        if self._accum.microbatches == 0:
+            raise RuntimeError("optim_step called with no accumulated train_step")
+        await _sleep(self._cfg.optim_step)
+        acc = self._accum
+        self._slot = {
+            "step": float(self.version),
+            "loss": -acc.adv_sum / max(1, acc.trajectories) * 0.1,
+            "grad_norm": 1.0 / (1.0 + self.version),
+            "tokens": float(acc.tokens),
+            "microbatches": float(acc.microbatches),
+            "learning_rate": 1e-6,
+        }
+        self._accum = _Accum()
+        self.version += 1
+        return self.version
+
+    async def get_metrics(self) -> dict[str, float]:
+        self.calls.append(("get_metrics", self.version))
+        await _sleep(self._cfg.get_metrics)
+        return dict(self._slot)  # read when the fetch lands, as a remote slot would be
+
+    async def export_weights(self) -> Weights:
+        version = self.version
+        await _sleep(self._cfg.weight_sync)
+        return Weights(version=version, payload=version)
+
+    async def close(self) -> None:
+        return None
+
+
+class SimCollator:
+    def __init__(self, cfg: SimConfig, abort: threading.Event) -> None:
+        self._cost = cfg.pack_per_microbatch
+        self._abort = abort
+
+    def collate(self, mb: MicroBatch) -> object:
+        burn_cpu(self._cost, self._abort)
+        return None
+
+
+class SimTokenizer:
+    """Fixed-length prompt tokens derived from the text."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self._n = prompt_tokens
+
+    def __call__(self, text: str) -> list[int]:
+        codes = [ord(c) % 64 for c in text][: self._n]
+        return codes + [0] * (self._n - len(codes))
+
+
+def host_costs(cfg: Config) -> dict[str, float]:
+    """CPU burnt (GIL held) inside each bookkeeping span, per step."""
+    s = cfg.sim
+    return {
+        "reduce_metrics": s.reduce_metrics,
+        "log_metrics": s.log_metrics,
+        "log_trajectories": s.log_trajectories,
+        "on_step_end": s.on_step_end,
+        "release_memory": s.release_memory,
+    }

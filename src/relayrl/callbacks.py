@@ -1,0 +1,18 @@
+"""User callbacks around each step.
+
+Invariant: `on_step_begin(N)` runs on the event loop when step N starts (keep it cheap);
+`on_step_end(N, result)` runs in the bookkeeping thread (overlapped mode) in step order, after
+N's result is stored; an exception from either fails the run.
+"""
+
+from __future__ import annotations
+
+from relayrl.types import StepResult
+
+
+class Callback:
+    def on_step_begin(self, step: int) -> None:
+        return None
+
+    def on_step_end(self, step: int, result: StepResult) -> None:
+        return None

@@ -1,0 +1,192 @@
+"""Run configuration: pydantic models, TOML loading and `--set key=value` overrides.
+
+Invariant: a config either validates completely or fails with one `ConfigError` naming the key
+(dotted path) and what is wrong; unknown keys are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and, where known, the file."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = "default"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = Field(20, ge=1)
+    backend: Literal["sim", "local"] = "sim"
+    overwrite: bool = True
+
+
+class TaskConfig(_Section):
+    kind: Literal["synthetic", "arithmetic", "jsonl"] = "synthetic"
+    path: str | None = None  # jsonl file
+    digits: int = Field(2, ge=1, le=6)
+    operators: str = "+-"
+    heldout_size: int = Field(200, ge=0)
+    reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"])
+
+
+class RolloutConfig(_Section):
+    num_generations: int = Field(8, ge=1)
+    groups_per_step: int = Field(8, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
+    num_samplers: int = Field(1, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class AlgorithmConfig(_Section):
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    dynamic_sampling: bool = False
+
+
+class TrainConfig(_Section):
+    row_tokens: int = Field(256, ge=8)  # token budget of one packed row
+    rows_per_microbatch: int = Field(4, ge=1)
+
+
+class OrchestratorConfig(_Section):
+    overlap_bookkeeping: bool = True  # false: the seed's inline end-of-step work (the baseline)
+    queue_size: int = Field(64, ge=1)
+    loop_lag_interval_ms: float = Field(5.0, gt=0.0)
+    log_trajectories: bool = True
+    release_memory: bool = True
+
+
+class SimConfig(_Section):
+    """Per-call costs of the simulated workers (seconds). Device costs sleep; host costs burn CPU
+    holding the GIL, as the real orchestrator's Python work does."""
+
+    generate_per_request: float = Field(0.0, ge=0.0)
+    generate_base: float = Field(0.0, ge=0.0)
+    train_step: float = Field(0.0, ge=0.0)
+    optim_step: float = Field(0.0, ge=0.0)
+    get_metrics: float = Field(0.0, ge=0.0)
+    weight_sync: float = Field(0.0, ge=0.0)
+    pack_per_microbatch: float = Field(0.0, ge=0.0)
+    reduce_metrics: float = Field(0.0, ge=0.0)
+    log_metrics: float = Field(0.0, ge=0.0)
+    log_trajectories: float = Field(0.0, ge=0.0)
+    on_step_end: float = Field(0.0, ge=0.0)
+    release_memory: float = Field(0.0, ge=0.0)
+    prompt_tokens: int = Field(12, ge=1)
+    learn_rate: float = Field(0.05, ge=0.0)  # how fast the simulated success rate rises per version
+    base_success: float = Field(0.3, ge=0.0, le=1.0)
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> Config:
+        if self.run.backend == "sim":
+            longest = self.sim.prompt_tokens + self.rollout.max_new_tokens
+            if longest > self.train.row_tokens:
+                raise ValueError(
+                    f"train.row_tokens={self.train.row_tokens} is smaller than the longest "
+                    f"trajectory (sim.prompt_tokens + rollout.max_new_tokens = {longest})"
+                )
+        if self.task.kind == "jsonl" and not self.task.path:
+            raise ValueError("task.path must name a JSONL file when task.kind = 'jsonl'")
+        return self
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    where = f" in {source}" if source else ""
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{loc}'{where}"
+    if not loc:
+        return f"invalid config{where}: {first['msg'].removeprefix('Value error, ')}"
+    return f"invalid config key '{loc}'{where}: {first['msg']} (got {first.get('input')!r})"
+
+
+def parse_override(item: str) -> tuple[list[str], object]:
+    """`a.b=VALUE` → (["a", "b"], value). VALUE is read as a TOML value, else as a bare string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    try:
+        value: object = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def _apply(data: dict[str, object], path: list[str], value: object, item: str) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item}: '{part}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> Config:
+    data: dict[str, object] = {}
+    source = ""
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _apply(data, keys, value, item)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to the run directory)."""
+    lines: list[str] = []
+    for section, values in cfg.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,229 @@
+"""The program: wires the stages, supervises them under one TaskGroup, writes the run directory.
+
+    dispatch → sampler(s) → collect → score → advantages → train loop → commit → weight sync
+                                                              └→ deferred bookkeeping
+
+Invariant: the first error in any stage, deferred job or worker call cancels every other task
+and reaches the caller as itself (not wrapped); cancellation of the run leaves no task or
+worker thread running; `summary.json`, `metrics.jsonl` and `trace.json` are written whatever
+the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from relayrl.backends.bundle import Backend
+from relayrl.bookkeeping import DeferredJobs
+from relayrl.callbacks import Callback
+from relayrl.config import Config, config_to_toml
+from relayrl.ledger import Ledger
+from relayrl.stages.advantage import advantage_stage
+from relayrl.stages.collect import collect_stage
+from relayrl.stages.dispatch import dispatch_stage
+from relayrl.stages.sample import sampler_stage
+from relayrl.stages.score import score_stage
+from relayrl.stages.sync import SyncTimes, VersionSignal, sync_stage
+from relayrl.stages.train_loop import GroupTaker, TrainLoop
+from relayrl.tasks.rewards import RewardFunction
+from relayrl.telemetry import timeline
+from relayrl.telemetry.looplag import LoopLagMonitor
+from relayrl.telemetry.memory import freeze_long_lived
+from relayrl.telemetry.stepbook import StepBookkeeper
+from relayrl.telemetry.tracer import Tracer
+from relayrl.threads import Workers
+from relayrl.window import DispatchWindow
+from relayrl.types import (
+    GenerateResult,
+    Group,
+    Prompt,
+    SampleRequest,
+    StepRecord,
+    StepResult,
+)
+
+
+@dataclass(slots=True)
+class RunResult:
+    run_dir: Path | None
+    results: list[StepResult]
+    records: list[StepRecord]
+    summary: dict[str, object]
+    tracer: Tracer
+    ledger: Ledger
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    errors: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack[:0] = list(exc.exceptions)
+        else:
+            errors.append(exc)
+    for exc in errors:
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return errors[0] if errors else group
+
+
+class Program:
+    def __init__(
+        self,
+        cfg: Config,
+        backend: Backend,
+        prompts: Iterator[Prompt],
+        reward_fns: Sequence[RewardFunction],
+        *,
+        run_dir: Path | None,
+        workers: Workers,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.prompts = prompts
+        self.reward_fns = list(reward_fns)
+        self.run_dir = run_dir
+        self.workers = workers
+        self.callbacks = list(callbacks)
+        self.ledger = Ledger()
+        run_info: dict[str, object] = {
+            "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
+            "max_staleness": cfg.rollout.max_staleness,
+            "groups_per_step": cfg.rollout.groups_per_step,
+            "steps": cfg.run.steps,
+            "backend": cfg.run.backend,
+            "loop_thread": threading.current_thread().name,
+        }
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(config_to_toml(cfg), encoding="utf-8")
+        self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
+        self.bookkeeper = StepBookkeeper(
+            tracer=self.tracer,
+            run_dir=run_dir,
+            callbacks=self.callbacks,
+            host_costs=backend.host_costs,
+            abort=workers.abort,
+            log_trajectories=cfg.orchestrator.log_trajectories,
+            release=cfg.orchestrator.release_memory,
+        )
+        self.loop: TrainLoop | None = None
+
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        started = time.perf_counter()
+        status, error = "failed", ""
+        try:
+            if cfg.orchestrator.release_memory:
+                freeze_long_lived()
+            await self._supervise()
+            status = "completed"
+        except asyncio.CancelledError:
+            status, error = "cancelled", "cancelled"
+            raise
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.workers.shutdown()
+            self.bookkeeper.close()
+            self.tracer.close()
+            summary = self._summary(status, error, time.perf_counter() - started)
+            self._result = RunResult(self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger)
+            if self.run_dir is not None:
+                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        return self._result
+
+    async def _supervise(self) -> None:
+        cfg, backend = self.cfg, self.backend
+        size = cfg.orchestrator.queue_size
+        requests: asyncio.Queue[list[SampleRequest]] = asyncio.Queue(size)
+        generated: asyncio.Queue[list[GenerateResult]] = asyncio.Queue(size)
+        collected: asyncio.Queue[list[Group]] = asyncio.Queue(size)
+        scored: asyncio.Queue[list[Group]] = asyncio.Queue(size)
+        ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
+        window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps)
+        committed = VersionSignal()
+        sync_times = SyncTimes()
+        lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                background = [
+                    tg.create_task(lag.run(), name="loop-lag"),
+                    tg.create_task(
+                        dispatch_stage(self.prompts, backend.tokenize, window, self.ledger, requests,
+                                       cfg.rollout.num_generations, cfg.rollout.prompts_per_request),
+                        name="dispatch",
+                    ),
+                    *[
+                        tg.create_task(sampler_stage(s, requests, generated, self.tracer), name=f"sampler/{s.replica}")
+                        for s in backend.samplers
+                    ],
+                    tg.create_task(collect_stage(generated, collected), name="collect"),
+                    tg.create_task(score_stage(collected, scored, self.reward_fns, self.workers, self.ledger), name="score"),
+                    tg.create_task(
+                        advantage_stage(scored, ready, cfg.algorithm.advantage, cfg.algorithm.dynamic_sampling, self.ledger, window),
+                        name="advantages",
+                    ),
+                    tg.create_task(sync_stage(backend.trainer, backend.samplers, committed, window, self.tracer, sync_times), name="weight-sync"),
+                ]
+
+                def on_commit(record: StepRecord) -> None:
+                    committed.set(record.policy_version)
+                    record.weight_sync_time = sync_times.drain()
+                    record.loop_lag_max_ms = lag.take_max_ms()
+
+                def on_step_begin(step: int) -> None:
+                    for cb in self.callbacks:
+                        cb.on_step_begin(step)
+
+                self.loop = TrainLoop(
+                    steps=cfg.run.steps,
+                    trainer=backend.trainer,
+                    collator=backend.collator,
+                    taker=GroupTaker(ready, cfg.rollout.groups_per_step, cfg.rollout.max_staleness, self.ledger, window, self.tracer),
+                    jobs=DeferredJobs(tg),
+                    task_group=tg,
+                    workers=self.workers,
+                    tracer=self.tracer,
+                    ledger=self.ledger,
+                    overlap=cfg.orchestrator.overlap_bookkeeping,
+                    row_tokens=cfg.train.row_tokens,
+                    rows_per_microbatch=cfg.train.rows_per_microbatch,
+                    on_step_begin=on_step_begin,
+                    on_commit=on_commit,
+                    bookkeep=self.bookkeeper,
+                )
+                await tg.create_task(self.loop.run(), name="train-loop")
+                for task in background:
+                    task.cancel()
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        finally:
+            await self.backend.close()
+
+    def _summary(self, status: str, error: str, wall: float) -> dict[str, object]:
+        all_spans = timeline.spans(self.tracer.events)
+        gaps = timeline.boundary_gaps(all_spans)
+        results = self.bookkeeper.results
+        trained = self.ledger.trajectories_trained
+        return {
+            "status": status,
+            "error": error,
+            "steps_completed": len(results),
+            "wall_time_s": wall,
+            "samples_per_s": trained / wall if wall > 0 else 0.0,
+            "trainer_busy_fraction": timeline.trainer_busy_fraction(all_spans),
+            "boundary_gap_median_s": timeline.median(gaps),
+            "reward_mean_first": results[0].metrics.get("reward_mean") if results else None,
+            "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
+            "ledger": self.ledger.as_dict(),
+        }

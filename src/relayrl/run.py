@@ -1,0 +1,44 @@
+"""Build a run from a config: run directory, backend, prompts, reward functions; run it.
+
+Invariant: everything that can be rejected (config, task data, model path) is checked here,
+before the run directory is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from relayrl.backends.bundle import Backend, build_sim_backend
+from relayrl.callbacks import Callback
+from relayrl.config import Config
+from relayrl.program import Program, RunResult
+from relayrl.tasks import rewards
+from relayrl.tasks.synthetic import synthetic_stream
+from relayrl.threads import Workers
+
+
+def run_dir_for(cfg: Config) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def build_program(cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path | None = None, backend: Backend | None = None) -> Program:
+    reward_fns = rewards.resolve(cfg.task.reward_functions)
+    workers = Workers()
+    if backend is None:
+        if cfg.run.backend != "sim":
+            raise NotImplementedError("the local backend is not available yet (run.backend)")
+        backend = build_sim_backend(cfg, workers.abort)
+    if cfg.task.kind != "synthetic":
+        raise NotImplementedError(f"task.kind={cfg.task.kind!r} is not available yet")
+    prompts = synthetic_stream(cfg.run.seed)
+    if run_dir is not None and run_dir.exists() and cfg.run.overwrite:
+        shutil.rmtree(run_dir)
+    return Program(cfg, backend, prompts, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks)
+
+
+def run_training(cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path | None = None) -> RunResult:
+    program = build_program(cfg, callbacks, run_dir)
+    return asyncio.run(program.run())

@@ -1,0 +1,43 @@
+"""Group + advantages: group-relative advantages, and the groups that must not train.
+
+Invariant: a group leaves either to the train queue with advantages set, or to the ledger as
+filtered (all failed; zero reward variance under dynamic sampling), returning its window credit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from relayrl.algorithms.advantages import AdvantageKind, group_advantages
+from relayrl.ledger import Ledger
+from relayrl.types import FilteredGroup, FilterReason, Group, TrajectoryStatus
+from relayrl.window import DispatchWindow
+
+
+def filter_reason(group: Group, dynamic_sampling: bool) -> FilterReason | None:
+    trajs = group.trajectories
+    if all(t.status is TrajectoryStatus.FAILED for t in trajs):
+        return FilterReason.ALL_FAILED
+    if dynamic_sampling and len({t.reward for t in trajs}) <= 1:
+        return FilterReason.ZERO_VARIANCE
+    return None
+
+
+async def advantage_stage(
+    inbox: asyncio.Queue[list[Group]],
+    outbox: asyncio.Queue[Group],
+    kind: AdvantageKind,
+    dynamic_sampling: bool,
+    ledger: Ledger,
+    window: DispatchWindow,
+) -> None:
+    while True:
+        for group in await inbox.get():
+            reason = filter_reason(group, dynamic_sampling)
+            if reason is not None:
+                ledger.filtered(FilteredGroup(group, reason))
+                window.release_filtered()
+                continue
+            for traj, adv in zip(group.trajectories, group_advantages(group.rewards, kind)):
+                traj.advantage = adv
+            await outbox.put(group)

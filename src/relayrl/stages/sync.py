@@ -1,0 +1,70 @@
+"""Weight sync: after each commit, push the newest version's weights to every sampler.
+
+Invariant: rounds never overlap (one task runs them one after another); a round that starts
+after several commits pushes only the newest version; the window learns a version only after
+every sampler has loaded it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from relayrl.backends.protocols import Sampler, Trainer
+from relayrl.telemetry.tracer import Tracer
+from relayrl.window import DispatchWindow
+
+
+class VersionSignal:
+    """The trainer's latest committed version, awaitable by the sync stage."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._changed = asyncio.Event()
+
+    def set(self, version: int) -> None:
+        self.version = version
+        self._changed.set()
+
+    async def newer_than(self, version: int) -> int:
+        while self.version <= version:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.version
+
+
+class SyncTimes:
+    """Durations of completed sync rounds, drained by each step's record."""
+
+    def __init__(self) -> None:
+        self._pending: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self._pending.append(seconds)
+
+    def drain(self) -> float:
+        total, self._pending = sum(self._pending), []
+        return total
+
+
+async def sync_stage(
+    trainer: Trainer,
+    samplers: Sequence[Sampler],
+    committed: VersionSignal,
+    window: DispatchWindow,
+    tracer: Tracer,
+    times: SyncTimes,
+) -> None:
+    synced = 0
+    while True:
+        await committed.newer_than(synced)
+        start = tracer.now()
+        weights = await trainer.export_weights()
+        async with asyncio.TaskGroup() as tg:
+            for sampler in samplers:
+                tg.create_task(sampler.load_weights(weights))
+        end = tracer.now()
+        tracer.complete("orchestrator", "weight_sync", start, end, version=weights.version)
+        times.add(end - start)
+        synced = weights.version
+        window.set_synced(synced)

@@ -1,0 +1,246 @@
+"""The train loop: groups → packed micro-batches → train_step … optim_step, and the step boundary.
+
+Per step N: take `groups_per_step` groups (filtering too-stale ones), plan the packing, pack each
+micro-batch in the packing thread while the previous one trains, then commit. The end-of-step
+work of N (metrics fetch, reduction, logging, callbacks, memory release) is deferred:
+
+- fetch(N):        starts at commit(N),           finishes before optim_step(N+1)   (rules 1, 2)
+- bookkeeping(N):  starts at first_train(N+1)     finishes before optim_step(N+1)   (rules 3, 4)
+                   and after fetch(N) landed, runs in the bookkeeping thread
+- N+1's first micro-batch is packed while N's final one trains when its groups are there (rule 9)
+
+With `overlap_bookkeeping = false` the seed's inline behaviour is kept as the baseline: fetch and
+bookkeeping run right after the commit, on the event loop, and N+1 is packed only after them.
+
+Invariant: optim_step(N+1) is never issued before fetch(N) and bookkeeping(N) finished; the run
+does not return before every deferred job finished; every task this loop starts belongs to the
+run's TaskGroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from relayrl.backends.protocols import Collator, Trainer
+from relayrl.bookkeeping import RUN_END, DeferredJobs, before_optim, commit, first_train
+from relayrl.ledger import Ledger
+from relayrl.packing import build_microbatch, plan
+from relayrl.telemetry.tracer import Tracer
+from relayrl.threads import Workers
+from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, Trajectory
+from relayrl.window import DispatchWindow
+
+
+class GroupTaker:
+    """Takes each step's groups from the train queue; drops those too stale for that step."""
+
+    def __init__(
+        self,
+        queue: asyncio.Queue[Group],
+        groups_per_step: int,
+        max_staleness: int,
+        ledger: Ledger,
+        window: DispatchWindow,
+        tracer: Tracer,
+    ) -> None:
+        self._queue = queue
+        self._gps = groups_per_step
+        self._max_staleness = max_staleness
+        self._ledger = ledger
+        self._window = window
+        self._tracer = tracer
+        self._held: list[Group] = []  # admitted for the step being taken, not yet handed over
+
+    def _admit(self, group: Group, step: int) -> None:
+        if step - group.min_version > self._max_staleness:
+            self._ledger.filtered(FilteredGroup(group, FilterReason.STALE))
+            self._window.release_filtered()
+        else:
+            self._held.append(group)
+
+    def _hand_over(self) -> list[Group]:
+        groups, self._held = self._held[: self._gps], self._held[self._gps :]
+        return groups
+
+    def try_take(self, step: int) -> list[Group] | None:
+        """Step's groups if they are all there now, without waiting."""
+        while len(self._held) < self._gps:
+            try:
+                group = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
+            self._admit(group, step)
+        return self._hand_over()
+
+    async def take(self, step: int) -> tuple[list[Group], float]:
+        """Step's groups, waiting for them; returns the groups and the time spent waiting."""
+        groups = self.try_take(step)
+        if groups is not None:
+            return groups, 0.0
+        start = self._tracer.now()
+        while len(self._held) < self._gps:
+            self._admit(await self._queue.get(), step)
+        end = self._tracer.now()
+        self._tracer.complete("orchestrator", "wait_data", start, end, step=step)
+        return self._hand_over(), end - start
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A step whose groups are taken and whose first micro-batch is being packed."""
+
+    step: int
+    groups: list[Group]
+    trajectories: list[Trajectory]
+    plan: PackPlan
+    first_pack: asyncio.Task[tuple[MicroBatch, float]]
+    waited: float
+
+
+class TrainLoop:
+    def __init__(
+        self,
+        *,
+        steps: int,
+        trainer: Trainer,
+        collator: Collator,
+        taker: GroupTaker,
+        jobs: DeferredJobs,
+        task_group: asyncio.TaskGroup,
+        workers: Workers,
+        tracer: Tracer,
+        ledger: Ledger,
+        overlap: bool,
+        row_tokens: int,
+        rows_per_microbatch: int,
+        on_step_begin: Callable[[int], None],
+        on_commit: Callable[[StepRecord], None],
+        bookkeep: Callable[[StepRecord], None],
+    ) -> None:
+        self._steps = steps
+        self._trainer = trainer
+        self._collator = collator
+        self._taker = taker
+        self._jobs = jobs
+        self._tg = task_group
+        self._workers = workers
+        self._tracer = tracer
+        self._ledger = ledger
+        self._overlap = overlap
+        self._row_tokens = row_tokens
+        self._rows_per_mb = rows_per_microbatch
+        self._on_step_begin = on_step_begin
+        self._on_commit = on_commit  # fills the record's cheap commit-time fields (sync times, lag)
+        self._bookkeep = bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
+        self.records: list[StepRecord] = []
+
+    # -- packing ---------------------------------------------------------------------------
+    async def _pack(self, step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> tuple[MicroBatch, float]:
+        start = self._tracer.now()
+        mb = build_microbatch(step, index, trajectories, pack_plan)
+        mb.payload = await self._workers.run("pack", lambda: self._collator.collate(mb))
+        end = self._tracer.now()
+        self._tracer.complete("orchestrator", "pack", start, end, step=step, microbatch=index)
+        return mb, end - start
+
+    def _start_pack(self, step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> asyncio.Task[tuple[MicroBatch, float]]:
+        return self._tg.create_task(self._pack(step, index, trajectories, pack_plan), name=f"pack:{step}:{index}")
+
+    def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
+        trajectories = [t for g in groups for t in g.trajectories]
+        pack_plan = plan(trajectories, self._row_tokens, self._rows_per_mb)
+        return _Prepared(step, groups, trajectories, pack_plan, self._start_pack(step, 0, trajectories, pack_plan), waited)
+
+    # -- end of step -----------------------------------------------------------------------
+    async def _fetch(self, record: StepRecord) -> None:
+        start = self._tracer.now()
+        metrics = await self._trainer.get_metrics()
+        end = self._tracer.now()
+        self._tracer.complete("trainer.fetch", "get_metrics", start, end, step=record.step)
+        expected = record.policy_version - 1
+        if "step" in metrics and int(metrics["step"]) != expected:
+            raise RuntimeError(
+                f"get_metrics for step {record.step} returned the metrics of trainer step "
+                f"{int(metrics['step'])}, not {expected}: the metrics slot was overwritten"
+            )
+        record.trainer_metrics = metrics
+        record.metrics_fetch_time = end - start
+
+    async def _deferred_bookkeeping(self, record: StepRecord, fetch: asyncio.Task[None]) -> None:
+        await fetch
+        await self._workers.run("bookkeeping", lambda: self._bookkeep(record))
+
+    async def _end_of_step(self, record: StepRecord) -> None:
+        step = record.step
+        if not self._overlap:
+            await self._fetch(record)
+            self._bookkeep(record)  # inline, on the event loop: the seed's behaviour
+            return
+        fetch = self._jobs.schedule(
+            f"fetch:{step}", lambda: self._fetch(record), start_after=commit(step), finish_before=before_optim(step + 1)
+        )
+        self._jobs.schedule(
+            f"bookkeeping:{step}",
+            lambda: self._deferred_bookkeeping(record, fetch),
+            start_after=first_train(step + 1),
+            finish_before=before_optim(step + 1),
+        )
+        await self._jobs.reach(commit(step))
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self) -> list[StepRecord]:
+        tracer = self._tracer
+        pending: _Prepared | None = None
+        last_commit: float | None = None
+        step_start = tracer.now()
+        for step in range(self._steps):
+            if pending is None:
+                groups, waited = await self._taker.take(step)
+                pending = self._prepare(step, groups, waited)
+            prepared, pending = pending, None
+            record = StepRecord(step=step, groups=prepared.groups, exposed_generation_time=prepared.waited)
+            self._on_step_begin(step)
+            pack_task = prepared.first_pack
+            count = len(prepared.plan.microbatches)
+            for index in range(count):
+                mb, pack_seconds = await pack_task
+                record.packing_time += pack_seconds
+                if index + 1 < count:
+                    pack_task = self._start_pack(step, index + 1, prepared.trajectories, prepared.plan)
+                elif self._overlap and step + 1 < self._steps:
+                    ready = self._taker.try_take(step + 1)
+                    if ready is not None:
+                        pending = self._prepare(step + 1, ready, 0.0)  # rule 9: pack N+1 now
+                start = tracer.now()
+                train = self._tg.create_task(self._trainer.train_step(mb), name=f"train_step:{step}:{index}")
+                if index == 0:
+                    if last_commit is not None:
+                        record.boundary_gap_sec = start - last_commit
+                    await self._jobs.reach(first_train(step))
+                await train
+                end = tracer.now()
+                tracer.complete(
+                    "trainer", "train_step", start, end,
+                    step=step, microbatch=index, final=mb.final, tokens=mb.num_tokens, min_version=mb.min_version,
+                )
+                record.train_time += end - start
+                record.padding.append(mb.padding)
+            await self._jobs.reach(before_optim(step))
+            start = tracer.now()
+            version = await self._trainer.optim_step()
+            end = tracer.now()
+            tracer.complete("trainer", "optim_step", start, end, step=step)
+            record.policy_version = version
+            record.step_time_sec = end - step_start
+            record.commit_time = end
+            step_start = last_commit = end
+            for group in prepared.groups:
+                self._ledger.trained(group.group_id, len(group.trajectories))
+            record.filtered = self._ledger.drain_filtered()
+            self._on_commit(record)
+            self.records.append(record)
+            await self._end_of_step(record)
+        await self._jobs.reach(RUN_END)
+        return self.records

@@ -1,0 +1,60 @@
+"""Metric reduction: one step's record → the flat per-step metrics written to metrics.jsonl.
+
+Invariant: pure function of the record; staleness is measured against the version the step
+trained (its commit version − 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from relayrl.types import StepRecord, TrajectoryStatus
+
+Metrics = dict[str, float | int | None]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / len(values)
+    return mean, math.sqrt(var)
+
+
+def reduce_step(record: StepRecord) -> Metrics:
+    trajs = record.trajectories
+    rewards = [t.reward for t in trajs]
+    reward_mean, reward_std = _mean_std(rewards)
+    trained_version = record.policy_version - 1
+    staleness = [trained_version - t.policy_version for t in trajs]
+    real = sum(p.real_tokens for p in record.padding)
+    padded = sum(p.padded_tokens for p in record.padding)
+    completion_lengths = [len(t.completion_tokens) for t in trajs]
+    metrics: Metrics = {
+        "step": record.step,
+        "policy_version": record.policy_version,
+        "step_time_sec": record.step_time_sec,
+        "metrics_fetch_time": record.metrics_fetch_time,
+        "boundary_gap_sec": record.boundary_gap_sec,
+        "exposed_generation_time": record.exposed_generation_time,
+        "weight_sync_time": record.weight_sync_time,
+        "packing_time": record.packing_time,
+        "train_time": record.train_time,
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "num_trajectories": len(trajs),
+        "num_groups": len(record.groups),
+        "filtered_groups": len(record.filtered),
+        "failed_trajectories": sum(1 for t in trajs if t.status is TrajectoryStatus.FAILED),
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness_max": max(staleness, default=0),
+        "completion_len_mean": sum(completion_lengths) / len(completion_lengths) if trajs else 0.0,
+        "tokens": real,
+        "microbatches": len(record.padding),
+        "padding_efficiency": real / padded if padded else 1.0,
+        "loop_lag_max_ms": record.loop_lag_max_ms,
+    }
+    for key, value in record.trainer_metrics.items():
+        if key != "step":
+            metrics[f"train/{key}"] = value
+    return metrics
