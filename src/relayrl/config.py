@@ -112,10 +112,12 @@ class Config(_Section):
         return self
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def _format_error(err: ValidationError, source: str, overridden: set[str]) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
-    where = f" in {source}" if source else ""
+    if loc in overridden:
+        source = "--set"
+    where = f" (from {source})" if source else ""
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{loc}'{where}"
     if not loc:
@@ -158,13 +160,15 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    overridden: set[str] = set()
     for item in overrides or []:
         keys, value = parse_override(item)
         _apply(data, keys, value, item)
+        overridden.add(".".join(keys))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, source)) from None
+        raise ConfigError(_format_error(exc, source, overridden)) from None
 
 
 def config_to_toml(cfg: Config) -> str:

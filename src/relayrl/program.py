@@ -135,7 +135,7 @@ class Program:
         finally:
             self.workers.shutdown()
             self.bookkeeper.close()
-            self.tracer.close()
+            self.tracer.close(status)
             summary = self._summary(status, error, time.perf_counter() - started)
             self._result = RunResult(self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger)
             if self.run_dir is not None:

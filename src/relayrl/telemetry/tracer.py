@@ -110,7 +110,9 @@ class Tracer:
             self._file.write("".join(parts))
             self._file.flush()
 
-    def close(self) -> None:
+    def close(self, status: str) -> None:
+        """Mark the run's end (`status`: completed, failed, cancelled) and close the array."""
+        self._emit({"ph": "i", "s": "g", "pid": PID, "tid": 0, "name": "run_end", "ts": round(self.now() * 1e6, 1), "args": {"status": status}})
         self.flush()
         with self._lock:
             if self._file is not None:

@@ -1,0 +1,127 @@
+"""Benchmarks that print figures: the step boundary (inline vs overlapped) and the control plane.
+
+Invariant: each benchmark runs its configurations one after the other in this process on the
+same workload and reports their ratio; nothing here asserts a time (machines are noisy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from relayrl.config import Config, load_config
+from relayrl.program import RunResult
+from relayrl.run import build_program
+from relayrl.telemetry import timeline
+
+# The seed's large-model profile (seconds): host-side costs burn CPU holding the GIL.
+BOUNDARY_PROFILE: dict[str, float] = {
+    "sim.get_metrics": 0.4,
+    "sim.reduce_metrics": 0.3,
+    "sim.log_metrics": 0.1,
+    "sim.log_trajectories": 0.1,
+    "sim.on_step_end": 0.1,
+    "sim.release_memory": 0.5,
+    "sim.pack_per_microbatch": 0.3,
+    "sim.train_step": 1.0,
+    "sim.optim_step": 0.3,
+    "sim.weight_sync": 0.1,
+    "sim.generate_per_request": 0.01,
+}
+
+
+@dataclass(slots=True)
+class BoundaryFigures:
+    gap_median_s: float
+    busy_fraction: float
+    loop_lag_max_ms: float
+    step_time_median_s: float
+    wall_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "gap_median_s": self.gap_median_s,
+            "busy_fraction": self.busy_fraction,
+            "loop_lag_max_ms": self.loop_lag_max_ms,
+            "step_time_median_s": self.step_time_median_s,
+            "wall_s": self.wall_s,
+        }
+
+
+def boundary_config(overlap: bool, steps: int, time_scale: float, extra: list[str] | None = None) -> Config:
+    overrides = [f"{key}={value * time_scale!r}" for key, value in BOUNDARY_PROFILE.items()]
+    overrides += [
+        f"run.steps={steps}",
+        "run.name=bench-boundary",
+        "rollout.num_generations=8",
+        "rollout.groups_per_step=8",
+        "rollout.max_staleness=1",
+        "rollout.prompts_per_request=8",
+        "train.row_tokens=256",
+        "train.rows_per_microbatch=3",
+        f"orchestrator.overlap_bookkeeping={'true' if overlap else 'false'}",
+    ]
+    return load_config(None, overrides + (extra or []))
+
+
+def _figures(result: RunResult) -> BoundaryFigures:
+    all_spans = timeline.spans(result.tracer.events)
+    gaps = timeline.boundary_gaps(all_spans)
+    lags = [float(r.metrics.get("loop_lag_max_ms") or 0.0) for r in result.results]
+    return BoundaryFigures(
+        gap_median_s=statistics.median(gaps) if gaps else float("nan"),
+        busy_fraction=timeline.trainer_busy_fraction(all_spans),
+        loop_lag_max_ms=max(lags, default=0.0),
+        step_time_median_s=statistics.median(rec.step_time_sec for rec in result.records),
+        wall_s=float(result.summary["wall_time_s"]),  # type: ignore[arg-type]
+    )
+
+
+def run_boundary(steps: int = 6, time_scale: float = 1.0, extra: list[str] | None = None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
+        for label, overlap in (("inline", False), ("overlapped", True)):
+            cfg = boundary_config(overlap, steps, time_scale, extra)
+            program = build_program(cfg, run_dir=Path(tmp) / label)
+            out[label] = _figures(asyncio.run(program.run())).as_dict()
+    inline_gap = out["inline"]["gap_median_s"]  # type: ignore[index]
+    over_gap = out["overlapped"]["gap_median_s"]  # type: ignore[index]
+    out["ratio"] = over_gap / inline_gap if inline_gap else float("nan")
+    out["time_scale"] = time_scale
+    return out
+
+
+def control_plane_config(steps: int, extra: list[str] | None = None) -> Config:
+    overrides = [
+        f"run.steps={steps}",
+        "run.name=bench-control-plane",
+        "rollout.num_generations=16",
+        "rollout.groups_per_step=64",
+        "rollout.max_staleness=2",
+        "rollout.prompts_per_request=16",
+        "train.row_tokens=4096",
+        "train.rows_per_microbatch=2",
+    ]
+    return load_config(None, overrides + (extra or []))
+
+
+def run_control_plane(steps: int = 40, one_core: bool = True, extra: list[str] | None = None) -> dict[str, object]:
+    if one_core and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[0]})
+    with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
+        cfg = control_plane_config(steps, extra)
+        result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / "cp").run())
+    ledger = result.ledger.as_dict()
+    wall = float(result.summary["wall_time_s"])  # type: ignore[arg-type]
+    trained = int(ledger["trajectories_trained"])  # type: ignore[call-overload]
+    return {
+        "trajectories": trained,
+        "wall_s": wall,
+        "trajectories_per_s": trained / wall,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }

@@ -1,0 +1,136 @@
+"""Command line: `relayrl train | check-trace | bench boundary | bench control-plane`.
+
+Invariant: bad input (config key, file, value) prints one line naming what and where and exits 2;
+a failed check exits 1; nothing else is printed as an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from relayrl.config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="relayrl: asynchronous RL post-training for language models.")
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks that print figures.")
+app.add_typer(bench_app, name="bench")
+
+out = Console(highlight=False, soft_wrap=True)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def default_recipe() -> Path:
+    return Path(str(resources.files("relayrl") / "recipes" / "default.toml"))
+
+
+@app.command()
+def train(
+    config: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: the shipped default recipe).")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a key: section.key=value (repeatable).")] = [],
+    backend: Annotated[Optional[str], typer.Option("--backend", help="sim | local")] = None,
+) -> None:
+    """Run a training recipe and write its run directory."""
+    from relayrl.run import run_dir_for, run_training
+    from relayrl.telemetry.progress import ProgressPrinter
+
+    overrides = list(set_)
+    if backend is not None:
+        overrides.append(f"run.backend={backend}")
+    try:
+        cfg = load_config(config or default_recipe(), overrides)
+        run_dir = run_dir_for(cfg)
+        out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
+        result = run_training(cfg, [ProgressPrinter(cfg.run.steps, out)], run_dir)
+    except (ConfigError, FileNotFoundError, NotImplementedError) as exc:
+        _fail(str(exc))
+        return
+    except ValueError as exc:  # task data and reward-function errors name their source
+        _fail(str(exc))
+        return
+    s = result.summary
+    out.print(
+        f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
+        f"trainer busy {s['trainer_busy_fraction']:.1%}; run directory {run_dir}"
+    )
+
+
+@app.command("check-trace")
+def check_trace(run_dir: Annotated[Path, typer.Argument(help="Run directory (or trace.json).")]) -> None:
+    """Verify step-boundary rules 1–6 and the staleness bound from a run's trace."""
+    from relayrl.telemetry.checker import check_run_dir
+
+    try:
+        report = check_run_dir(run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    if not report.ok:
+        more = f" (+{len(report.violations) - 1} more)" if len(report.violations) > 1 else ""
+        print(f"violation: {report.violations[0]}{more}", file=sys.stderr)
+        raise typer.Exit(1)
+    state = "completed" if report.completed else "not completed (partial trace)"
+    out.print(f"ok: {report.steps} committed steps, run {state}; rules 1–6 and staleness hold")
+
+
+@bench_app.command("boundary")
+def bench_boundary(
+    steps: int = typer.Option(6, help="Steps per configuration."),
+    time_scale: float = typer.Option(1.0, help="Multiply every simulated cost (e.g. 0.1 for a quick run)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Inline vs overlapped step boundary on the seed's large-model cost profile."""
+    from relayrl.bench import run_boundary
+
+    figures = run_boundary(steps=steps, time_scale=time_scale)
+    if as_json:
+        print(json.dumps(figures))
+        return
+    for label in ("inline", "overlapped"):
+        f = figures[label]
+        assert isinstance(f, dict)
+        out.print(
+            f"{label:<11} gap median {f['gap_median_s'] * 1e3:9.2f} ms   trainer busy {f['busy_fraction']:6.1%}   "
+            f"step median {f['step_time_median_s']:.3f} s   loop lag max {f['loop_lag_max_ms']:7.1f} ms"
+        )
+    out.print(f"ratio (overlapped / inline gap): {figures['ratio']:.4f}")
+
+
+@bench_app.command("control-plane")
+def bench_control_plane(
+    steps: int = typer.Option(40, help="Steps (1,024 trajectories each)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Trajectories/s through the whole pipeline with zero-latency sim workers, on one core."""
+    from relayrl.bench import run_control_plane
+
+    figures = run_control_plane(steps=steps)
+    if as_json:
+        print(json.dumps(figures))
+        return
+    out.print(
+        f"{figures['trajectories']} trajectories in {figures['wall_s']:.2f} s on {figures['cores']} core(s): "
+        f"{figures['trajectories_per_s']:,.0f} trajectories/s"
+    )
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

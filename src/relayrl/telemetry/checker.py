@@ -1,0 +1,144 @@
+"""The trace checker: verifies the step-boundary rules 1–6 and the staleness bound from
+`trace.json` alone (`relayrl check-trace RUN_DIR`).
+
+Rules checked (N and N+1 consecutive committed steps; "mb0" = train_step microbatch 0):
+  structure  train_steps of N lie between optim(N−1) and optim(N); weight-sync rounds don't overlap
+  rule 1     get_metrics(N) starts after optim(N) ends; in overlapped mode mb0(N+1) is not held
+             by it (not issued the moment a non-trivial fetch landed, with no data wait between)
+  rule 2     get_metrics(N) ends before optim(N+1) starts
+  rule 3     overlapped mode: bookkeeping spans of N start after mb0(N+1) was issued (after
+             optim(N) for the last step) and ran on a thread other than the event loop's
+  rule 4     bookkeeping spans of N end before optim(N+1) starts; a completed run has all five
+             bookkeeping spans for every committed step
+  rule 5     a completed run committed every step it started (no step hung at its boundary)
+  rule 6     on_step_end runs in step order, after the step's commit and its metric reduction
+  staleness  every train_step's step − min_version ≤ max_staleness
+
+Invariant: the checker only reads; a violation message names the rule, the step and the spans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relayrl.telemetry.timeline import Span, run_info, spans
+from relayrl.telemetry.tracer import TraceEvent, load_trace
+
+BOOKKEEPING = ("reduce_metrics", "log_metrics", "log_trajectories", "on_step_end", "release_memory")
+EPS = 2e-6  # trace timestamps are rounded to 0.1 µs
+HELD_FETCH_MIN = 1e-3  # a fetch shorter than this cannot visibly hold the next micro-batch
+HELD_WINDOW = 0.5e-3
+
+
+@dataclass(slots=True)
+class CheckReport:
+    violations: list[str] = field(default_factory=list)
+    steps: int = 0
+    completed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _fmt(s: Span) -> str:
+    return f"{s.name}(step {s.step}) [{s.start * 1e3:.3f}–{s.end * 1e3:.3f} ms]"
+
+
+def check_events(events: list[TraceEvent]) -> CheckReport:
+    info = run_info(events)
+    overlap = bool(info.get("overlap_bookkeeping", True))
+    max_staleness = int(info.get("max_staleness", 0))  # type: ignore[call-overload]
+    loop_thread = str(info.get("loop_thread", "MainThread"))
+    completed = any(e.get("ph") == "i" and e.get("name") == "run_end" and (e.get("args") or {}).get("status") == "completed" for e in events)  # type: ignore[union-attr]
+    all_spans = spans(events)
+    report = CheckReport(completed=completed)
+    v = report.violations
+
+    trainer = [s for s in all_spans if s.lane == "trainer"]
+    optim = {s.step: s for s in trainer if s.name == "optim_step"}
+    train = [s for s in trainer if s.name == "train_step"]
+    mb0 = {s.step: s for s in train if s.args.get("microbatch") == 0}
+    fetch = {s.step: s for s in all_spans if s.name == "get_metrics"}
+    books: dict[int, dict[str, Span]] = {}
+    for s in all_spans:
+        if s.lane == "bookkeeping":
+            books.setdefault(s.step, {})[s.name] = s
+    report.steps = len(optim)
+
+    # structure
+    for s in train:
+        if s.step in optim and s.end > optim[s.step].start + EPS:
+            v.append(f"structure: {_fmt(s)} ends after {_fmt(optim[s.step])} starts")
+        if s.step - 1 in optim and s.start < optim[s.step - 1].end - EPS:
+            v.append(f"structure: {_fmt(s)} starts before {_fmt(optim[s.step - 1])} ends")
+        version = s.args.get("min_version")
+        if isinstance(version, int) and s.step - version > max_staleness:
+            v.append(f"staleness: train_step(step {s.step}, microbatch {s.args.get('microbatch')}) trains a trajectory of version {version}: staleness {s.step - version} > max_staleness {max_staleness}")
+    syncs = [s for s in all_spans if s.name == "weight_sync"]
+    for a, b in zip(syncs, syncs[1:]):
+        if b.start < a.end - EPS:
+            v.append(f"structure: weight_sync rounds overlap (versions {a.args.get('version')} and {b.args.get('version')})")
+
+    for n, opt in sorted(optim.items()):
+        f = fetch.get(n)
+        nxt_opt = optim.get(n + 1)
+        nxt_mb0 = mb0.get(n + 1)
+        if f is None:
+            if completed:
+                v.append(f"rule 2: step {n} committed but its get_metrics never ran")
+        else:
+            if f.start < opt.end - EPS:
+                v.append(f"rule 1: {_fmt(f)} started before {_fmt(opt)} committed")
+            if nxt_opt is not None and f.end > nxt_opt.start + EPS:
+                v.append(f"rule 2: {_fmt(f)} landed after {_fmt(nxt_opt)} was issued")
+            if overlap and nxt_mb0 is not None and f.dur >= HELD_FETCH_MIN and f.end - EPS <= nxt_mb0.start <= f.end + HELD_WINDOW:
+                waited = any(
+                    s.name in ("wait_data", "pack") and s.step == n + 1 and s.end >= f.end - EPS and s.end <= nxt_mb0.start + EPS
+                    for s in all_spans
+                )
+                if not waited:
+                    v.append(f"rule 1: train_step(step {n + 1}, microbatch 0) was issued the moment {_fmt(f)} landed: held by the fetch")
+        parts = books.get(n, {})
+        if completed:
+            missing = [name for name in BOOKKEEPING if name not in parts]
+            if missing:
+                v.append(f"rule 4: step {n} committed but bookkeeping never ran {', '.join(missing)}")
+        for part in parts.values():
+            if nxt_opt is not None and part.end > nxt_opt.start + EPS:
+                v.append(f"rule 4: {_fmt(part)} finished after {_fmt(nxt_opt)} was issued")
+            if not overlap:
+                continue
+            gate = nxt_mb0.start if nxt_mb0 is not None else opt.end
+            if part.start < gate - EPS:
+                what = f"train_step(step {n + 1}, microbatch 0) was issued" if nxt_mb0 is not None else f"optim_step({n}) committed"
+                v.append(f"rule 3: {_fmt(part)} started before {what}")
+            if part.args.get("thread") == loop_thread:
+                v.append(f"rule 3: {_fmt(part)} ran on the event loop's thread {loop_thread!r}")
+        end = parts.get("on_step_end")
+        if end is not None:
+            if end.start < opt.end - EPS:
+                v.append(f"rule 6: {_fmt(end)} ran before step {n} committed")
+            red = parts.get("reduce_metrics")
+            if red is None or end.start < red.end - EPS:
+                v.append(f"rule 6: {_fmt(end)} ran before step {n}'s result was reduced")
+
+    ends = sorted((s for s in all_spans if s.name == "on_step_end"), key=lambda s: s.start)
+    for a, b in zip(ends, ends[1:]):
+        if b.step <= a.step:
+            v.append(f"rule 6: on_step_end(step {b.step}) ran after on_step_end(step {a.step})")
+
+    if completed:
+        started = {s.step for s in train}
+        hung = sorted(started - set(optim))
+        if hung:
+            v.append(f"rule 5: the run completed but step {hung[0]} was started and never committed")
+    return report
+
+
+def check_run_dir(run_dir: Path) -> CheckReport:
+    path = run_dir / "trace.json" if run_dir.is_dir() else run_dir
+    if not path.exists():
+        raise FileNotFoundError(f"no trace at {path}")
+    return check_events(load_trace(path))
