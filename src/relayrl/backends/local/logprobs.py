@@ -1,0 +1,150 @@
+"""Per-token log-probs and entropies of a Hugging Face causal LM on a packed batch.
+
+Job: run the model once on a `PackedBatch` and return, for every position p, log π(target_p |
+tokens ≤ p of the same sequence) and the entropy of that next-token distribution.
+
+Invariant: packed results equal what one unpacked forward pass per sequence gives (to float
+round-off), because the collator's 4D block-diagonal mask and restarting `position_ids` isolate
+the sequences. The log-probs carry gradient; the entropy is always detached (a statistic).
+Memory: the log-prob is `gather(logits, target) - logsumexp(logits)`; backward keeps only the
+logits themselves (no second full-vocabulary tensor, as `log_softmax` would create next to the
+logits). The entropy is computed under `no_grad` one row chunk at a time so its softmax
+temporaries stay small. Exceptions: non-float32 logits or a temperature ≠ 1 make a float32 /
+scaled copy per chunk, which backward keeps (one extra full-vocabulary copy in all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from relayrl.backends.local.collate import PackedBatch, to_additive_mask
+from relayrl.types import Trajectory
+
+
+class CausalLM(Protocol):
+    """What we need of a Hugging Face causal LM: callable returning an object with `.logits`."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = ...,
+        position_ids: torch.Tensor | None = ...,
+        use_cache: bool = ...,
+    ) -> object: ...
+
+
+def _attn_implementation(model: CausalLM) -> str | None:
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
+
+
+def _logits(model: CausalLM, **inputs: torch.Tensor | bool) -> torch.Tensor:
+    out = model(**inputs)  # type: ignore[arg-type]
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"model output {type(out).__name__} has no `logits` tensor")
+    return logits
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(…, V) logits and (…) integer targets → (log-prob of target, detached entropy), both (…).
+
+    Computed in float32. Rows are the leading dimension; `chunk_rows` rows at a time bound the
+    temporaries (only the entropy and a dtype up-cast need full-vocabulary temporaries).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() < 2 or logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
+    if logits.dim() == 2:
+        logits, targets = logits.unsqueeze(0), targets.unsqueeze(0)
+        lp, ent = logprobs_from_logits(logits, targets, temperature, chunk_rows)
+        return lp.squeeze(0), ent.squeeze(0)
+    step = max(chunk_rows, 1)
+    logps: list[torch.Tensor] = []
+    ents: list[torch.Tensor] = []
+    for start in range(0, logits.shape[0], step):
+        chunk = logits[start : start + step]
+        if chunk.dtype != torch.float32:
+            chunk = chunk.float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        picked = chunk.gather(-1, targets[start : start + step].unsqueeze(-1)).squeeze(-1)
+        lse = torch.logsumexp(chunk, dim=-1)
+        logps.append(picked - lse)
+        with torch.no_grad():
+            detached = chunk.detach()
+            probs = torch.softmax(detached, dim=-1)
+            ents.append(lse.detach() - (probs * detached).sum(-1))
+            del probs
+    return torch.cat(logps, 0), torch.cat(ents, 0)
+
+
+def token_logprobs(
+    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_rows: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log-prob of `batch.target_ids`, entropy), each (B, L) float32, on the packed
+    batch. Values off `batch.loss_mask` are meaningless (but finite) and must be masked by the
+    caller. `temperature` must match the sampler's for the log-probs to be comparable.
+    """
+    if batch.attention_mask.dtype == torch.bool and _attn_implementation(model) == "eager":
+        raise ValueError(
+            "eager attention misreads a boolean 4D attention mask; collate with mask_kind='float'"
+        )
+    mask = batch.attention_mask
+    model_dtype = getattr(model, "dtype", None)
+    if mask.is_floating_point() and isinstance(model_dtype, torch.dtype) and mask.dtype != model_dtype:
+        # sdpa wants the additive mask in the query dtype; rebuild it so "blocked" is that
+        # dtype's own minimum rather than a rounded float32 minimum.
+        mask = to_additive_mask(mask == 0, model_dtype)
+    logits = _logits(
+        model,
+        input_ids=batch.input_ids,
+        attention_mask=mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    return logprobs_from_logits(logits, batch.target_ids, temperature, chunk_rows)
+
+
+def unpacked_token_logprobs(
+    model: CausalLM, trajectories: Sequence[Trajectory], temperature: float = 1.0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Reference: one plain forward pass per trajectory (no packing, no mask). Returns, per
+    trajectory, the log-probs and entropies of its completion tokens (length = completion)."""
+    device = _model_device(model)
+    logps: list[torch.Tensor] = []
+    ents: list[torch.Tensor] = []
+    for traj in trajectories:
+        n_prompt, n_comp = len(traj.prompt_tokens), len(traj.completion_tokens)
+        if n_comp == 0:
+            logps.append(torch.zeros(0))
+            ents.append(torch.zeros(0))
+            continue
+        if n_prompt == 0:
+            raise ValueError(
+                f"trajectory group_id={traj.group_id} sample_index={traj.sample_index}: "
+                "empty prompt_tokens; the first completion token has no predictor"
+            )
+        ids = torch.tensor([traj.prompt_tokens + traj.completion_tokens], dtype=torch.long, device=device)
+        logits = _logits(model, input_ids=ids, use_cache=False)[0, n_prompt - 1 : -1]
+        lp, ent = logprobs_from_logits(logits, ids[0, n_prompt:], temperature)
+        logps.append(lp)
+        ents.append(ent)
+    return logps, ents
+
+
+def _model_device(model: CausalLM) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
