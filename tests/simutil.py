@@ -1,0 +1,52 @@
+"""Helpers for pipeline tests: a quick sim config and a runner that always checks the trace."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from relayrl.callbacks import Callback
+from relayrl.config import Config, load_config
+from relayrl.program import Program, RunResult
+from relayrl.run import build_program
+from relayrl.telemetry.checker import check_run_dir
+from relayrl.telemetry.timeline import Span, spans
+
+
+def sim_config(*overrides: str) -> Config:
+    base = [
+        "run.steps=4",
+        "rollout.num_generations=4",
+        "rollout.groups_per_step=4",
+        "rollout.prompts_per_request=2",
+        "train.row_tokens=64",
+        "train.rows_per_microbatch=2",
+        "orchestrator.release_memory=false",  # no gc.freeze inside the test process
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def make_program(cfg: Config, tmp_path: Path, callbacks: Sequence[Callback] = ()) -> Program:
+    return build_program(cfg, callbacks, run_dir=tmp_path / "run")
+
+
+def run_checked(program: Program, timeout: float = 60.0) -> RunResult:
+    """Run a program (bounded by a timeout) and verify its trace with the checker."""
+    result = asyncio.run(asyncio.wait_for(program.run(), timeout))
+    assert program.run_dir is not None
+    report = check_run_dir(program.run_dir)
+    assert report.ok, report.violations
+    assert report.completed
+    return result
+
+
+def trace_spans(result: RunResult) -> list[Span]:
+    return spans(result.tracer.events)
+
+
+def find(all_spans: list[Span], name: str, step: int, **args: object) -> Span:
+    for s in all_spans:
+        if s.name == name and s.step == step and all(s.args.get(k) == v for k, v in args.items()):
+            return s
+    raise AssertionError(f"no span {name} step {step} {args}")

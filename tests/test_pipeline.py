@@ -1,0 +1,114 @@
+"""Pipeline behaviour on the sim backend: errors, failing rewards, staleness, filtering, ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from relayrl.backends.sim import SimSampler
+from relayrl.tasks import rewards
+from relayrl.types import GenerateResult, SampleRequest, Trajectory
+from simutil import make_program, run_checked, sim_config, trace_spans
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_writes_run_directory_with_required_metrics(tmp_path: Path) -> None:
+    result = run_checked(make_program(sim_config(), tmp_path))
+    run = tmp_path / "run"
+    for name in ("config.toml", "metrics.jsonl", "trace.json", "summary.json", "trajectories.jsonl"):
+        assert (run / name).exists(), name
+    rows = _lines(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    required = {"step", "policy_version", "step_time_sec", "metrics_fetch_time", "boundary_gap_sec",
+                "exposed_generation_time", "weight_sync_time", "packing_time", "reward_mean", "reward_std",
+                "num_trajectories", "filtered_groups", "staleness_mean", "staleness_max", "loop_lag_max_ms"}
+    assert required <= rows[0].keys()
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["num_trajectories"] == 16 for r in rows)
+    assert len(_lines(run / "trajectories.jsonl")) == 64
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["ledger"]["groups_trained"] == 16
+    assert result.results[0].metrics["reward_std"] > 0  # synthetic rewards have variance
+
+
+def test_a_failing_sampler_cancels_everything_and_propagates(tmp_path: Path) -> None:
+    class Broken(SimSampler):
+        async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+            if self.generate_calls >= 3:
+                raise ConnectionError("sampler replica 0 died")
+            return await super().generate(requests)
+
+    cfg = sim_config("run.steps=10", "sim.train_step=0.01", "sim.reduce_metrics=0.02")
+    program = make_program(cfg, tmp_path)
+    program.backend.samplers[0] = Broken(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
+
+    async def main() -> None:
+        with pytest.raises(ConnectionError, match="replica 0 died"):
+            await asyncio.wait_for(program.run(), 30)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
+    assert not [t for t in threading.enumerate() if t.name.startswith("relayrl-")]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "ConnectionError" in summary["error"]
+
+
+def test_raising_reward_function_marks_trajectory_failed_and_counts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def flaky(t: Trajectory) -> float:
+        if t.sample_index == 0:
+            raise KeyError("no answer field")
+        return 1.0
+
+    monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "flaky", flaky)
+    result = run_checked(make_program(sim_config('task.reward_functions=["flaky"]'), tmp_path))
+    rows = _lines(tmp_path / "run" / "trajectories.jsonl")
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(failed) == 16 and all(r["reward"] == 0.0 and "KeyError" in str(r["error"]) for r in failed)
+    assert all(r["reward"] == 1.0 for r in rows if r["status"] == "ok")
+    assert result.ledger.as_dict()["reward_errors"]["flaky"] >= 16
+    assert all(r.metrics["failed_trajectories"] == 4 for r in result.results)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_staleness_never_exceeds_the_window(tmp_path: Path, max_staleness: int) -> None:
+    cfg = sim_config("run.steps=6", f"rollout.max_staleness={max_staleness}", "sim.train_step=0.02")
+    result = run_checked(make_program(cfg, tmp_path))
+    worst = max(int(r.metrics["staleness_max"]) for r in result.results)  # type: ignore[arg-type]
+    assert worst <= max_staleness
+    if max_staleness:
+        assert worst > 0  # generation ran ahead of training: the window was used
+    # dispatch never ran further ahead than the window allows
+    assert result.ledger.groups_dispatched <= cfg.run.steps * cfg.rollout.groups_per_step + max_staleness * cfg.rollout.groups_per_step
+
+
+def test_dynamic_sampling_filters_zero_variance_groups_and_the_ledger_balances(tmp_path: Path) -> None:
+    cfg = sim_config("run.steps=5", "algorithm.dynamic_sampling=true", "sim.base_success=0.85", "sim.learn_rate=0.0")
+    result = run_checked(make_program(cfg, tmp_path))
+    ledger = result.ledger.as_dict()
+    filtered = ledger["groups_filtered"]["zero_variance"]  # type: ignore[index]
+    assert filtered > 0
+    assert sum(int(r.metrics["filtered_groups"]) for r in result.results) <= filtered  # type: ignore[arg-type]
+    assert ledger["groups_trained"] == 20
+    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
+    assert settled == ledger["groups_dispatched"]
+    rows = _lines(tmp_path / "run" / "trajectories.jsonl")
+    assert any(r["status"] == "filtered:zero_variance" for r in rows)
+    for r in result.results:  # every trained group had reward variance
+        assert float(r.metrics["reward_std"]) > 0  # type: ignore[arg-type]
+
+
+def test_several_sampler_replicas_all_contribute(tmp_path: Path) -> None:
+    cfg = sim_config("rollout.num_samplers=3", "sim.generate_per_request=0.01", "run.steps=4")
+    result = run_checked(make_program(cfg, tmp_path))
+    replicas = {r["replica"] for r in _lines(tmp_path / "run" / "trajectories.jsonl")}
+    assert replicas == {0, 1, 2}
+    lanes = {s.lane for s in trace_spans(result)}
+    assert {"sampler/0", "sampler/1", "sampler/2"} <= lanes
