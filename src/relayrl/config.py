@@ -32,7 +32,9 @@ class RunConfig(_Section):
 
 class TaskConfig(_Section):
     kind: Literal["synthetic", "arithmetic", "jsonl"] = "synthetic"
-    path: str | None = None  # jsonl file
+    path: str | None = None  # jsonl: the prompt file (one JSON object per line: prompt, answer)
+    heldout_path: str | None = None  # jsonl: a separate held-out file ...
+    heldout_last: int = Field(0, ge=0)  # jsonl: ... or the last k rows of `path`
     digits: int = Field(2, ge=1, le=6)
     operators: str = "+-"
     heldout_size: int = Field(200, ge=0)
@@ -45,6 +47,7 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
     num_samplers: int = Field(1, ge=1)
+    sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = torch's default
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -53,11 +56,37 @@ class RolloutConfig(_Section):
 class AlgorithmConfig(_Section):
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     dynamic_sampling: bool = False
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.28, ge=0.0)  # > clip_eps_low: DAPO clip-higher
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    kl_beta: float = Field(0.0, ge=0.0)  # KL to a frozen reference; 0 = off (no reference kept)
+    tis_cap: float | None = Field(None, gt=0.0)  # truncated importance sampling; None = off
 
 
 class TrainConfig(_Section):
     row_tokens: int = Field(256, ge=8)  # token budget of one packed row
     rows_per_microbatch: int = Field(4, ge=1)
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    torch_threads: int = Field(0, ge=0)  # trainer's intra-op threads; 0 = torch's default
+
+
+class ModelConfig(_Section):
+    path: str = ""  # a Hugging Face model directory; empty = the shipped tiny model
+    gguf_file: str | None = None  # a GGUF file inside `path`
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(0, ge=0)  # held-out greedy accuracy every K steps (0 = start and end only)
+    max_new_tokens: int = Field(8, ge=1)
+    enabled: bool = True
 
 
 class OrchestratorConfig(_Section):
@@ -97,6 +126,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _check_budget(self) -> Config:

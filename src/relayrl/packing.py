@@ -64,4 +64,6 @@ def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], 
         rows=mb_rows,
         padding=PaddingStats(rows=len(mb_rows), row_tokens=longest, real_tokens=real, sequences=len(mb_trajs)),
         num_tokens=real,
+        step_completion_tokens=sum(len(t.completion_tokens) for t in trajectories),
+        step_sequences=sum(1 for t in trajectories if t.completion_tokens),
     )

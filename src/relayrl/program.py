@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
-from relayrl.bookkeeping import DeferredJobs
+from relayrl.backends.protocols import Weights
+from relayrl.bookkeeping import RUN_END, DeferredJobs, commit
 from relayrl.callbacks import Callback
 from relayrl.config import Config, config_to_toml
+from relayrl.evaluation import EvalResult
 from relayrl.ledger import Ledger
 from relayrl.stages.advantage import advantage_stage
 from relayrl.stages.collect import collect_stage
@@ -57,6 +59,11 @@ class RunResult:
     summary: dict[str, object]
     tracer: Tracer
     ledger: Ledger
+
+
+def _append_line(path: Path, row: dict[str, object]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -116,6 +123,7 @@ class Program:
             release=cfg.orchestrator.release_memory,
         )
         self.loop: TrainLoop | None = None
+        self.evals: list[EvalResult] = []
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -155,6 +163,8 @@ class Program:
         sync_times = SyncTimes()
         lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
         try:
+            if backend.evaluator is not None:
+                await self._evaluate(None)  # the starting policy, before any update
             async with asyncio.TaskGroup() as tg:
                 background = [
                     tg.create_task(lag.run(), name="loop-lag"),
@@ -176,10 +186,16 @@ class Program:
                     tg.create_task(sync_stage(backend.trainer, backend.samplers, committed, window, self.tracer, sync_times), name="weight-sync"),
                 ]
 
+                jobs = DeferredJobs(tg)
+                every = cfg.eval.every_steps
+
                 def on_commit(record: StepRecord) -> None:
                     committed.set(record.policy_version)
                     record.weight_sync_time = sync_times.drain()
                     record.loop_lag_max_ms = lag.take_max_ms()
+                    done = record.step + 1
+                    if backend.evaluator is not None and every and done % every == 0 and done < cfg.run.steps:
+                        jobs.schedule(f"eval:{record.step}", self._evaluate_latest, start_after=commit(record.step), finish_before=RUN_END)
 
                 def on_step_begin(step: int) -> None:
                     for cb in self.callbacks:
@@ -190,7 +206,7 @@ class Program:
                     trainer=backend.trainer,
                     collator=backend.collator,
                     taker=GroupTaker(ready, cfg.rollout.groups_per_step, cfg.rollout.max_staleness, self.ledger, window, self.tracer),
-                    jobs=DeferredJobs(tg),
+                    jobs=jobs,
                     task_group=tg,
                     workers=self.workers,
                     tracer=self.tracer,
@@ -203,12 +219,30 @@ class Program:
                     bookkeep=self.bookkeeper,
                 )
                 await tg.create_task(self.loop.run(), name="train-loop")
+                if backend.evaluator is not None:
+                    await self._evaluate_latest()
                 for task in background:
                     task.cancel()
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
             await self.backend.close()
+
+    async def _evaluate_latest(self) -> None:
+        await self._evaluate(await self.backend.trainer.export_weights())
+
+    async def _evaluate(self, weights: Weights | None) -> None:
+        assert self.backend.evaluator is not None
+        start = self.tracer.now()
+        result = await self.backend.evaluator.evaluate(weights)
+        self.tracer.complete("eval", "eval", start, self.tracer.now(), version=result.version, accuracy=result.accuracy)
+        self.evals.append(result)
+        row = {"version": result.version, "accuracy": result.accuracy, "num_prompts": result.num_prompts, "seconds": result.seconds}
+        if self.run_dir is not None:
+            path = self.run_dir / "evals.jsonl"
+            await self.workers.run("bookkeeping", lambda: _append_line(path, row))
+        for cb in self.callbacks:
+            cb.on_eval(result)
 
     def _summary(self, status: str, error: str, wall: float) -> dict[str, object]:
         all_spans = timeline.spans(self.tracer.events)
@@ -223,6 +257,9 @@ class Program:
             "samples_per_s": trained / wall if wall > 0 else 0.0,
             "trainer_busy_fraction": timeline.trainer_busy_fraction(all_spans),
             "boundary_gap_median_s": timeline.median(gaps),
+            "accuracy_before": self.evals[0].accuracy if self.evals else None,
+            "accuracy_after": self.evals[-1].accuracy if len(self.evals) > 1 else None,
+            "evals": [{"version": e.version, "accuracy": e.accuracy} for e in self.evals],
             "reward_mean_first": results[0].metrics.get("reward_mean") if results else None,
             "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
             "ledger": self.ledger.as_dict(),

@@ -16,7 +16,7 @@ from relayrl.callbacks import Callback
 from relayrl.config import Config
 from relayrl.program import Program, RunResult
 from relayrl.tasks import rewards
-from relayrl.tasks.synthetic import synthetic_stream
+from relayrl.tasks.build import build_task
 from relayrl.threads import Workers
 
 
@@ -26,17 +26,18 @@ def run_dir_for(cfg: Config) -> Path:
 
 def build_program(cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path | None = None, backend: Backend | None = None) -> Program:
     reward_fns = rewards.resolve(cfg.task.reward_functions)
+    task = build_task(cfg)
     workers = Workers()
     if backend is None:
-        if cfg.run.backend != "sim":
-            raise NotImplementedError("the local backend is not available yet (run.backend)")
-        backend = build_sim_backend(cfg, workers.abort)
-    if cfg.task.kind != "synthetic":
-        raise NotImplementedError(f"task.kind={cfg.task.kind!r} is not available yet")
-    prompts = synthetic_stream(cfg.run.seed)
+        if cfg.run.backend == "local":
+            from relayrl.backends.local.build import build_local_backend
+
+            backend = build_local_backend(cfg, workers.abort, task.heldout)
+        else:
+            backend = build_sim_backend(cfg, workers.abort)
     if run_dir is not None and run_dir.exists() and cfg.run.overwrite:
         shutil.rmtree(run_dir)
-    return Program(cfg, backend, prompts, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks)
+    return Program(cfg, backend, task.stream, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks)
 
 
 def run_training(cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path | None = None) -> RunResult:

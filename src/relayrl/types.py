@@ -142,6 +142,8 @@ class MicroBatch:
     rows: list[list[int]]  # indices into `trajectories`, per packed row
     padding: PaddingStats
     num_tokens: int
+    step_completion_tokens: int = 0  # over the whole step: the loss normaliser for accumulation
+    step_sequences: int = 0  # trajectories of the step with at least one completion token
     payload: object = None
 
     @property

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from relayrl.backends.protocols import Collator, Sampler, Trainer
 from relayrl.config import Config
+from relayrl.evaluation import HeldoutEvaluator
 
 
 @dataclass(slots=True)
@@ -20,10 +21,13 @@ class Backend:
     collator: Collator
     tokenize: Callable[[str], list[int]]
     host_costs: dict[str, float] = field(default_factory=dict)  # sim only: CPU per bookkeeping span
+    evaluator: HeldoutEvaluator | None = None
 
     async def close(self) -> None:
         for sampler in self.samplers:
             await sampler.close()
+        if self.evaluator is not None:
+            await self.evaluator.close()
         await self.trainer.close()
 
 

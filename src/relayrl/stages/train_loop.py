@@ -218,6 +218,8 @@ class TrainLoop:
                 if index == 0:
                     if last_commit is not None:
                         record.boundary_gap_sec = start - last_commit
+                    # "issued" = the call ran to its first suspension (a remote call: request sent)
+                    await asyncio.sleep(0)
                     await self._jobs.reach(first_train(step))
                 await train
                 end = tracer.now()

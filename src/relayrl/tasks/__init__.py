@@ -1,1 +1,1 @@
-"""tasks."""
+"""Tasks: prompt streams with verifiable answers (synthetic, arithmetic, JSONL) and rewards."""

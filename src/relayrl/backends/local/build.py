@@ -1,0 +1,99 @@
+"""Build the local (in-process PyTorch) backend: a Hugging Face causal LM loaded with
+`from_pretrained`, one trainer thread, N sampler threads, and a held-out evaluator.
+
+Invariant: every worker gets its own model copy and its own tokenizer copy (fast tokenizers are
+not safe to share across threads); weights then move only through `Weights` payloads.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from relayrl.algorithms.losses import LossConfig
+from relayrl.backends.bundle import Backend
+from relayrl.backends.local.collate import TorchCollator
+from relayrl.backends.local.generation import SamplingParams
+from relayrl.backends.local.sampler import LocalSampler
+from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+from relayrl.config import Config
+from relayrl.evaluation import HeldoutEvaluator
+from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+from relayrl.types import Prompt
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_dir(cfg: Config) -> Path:
+    return Path(cfg.model.path) if cfg.model.path else shipped_model_dir()
+
+
+class _Tokenize:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tok = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._tok(text, add_special_tokens=False)["input_ids"]
+        return list(ids)
+
+
+class _Decode:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tok = tokenizer
+        self._eos = tokenizer.eos_token_id
+
+    def __call__(self, tokens: list[int]) -> str:
+        if self._eos is not None and self._eos in tokens:
+            tokens = tokens[: tokens.index(self._eos)]
+        return str(self._tok.decode(tokens, skip_special_tokens=True))
+
+
+def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[Prompt]) -> Backend:
+    model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=DTYPES[cfg.model.dtype], gguf_file=cfg.model.gguf_file)
+    if cfg.model.attn_implementation != "sdpa":
+        model.set_attn_implementation(cfg.model.attn_implementation)
+    r = cfg.rollout
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    samplers = [
+        LocalSampler(
+            _frozen_copy(model), copy.deepcopy(tokenizer), params,
+            replica=i, seed=cfg.run.seed, torch_threads=r.sampler_threads or None,
+        )
+        for i in range(r.num_samplers)
+    ]
+    a, t = cfg.algorithm, cfg.train
+    loss = LossConfig(
+        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, aggregation=a.loss_aggregation,
+        max_completion_tokens=r.max_new_tokens, kl_beta=a.kl_beta, tis_cap=a.tis_cap,
+    )
+    settings = TrainerSettings(
+        learning_rate=t.learning_rate, total_steps=cfg.run.steps, loss=loss, weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2), warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,
+        max_grad_norm=t.max_grad_norm, temperature=r.temperature, torch_threads=t.torch_threads,
+    )
+    ref = _frozen_copy(model) if a.kl_beta > 0 else None
+    evaluator = None
+    if cfg.eval.enabled and heldout:
+        engine = LocalSampler(_frozen_copy(model), copy.deepcopy(tokenizer), params, replica=r.num_samplers, seed=cfg.run.seed,
+                              torch_threads=r.sampler_threads or None)
+        evaluator = HeldoutEvaluator(engine, heldout, _Tokenize(copy.deepcopy(tokenizer)), _Decode(copy.deepcopy(tokenizer)), cfg.eval.max_new_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Backend(
+        trainer=LocalTrainer(model, settings, ref_model=ref),
+        samplers=list(samplers),
+        collator=TorchCollator(pad_token_id=pad, mask_kind="bool" if cfg.model.attn_implementation == "sdpa" else "float"),
+        tokenize=_Tokenize(tokenizer),
+        evaluator=evaluator,
+    )
+
+
+def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+    clone = copy.deepcopy(model).eval()
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone

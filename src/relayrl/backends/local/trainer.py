@@ -1,0 +1,211 @@
+"""In-process PyTorch trainer: clipped policy gradient on packed micro-batches, AdamW, gradient
+accumulation and clipping, warm-up + LR schedule, a metrics slot per committed step.
+
+All compute runs in one named worker thread ("relayrl-trainer"), in call order, so a
+`train_step`, `optim_step` or weight export never races another. `get_metrics` only copies the
+slot (under a lock) and so never waits behind a running train step.
+
+On-policy the sampler's log-probs serve as the old log-probs: no extra forward pass. With
+`tis_cap` set, the trainer's own log-probs (detached) become the proximal "old" policy and each
+token's policy-gradient term is weighted by min(exp(trainer − sampler), cap): truncated
+importance sampling that corrects both staleness and the sampler/trainer mismatch.
+
+Invariant: exactly one optimizer update per `optim_step`, which overwrites the metrics slot with
+that step's figures and returns the new policy version (= number of updates so far).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from transformers import PreTrainedModel
+
+from relayrl.algorithms.losses import LossConfig, policy_loss
+from relayrl.backends.local.collate import PackedBatch
+from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.protocols import Weights
+from relayrl.types import MicroBatch
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class TrainerSettings:
+    learning_rate: float
+    total_steps: int
+    loss: LossConfig
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    torch_threads: int = 0
+
+
+@dataclass(slots=True)
+class _StepStats:
+    """Token-weighted sums over a step's micro-batches."""
+
+    loss: float = 0.0
+    tokens: int = 0
+    loss_tokens: int = 0
+    microbatches: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)
+    mins: dict[str, float] = field(default_factory=dict)
+
+
+def lr_multiplier(step: int, settings: TrainerSettings) -> float:
+    if settings.warmup_steps and step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    if settings.lr_schedule == "constant":
+        return 1.0
+    span = max(1, settings.total_steps - settings.warmup_steps)
+    progress = min(1.0, (step - settings.warmup_steps) / span)
+    if settings.lr_schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LocalTrainer:
+    def __init__(self, model: PreTrainedModel, settings: TrainerSettings, ref_model: PreTrainedModel | None = None) -> None:
+        if settings.loss.kl_beta > 0 and ref_model is None:
+            raise ValueError("algorithm.kl_beta > 0 needs a reference model")
+        self.model = model.train()
+        self.ref_model = ref_model.eval() if ref_model is not None else None
+        self.settings = settings
+        self.version = 0
+        self._optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=settings.learning_rate,
+            weight_decay=settings.weight_decay,
+            betas=settings.betas,
+        )
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
+        self._stats = _StepStats()
+        self._slot: dict[str, float] = {}
+        self._slot_lock = threading.Lock()
+        threads = settings.torch_threads
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="relayrl-trainer",
+            initializer=torch.set_num_threads if threads else None,
+            initargs=(threads,) if threads else (),
+        )
+        self._abort = threading.Event()
+        self._closed = False
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise RuntimeError("trainer is closed")
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self._abort.set()
+            await asyncio.wait([future])  # never leave compute running behind the caller
+            raise
+
+    # -- protocol ------------------------------------------------------------------------------
+    async def train_step(self, mb: MicroBatch) -> None:
+        await self._run(lambda: self._train_step(mb))
+
+    async def optim_step(self) -> int:
+        return await self._run(self._optim_step)
+
+    async def get_metrics(self) -> dict[str, float]:
+        with self._slot_lock:
+            return dict(self._slot)
+
+    async def export_weights(self) -> Weights:
+        return await self._run(self._export)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._abort.set()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- compute (trainer thread) --------------------------------------------------------------
+    def _train_step(self, mb: MicroBatch) -> None:
+        if self._abort.is_set():
+            return
+        batch = mb.payload
+        if not isinstance(batch, PackedBatch):
+            raise TypeError(f"micro-batch {mb.step}/{mb.index} was not collated by the TorchCollator")
+        cfg = self.settings.loss
+        logp, entropy = token_logprobs(self.model, batch, self.settings.temperature)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = token_logprobs(self.ref_model, batch, self.settings.temperature)
+        if cfg.tis_cap is not None:
+            old, sampler = logp.detach(), batch.old_logprobs
+        else:
+            old, sampler = batch.old_logprobs, None
+        out = policy_loss(
+            logp, old, batch.advantages, batch.loss_mask, batch.seq_index, cfg,
+            num_tokens_in_step=float(max(1, mb.step_completion_tokens)),
+            num_seqs_in_step=float(max(1, mb.step_sequences)),
+            ref_logprobs=ref,
+            sampler_logprobs=sampler,
+            entropy=entropy,
+        )
+        out.loss.backward()
+        st = self._stats
+        st.loss += float(out.loss.detach())
+        st.tokens += batch.num_real_tokens
+        st.loss_tokens += out.num_tokens
+        st.microbatches += 1
+        n = out.num_tokens
+        for key, value in out.metrics().items():
+            if key in ("loss", "num_loss_tokens"):
+                continue
+            if key.endswith("_max"):
+                st.maxes[key] = max(st.maxes.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                st.mins[key] = min(st.mins.get(key, math.inf), value)
+            else:
+                st.sums[key] = st.sums.get(key, 0.0) + value * n
+
+    def _optim_step(self) -> int:
+        if self._stats.microbatches == 0:
+            raise RuntimeError("optim_step with no accumulated train_step")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
+        lr = self._scheduler.get_last_lr()[0]
+        self._optimizer.step()
+        self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        st = self._stats
+        denom = max(1, st.loss_tokens)
+        slot: dict[str, float] = {
+            "step": float(self.version),
+            "loss": st.loss,
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            "tokens": float(st.tokens),
+            "completion_tokens": float(st.loss_tokens),
+            "microbatches": float(st.microbatches),
+        }
+        slot.update({k: v / denom for k, v in st.sums.items()})
+        slot.update(st.maxes)
+        slot.update(st.mins)
+        self._stats = _StepStats()
+        self.version += 1
+        with self._slot_lock:
+            self._slot = slot
+        return self.version
+
+    def _export(self) -> Weights:
+        with torch.no_grad():
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return Weights(version=self.version, payload=state)

@@ -1,0 +1,41 @@
+"""The configured task: its training prompt stream and its fixed held-out set.
+
+Invariant: task data problems surface here, before any run directory is written, as one
+ValueError naming the config key or the file and row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from relayrl.config import Config
+from relayrl.types import Prompt
+
+
+@dataclass(slots=True)
+class TaskData:
+    stream: Iterator[Prompt]
+    heldout: list[Prompt]
+
+
+def build_task(cfg: Config) -> TaskData:
+    t = cfg.task
+    if t.kind == "synthetic":
+        from relayrl.tasks.synthetic import synthetic_heldout, synthetic_stream
+
+        return TaskData(synthetic_stream(cfg.run.seed), synthetic_heldout(t.heldout_size, cfg.run.seed))
+    if t.kind == "arithmetic":
+        from relayrl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+
+        try:
+            task = ArithmeticTask(ArithmeticConfig(max_digits=t.digits, operators=tuple(t.operators), seed=cfg.run.seed))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("arithmetic.", "task.").replace("max_digits", "digits")) from None
+        return TaskData(task.stream(), task.heldout(t.heldout_size))
+    from relayrl.tasks.jsonl import JsonlTask, JsonlTaskConfig
+
+    assert t.path is not None  # the config validator requires it for jsonl
+    jtask = JsonlTask(JsonlTaskConfig(path=t.path, heldout_path=t.heldout_path, heldout_last=t.heldout_last, seed=cfg.run.seed))
+    heldout = jtask.heldout(min(t.heldout_size, len(jtask.heldout_prompts)))
+    return TaskData(jtask.stream(), heldout)
