@@ -125,3 +125,33 @@ def run_control_plane(steps: int = 40, one_core: bool = True, extra: list[str] |
         "trajectories_per_s": trained / wall,
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
+
+
+E2E_CONFIGS: dict[str, list[str]] = {
+    "A": ["rollout.max_staleness=0", "orchestrator.overlap_bookkeeping=false"],  # the seed: synchronous, inline
+    "B": ["rollout.max_staleness=0", "orchestrator.overlap_bookkeeping=true"],  # synchronous, overlapped
+    "C": [],  # the default recipe as shipped
+}
+
+
+def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """The default recipe, shortened, in configurations A, B and C (see E2E_CONFIGS)."""
+    from relayrl.cli import default_recipe
+
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
+        for label, overrides in E2E_CONFIGS.items():
+            cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
+            result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / label).run())
+            all_spans = timeline.spans(result.tracer.events)
+            gaps = timeline.boundary_gaps(all_spans)
+            wall = float(result.summary["wall_time_s"])  # type: ignore[arg-type]
+            out[label] = {
+                "samples_per_s": result.ledger.trajectories_trained / wall,
+                "trainer_busy": timeline.trainer_busy_fraction(all_spans),
+                "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
+                "gap_median_s": statistics.median(gaps) if gaps else float("nan"),
+                "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
+                "wall_s": wall,
+            }
+    return out

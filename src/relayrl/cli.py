@@ -124,6 +124,34 @@ def bench_control_plane(
     )
 
 
+@bench_app.command("e2e")
+def bench_e2e(
+    steps: int = typer.Option(8, help="Steps per configuration."),
+    recipe: Annotated[Optional[Path], typer.Option(help="Recipe (default: the shipped default recipe).")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Extra override for every configuration.")] = [],
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The shortened default recipe: (A) synchronous + inline bookkeeping, (B) synchronous +
+    overlapped bookkeeping, (C) the default."""
+    from relayrl.bench import run_e2e
+
+    try:
+        figures = run_e2e(steps=steps, recipe=recipe, extra=list(set_))
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        print(json.dumps(figures))
+        return
+    for label, f in figures.items():
+        out.print(
+            f"({label}) {f['samples_per_s']:8.1f} completions/s   trainer busy {f['trainer_busy']:6.1%}   "
+            f"sampler busy {f['sampler_busy']:6.1%}   gap median {f['gap_median_s'] * 1e3:8.2f} ms   "
+            f"exposed bookkeeping {f['exposed_bookkeeping_s']:.3f} s"
+        )
+    out.print(f"completions/s ratio C/A: {figures['C']['samples_per_s'] / figures['A']['samples_per_s']:.2f}")
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

@@ -69,3 +69,48 @@ def trainer_busy_fraction(all_spans: list[Span]) -> float:
 
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for a, b in xs:
+        for c, d in ys:
+            lo, hi = max(a, c), min(b, d)
+            if hi > lo:
+                total += hi - lo
+    return total
+
+
+def lane_busy_fraction(all_spans: list[Span], lane_prefix: str, name: str) -> float:
+    """Share of the trainer's active window in which some `name` span of these lanes ran."""
+    busy = [s for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")]
+    if not busy:
+        return 0.0
+    lo, hi = min(s.start for s in busy), max(s.end for s in busy)
+    spans_ = _union([(max(lo, s.start), min(hi, s.end)) for s in all_spans if s.lane.startswith(lane_prefix) and s.name == name and s.end > lo and s.start < hi])
+    return _length(spans_) / (hi - lo) if hi > lo else 0.0
+
+
+def exposed_bookkeeping_time(all_spans: list[Span]) -> float:
+    """Trainer idle time inside its active window that is neither waiting for data nor waiting for
+    a weight sync: time the trainer lost to orchestrator work that could have overlapped."""
+    busy = _union([(s.start, s.end) for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")])
+    if not busy:
+        return 0.0
+    idle = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
+    explained = _union([(s.start, s.end) for s in all_spans if s.name in ("wait_data", "weight_sync")])
+    return _length(idle) - _intersection(idle, explained)
