@@ -51,7 +51,11 @@ def train(
         cfg = load_config(config or default_recipe(), overrides)
         run_dir = run_dir_for(cfg)
         out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
-        result = run_training(cfg, [ProgressPrinter(cfg.run.steps, out)], run_dir)
+        progress = ProgressPrinter(cfg.run.steps, out)
+        try:
+            result = run_training(cfg, [progress], run_dir)
+        finally:
+            progress.close()
     except (ConfigError, FileNotFoundError, NotImplementedError) as exc:
         _fail(str(exc))
         return
@@ -59,9 +63,12 @@ def train(
         _fail(str(exc))
         return
     s = result.summary
+    acc = ""
+    if s.get("accuracy_before") is not None and s.get("accuracy_after") is not None:
+        acc = f", held-out accuracy {s['accuracy_before']:.3f} → {s['accuracy_after']:.3f}"
     out.print(
         f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
-        f"trainer busy {s['trainer_busy_fraction']:.1%}; run directory {run_dir}"
+        f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
     )
 
 

@@ -1,7 +1,9 @@
-"""Terminal progress: one line per step (plain lines when stdout is not a terminal).
+"""Terminal progress: a live bar in a terminal, one plain line per step otherwise.
 
-Invariant: `on_step_end` only formats and prints figures already reduced; it never blocks the
-trainer (it runs in the bookkeeping thread like every other end-of-step callback).
+Shows step, reward, held-out accuracy, step time, trainer busy %, boundary gap and ETA.
+
+Invariant: callbacks only format figures already reduced; they run in the bookkeeping thread
+(`on_step_end`) or on the loop after an evaluation (`on_eval`) and never block the trainer.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from relayrl.callbacks import Callback
+from relayrl.evaluation import EvalResult
 from relayrl.types import StepResult
 
 
@@ -19,21 +23,59 @@ def _fmt(value: object, spec: str) -> str:
 
 
 class ProgressPrinter(Callback):
-    def __init__(self, total_steps: int, console: Console | None = None) -> None:
+    def __init__(self, total_steps: int, console: Console | None = None, live: bool | None = None) -> None:
         self._total = total_steps
-        self._console = console or Console(highlight=False)
+        self._console = console or Console(highlight=False, soft_wrap=True)
         self._start = time.perf_counter()
+        self._accuracy: float | None = None
+        self._live = self._console.is_terminal if live is None else live
+        self._progress: Progress | None = None
+        self._task = None
 
-    def on_step_end(self, step: int, result: StepResult) -> None:
-        m = result.metrics
+    def _bar(self) -> Progress:
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                console=self._console, transient=False,
+            )
+            self._task = self._progress.add_task("", total=self._total)
+            self._progress.start()
+        return self._progress
+
+    def _line(self, done: int, m: dict[str, float | int | None]) -> str:
         elapsed = time.perf_counter() - self._start
-        done = step + 1
         eta = elapsed / done * (self._total - done)
+        step_time = m.get("step_time_sec")
+        train_time = m.get("train_time")
+        busy = train_time / step_time if isinstance(step_time, float) and isinstance(train_time, float) and step_time > 0 else None
         gap = m.get("boundary_gap_sec")
         gap_ms = gap * 1e3 if isinstance(gap, float) else None
-        self._console.print(
-            f"step {done}/{self._total}  reward {_fmt(m.get('reward_mean'), '.3f')}  "
-            f"step {_fmt(m.get('step_time_sec'), '.2f')}s  gap {_fmt(gap_ms, '.1f')}ms  "
-            f"stale {_fmt(m.get('staleness_mean'), '.2f')}  filtered {m.get('filtered_groups', 0)}  "
-            f"eta {eta:.0f}s"
+        return (
+            f"reward {_fmt(m.get('reward_mean'), '.3f')}  acc {_fmt(self._accuracy, '.3f')}  "
+            f"step {_fmt(step_time, '.2f')}s  busy {_fmt(busy, '.0%')}  gap {_fmt(gap_ms, '.1f')}ms  "
+            f"stale {_fmt(m.get('staleness_mean'), '.2f')}  eta {eta:.0f}s"
         )
+
+    def on_step_end(self, step: int, result: StepResult) -> None:
+        done = step + 1
+        line = self._line(done, result.metrics)
+        if self._live:
+            bar = self._bar()
+            assert self._task is not None
+            bar.update(self._task, completed=done, description=line)
+            if done >= self._total:
+                bar.stop()
+        else:
+            self._console.print(f"step {done}/{self._total}  {line}")
+
+    def on_eval(self, result: EvalResult) -> None:
+        self._accuracy = result.accuracy
+        message = f"held-out accuracy {result.accuracy:.3f} (policy version {result.version}, {result.num_prompts} prompts)"
+        if self._progress is not None:
+            self._progress.console.print(message)
+        else:
+            self._console.print(message)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
@@ -54,6 +55,7 @@ class _Decode:
 
 
 def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[Prompt]) -> Backend:
+    transformers.utils.logging.disable_progress_bar()
     model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=DTYPES[cfg.model.dtype], gguf_file=cfg.model.gguf_file)
     if cfg.model.attn_implementation != "sdpa":
         model.set_attn_implementation(cfg.model.attn_implementation)
