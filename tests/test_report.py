@@ -1,0 +1,318 @@
+"""The run report: PNGs that decode, an HTML that references them and shows the run's own numbers,
+and the same on a run still going, a crashed run and a run missing columns; `list_runs`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from relayrl.callbacks import Callback
+from relayrl.config import load_config
+from relayrl.run import build_program
+from relayrl.telemetry import timeline
+from relayrl.telemetry.report import PLOTS, SPAN_COLOURS, list_runs, load_run, read_trajectories, timeline_window, write_report
+from relayrl.telemetry.tracer import load_trace
+from relayrl.types import StepResult
+
+PNG_NAMES = [p.name for p in PLOTS]
+OVERRIDES = [
+    "run.steps=6",
+    "orchestrator.release_memory=false",
+    "rollout.groups_per_step=4",
+    "rollout.num_generations=4",
+    "train.row_tokens=64",
+    "train.rows_per_microbatch=2",
+]
+
+
+def _run(run_dir: Path, callbacks: list[Callback] | None = None) -> None:
+    cfg = load_config(None, OVERRIDES)
+    asyncio.run(asyncio.wait_for(build_program(cfg, callbacks or [], run_dir=run_dir).run(), 60))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "run"
+    _run(run_dir)
+    return run_dir
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("report", "report.html"))
+    return dst
+
+
+def _metrics(run_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+class _Tables(HTMLParser):
+    """data-key → (data-value, shown text) of the key-figures and last-metrics tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.figures: dict[str, tuple[str, str]] = {}
+        self.last: dict[str, tuple[str, str]] = {}
+        self.hrefs: list[str] = []
+        self.srcs: list[str] = []
+        self._table = ""
+        self._key = ""
+        self._value: str | None = None
+        self._text = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "table":
+            self._table = a.get("class") or ""
+        elif tag == "tr":
+            self._key = a.get("data-key") or ""
+        elif tag == "td" and "data-value" in a:
+            self._value, self._text = a["data-value"] or "", ""
+        elif tag == "a" and a.get("href"):
+            self.hrefs.append(a["href"] or "")
+        elif tag in ("img", "script", "link"):
+            self.srcs.append(a.get("src") or a.get("href") or "")
+
+    def handle_data(self, data: str) -> None:
+        if self._value is not None:
+            self._text += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._value is not None:
+            target = self.figures if self._table == "figures" else self.last if self._table == "last-metrics" else None
+            if target is not None and self._key:
+                target[self._key] = (self._value, self._text)
+            self._value = None
+
+
+def _parse(html_path: Path) -> _Tables:
+    parser = _Tables()
+    parser.feed(html_path.read_text(encoding="utf-8"))
+    return parser
+
+
+def _assert_pngs(run_dir: Path, names: list[str], tables: _Tables) -> None:
+    from PIL import Image
+
+    for name in names:
+        png = run_dir / "report" / f"{name}.png"
+        with Image.open(png) as image:
+            image.load()  # decodes the whole file
+            assert image.format == "PNG" and image.width >= 400 and image.height >= 200, (name, image.size)
+        assert f"report/{name}.png" in tables.hrefs, name
+
+
+def test_report_of_a_finished_run(finished: Path, tmp_path: Path) -> None:
+    run_dir = _copy(finished, tmp_path / "run")
+    out = write_report(run_dir)
+    assert out == run_dir / "report.html"
+    tables = _parse(out)
+    _assert_pngs(run_dir, PNG_NAMES, tables)
+    # Opens offline: every image is embedded, nothing is fetched, no script.
+    assert tables.srcs and all(s.startswith("data:image/png;base64,") for s in tables.srcs)
+    assert "<script" not in out.read_text() and "http" not in "".join(tables.srcs)
+
+    metrics = _metrics(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    figures = tables.figures
+    assert figures["status"][1] == "completed"
+    assert figures["steps"][1] == str(len(metrics)) == str(summary["steps_completed"]) == "6"
+    last_reward = metrics[-1]["reward_mean"]
+    assert isinstance(last_reward, float)
+    assert figures["reward_last"] == (json.dumps(last_reward), f"{last_reward:.4g}")
+    assert figures["wall_time_s"][1] == f"{summary['wall_time_s']:.4g} s"
+    assert figures["trainer_busy_fraction"][1] == f"{100 * summary['trainer_busy_fraction']:.1f} %"
+    assert figures["accuracy_before"][1] == "–"  # the sim backend has no held-out evaluation
+    # The last metrics row is shown as it is in metrics.jsonl.
+    assert {k: json.loads(v) for k, (v, _) in tables.last.items()} == metrics[-1]
+    assert tables.last["step"][1] == "5"
+
+
+def test_timeline_shows_the_last_steps_with_bookkeeping_over_training(finished: Path) -> None:
+    from PIL import Image
+
+    all_spans = timeline.spans(load_trace(finished / "trace.json"))
+    start, end, shown = timeline_window(all_spans)
+    assert shown == [2, 3, 4, 5]
+    # In that window, bookkeeping of step N runs while N+1 trains: the Gantt has something to show.
+    training = [s for s in all_spans if s.name == "train_step" and start <= s.start <= end]
+    book = [s for s in all_spans if s.lane == "bookkeeping" and start <= s.start <= end and s.step < 5]
+    assert book and any(b.start < t.end and t.start < b.end for b in book for t in training)
+
+    run_dir = finished  # render in place once more to look at the pixels
+    write_report(run_dir)
+    with Image.open(run_dir / "report" / "timeline.png") as image:
+        plot_area = image.convert("RGB").crop((0, 0, int(0.8 * image.width), image.height))  # without the legend
+        counted = plot_area.getcolors(maxcolors=1 << 22)
+        assert counted is not None
+        colours = {rgb: n for n, rgb in counted}
+
+    def pixels(*hex_colours: str) -> int:
+        return sum(colours.get(tuple(int(h[i : i + 2], 16) for i in (1, 3, 5)), 0) for h in hex_colours)
+
+    assert pixels(SPAN_COLOURS["train_step"]) > 2000
+    assert pixels(*(SPAN_COLOURS[n] for n in ("reduce_metrics", "log_metrics", "log_trajectories", "on_step_end", "release_memory"))) > 200
+
+
+def test_report_of_a_run_still_going(finished: Path, tmp_path: Path) -> None:
+    run_dir = _copy(finished, tmp_path / "live")
+    full_summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()
+    trace = run_dir / "trace.json"
+    lines = trace.read_text().rstrip().splitlines()
+    assert lines[-1] == "]" and '"run_end"' in lines[-2]
+    text = "\n".join(lines[:-2])  # as while running: no run_end event, no closing bracket
+    trace.write_text(text)
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        fh.write('{"step":6,"policy_version":7,"step_time_sec":0.3,"reward_me')  # a line being written
+    out = write_report(run_dir)
+    tables = _parse(out)
+    _assert_pngs(run_dir, PNG_NAMES, tables)
+
+    metrics = _metrics_complete(run_dir)
+    figures = tables.figures
+    assert figures["status"][1] == "running"
+    assert figures["steps"][1] == str(len(metrics)) == "6"
+    assert figures["reward_last"][1] == f"{metrics[-1]['reward_mean']:.4g}"
+    gaps = [float(g) for m in metrics if isinstance(g := m["boundary_gap_sec"], float)]
+    assert len(gaps) == 5 and json.loads(figures["boundary_gap_median_s"][0]) == statistics.median(gaps)
+    # Computed from the open trace, the busy fraction is the finished run's one.
+    assert json.loads(figures["trainer_busy_fraction"][0]) == pytest.approx(full_summary["trainer_busy_fraction"])
+    assert tables.last["step"][1] == "5"
+
+    # Killed in the middle of writing an event: still renders, from the events before it.
+    trace.write_text(text[: len(text) - 40])
+    os.utime(run_dir / "metrics.jsonl", (1_000_000_000, 1_000_000_000))
+    os.utime(trace, (1_000_000_000, 1_000_000_000))
+    tables = _parse(write_report(run_dir))
+    _assert_pngs(run_dir, PNG_NAMES, tables)
+    assert tables.figures["status"][1] == "incomplete"  # no summary, logs untouched for long
+
+
+def _metrics_complete(run_dir: Path) -> list[dict[str, object]]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+class _Boom(Callback):
+    def on_step_end(self, step: int, result: StepResult) -> None:
+        if step == 2:
+            raise RuntimeError("callback exploded at step 2")
+
+
+def test_report_of_a_crashed_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="exploded"):
+        _run(run_dir, [_Boom()])
+    out = write_report(run_dir)
+    tables = _parse(out)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert tables.figures["status"][1] == "failed"
+    assert tables.figures["steps"][1] == str(summary["steps_completed"])
+    assert "callback exploded at step 2" in out.read_text()
+    _assert_pngs(run_dir, PNG_NAMES, tables)
+    assert tables.last["step"][1] == str(_metrics(run_dir)[-1]["step"])
+
+
+def test_missing_files_and_columns_skip_plots_with_a_note(tmp_path: Path) -> None:
+    run_dir = tmp_path / "bare"
+    (run_dir / "report").mkdir(parents=True)
+    (run_dir / "report" / "timeline.png").write_bytes(b"stale")  # from an earlier report
+    rows = [{"step": i, "reward_mean": 0.1 * i, "step_time_sec": 1.0, "train_time": 0.5} for i in range(3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json, crashed mid-line")
+    out = write_report(run_dir)
+    tables = _parse(out)
+    _assert_pngs(run_dir, ["reward", "step_time"], tables)
+    text = out.read_text()
+    for plot, reason in (("timeline", "no trace.json"), ("padding", "no padding_efficiency"), ("staleness", "no trajectory log")):
+        assert not (run_dir / "report" / f"{plot}.png").exists(), plot
+        assert f"report/{plot}.png" not in tables.hrefs
+        assert f"skipped: {reason}" in text, plot
+    assert tables.figures["steps"][1] == "3"
+    assert tables.figures["reward_last"][1] == f"{0.2:.4g}"
+    assert tables.figures["wall_time_s"] == (json.dumps(3.0), "3 s")  # the sum of step_time_sec
+    assert tables.figures["trainer_busy_fraction"][1] == "–"  # needs the trace
+
+
+def test_held_out_accuracy_from_evals_jsonl(finished: Path, tmp_path: Path) -> None:
+    run_dir = _copy(finished, tmp_path / "evals")
+    (run_dir / "summary.json").unlink()
+    evals = [{"version": 0, "accuracy": 0.25}, {"version": 3, "accuracy": 0.5}, {"version": 6, "accuracy": 0.625}]
+    (run_dir / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    out = write_report(run_dir)
+    figures = _parse(out).figures
+    assert figures["accuracy_before"] == ("0.25", "0.25")
+    assert figures["accuracy_after"] == ("0.625", "0.625")
+    assert "No held-out evaluations" not in out.read_text()
+
+
+def test_parquet_trajectory_log_is_preferred(finished: Path, tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    run_dir = _copy(finished, tmp_path / "pq")
+    rows = [{"step": 0, "staleness": 3, "status": "ok", "reward": 1.0}] * 7 + [{"step": 0, "staleness": 9, "status": "filtered:too_stale", "reward": 0.0}]
+    pq.write_table(pa.Table.from_pylist(rows), run_dir / "trajectories.parquet")
+    data = load_run(run_dir)
+    assert data.trajectory_source == "trajectories.parquet"
+    assert data.trajectories is not None and len(data.trajectories) == 8
+    assert "7 trained trajectories from trajectories.parquet; 1 filtered" in write_report(run_dir).read_text()
+    # An unreadable parquet file (e.g. still being written) falls back to the jsonl log.
+    (run_dir / "trajectories.parquet").write_bytes(b"PAR1 truncated")
+    data = load_run(run_dir)
+    assert data.trajectory_source == "trajectories.jsonl"
+    assert data.trajectories is not None and len(data.trajectories) == 6 * 16
+    # One file per step under trajectories/, a writer's hidden temporary left out.
+    (run_dir / "trajectories.parquet").unlink()
+    (run_dir / "trajectories.jsonl").unlink()
+    steps = run_dir / "trajectories"
+    steps.mkdir()
+    for step in (1, 2):
+        pq.write_table(pa.Table.from_pylist(rows[: 3 * step]), steps / f"step={step:06d}.parquet")
+    (steps / ".step=000003.parquet.tmp").write_bytes(b"half")
+    data = load_run(run_dir)
+    assert data.trajectory_source == "trajectories/ (2 files)"
+    assert data.trajectories is not None and len(data.trajectories) == 9
+    _assert_pngs(run_dir, ["staleness"], _parse(write_report(run_dir)))
+
+
+def test_without_pyarrow_the_jsonl_log_is_read(finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = _copy(finished, tmp_path / "nopa")
+    (run_dir / "trajectories.parquet").write_bytes(b"PAR1 whatever")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow → ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    found = read_trajectories(run_dir)
+    assert found is not None and found[1] == "trajectories.jsonl" and len(found[0]) == 6 * 16
+
+
+def test_list_runs(finished: Path, tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    done = _copy(finished, root / "a-done")
+    live = _copy(finished, root / "b-live")
+    (live / "summary.json").unlink()
+    (root / "not-a-run").mkdir()
+    runs = list_runs(root)
+    assert [r["name"] for r in runs] == ["a-done", "b-live"]
+    summary = json.loads((done / "summary.json").read_text())
+    a, b = runs
+    assert a["status"] == "completed" and a["steps"] == summary["steps_completed"] == 6
+    assert a["samples_per_s"] == summary["samples_per_s"] and a["reward_last"] == summary["reward_mean_last"]
+    assert a["trainer_busy_fraction"] == summary["trainer_busy_fraction"]
+    assert b["status"] == "completed"  # no summary, but the trace recorded the run's end
+    assert b["steps"] == 6 and b["reward_last"] == _metrics(live)[-1]["reward_mean"]
+    assert b["trainer_busy_fraction"] == pytest.approx(summary["trainer_busy_fraction"])
+    assert list_runs(done) == [dict(a)]  # a run directory itself
+    assert list_runs(tmp_path / "missing") == []
