@@ -90,6 +90,38 @@ def check_trace(run_dir: Annotated[Path, typer.Argument(help="Run directory (or 
     out.print(f"ok: {report.steps} committed steps, run {state}; rules 1–6 and staleness hold")
 
 
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="Run directory (finished, running or crashed).")]) -> None:
+    """Write report.html and PNG plots into a run directory."""
+    from relayrl.telemetry.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+        return
+    out.print(f"wrote {path}")
+
+
+@app.command()
+def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directories.")] = Path("runs")) -> None:
+    """List run directories with their key figures."""
+    from rich.table import Table
+
+    from relayrl.telemetry.report import format_value, list_runs
+
+    found = list_runs(root)
+    if not found:
+        out.print(f"no runs under {root}")
+        return
+    columns = {"name": "run", "status": "status", "steps": "steps", "wall_time_s": "wall s", "samples_per_s": "samples/s",
+               "trainer_busy_fraction": "busy", "accuracy_before": "acc before", "accuracy_after": "acc after", "reward_last": "reward"}
+    table = Table(*columns.values())
+    for run in found:
+        table.add_row(*(format_value(run.get(key)) for key in columns))
+    out.print(table)
+
+
 @bench_app.command("boundary")
 def bench_boundary(
     steps: int = typer.Option(6, help="Steps per configuration."),

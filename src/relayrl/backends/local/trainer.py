@@ -92,6 +92,7 @@ class LocalTrainer:
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
         self._stats = _StepStats()
         self._slot: dict[str, float] = {}
+        self._snapshot: Weights | None = None
         self._slot_lock = threading.Lock()
         threads = settings.torch_threads
         self._executor = ThreadPoolExecutor(
@@ -126,7 +127,11 @@ class LocalTrainer:
             return dict(self._slot)
 
     async def export_weights(self) -> Weights:
-        return await self._run(self._export)
+        """The weights of the last committed version. They are snapshotted inside `optim_step`, so
+        a sync never queues behind the next step's micro-batches on the trainer thread."""
+        with self._slot_lock:
+            snapshot = self._snapshot
+        return snapshot if snapshot is not None else await self._run(self._export)
 
     async def close(self) -> None:
         if not self._closed:
@@ -201,8 +206,10 @@ class LocalTrainer:
         slot.update(st.mins)
         self._stats = _StepStats()
         self.version += 1
+        snapshot = self._export()
         with self._slot_lock:
             self._slot = slot
+            self._snapshot = snapshot
         return self.version
 
     def _export(self) -> Weights:
