@@ -12,6 +12,7 @@ import pytest
 
 from relayrl.backends.sim import SimSampler
 from relayrl.tasks import rewards
+from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import GenerateResult, SampleRequest, Trajectory
 from simutil import make_program, run_checked, sim_config, trace_spans
 
@@ -20,10 +21,14 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _trajectories(run_dir: Path) -> list[dict[str, object]]:
+    return read_trajectories(run_dir).to_pylist()
+
+
 def test_run_writes_run_directory_with_required_metrics(tmp_path: Path) -> None:
     result = run_checked(make_program(sim_config(), tmp_path))
     run = tmp_path / "run"
-    for name in ("config.toml", "metrics.jsonl", "trace.json", "summary.json", "trajectories.jsonl"):
+    for name in ("config.toml", "metrics.jsonl", "trace.json", "summary.json", "trajectories"):
         assert (run / name).exists(), name
     rows = _lines(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -33,7 +38,7 @@ def test_run_writes_run_directory_with_required_metrics(tmp_path: Path) -> None:
     assert required <= rows[0].keys()
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["num_trajectories"] == 16 for r in rows)
-    assert len(_lines(run / "trajectories.jsonl")) == 64
+    assert len(_trajectories(run)) == 64
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["ledger"]["groups_trained"] == 16
     assert result.results[0].metrics["reward_std"] > 0  # synthetic rewards have variance
@@ -69,7 +74,7 @@ def test_raising_reward_function_marks_trajectory_failed_and_counts_it(tmp_path:
 
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "flaky", flaky)
     result = run_checked(make_program(sim_config('task.reward_functions=["flaky"]'), tmp_path))
-    rows = _lines(tmp_path / "run" / "trajectories.jsonl")
+    rows = _trajectories(tmp_path / "run")
     failed = [r for r in rows if r["status"] == "failed"]
     assert len(failed) == 16 and all(r["reward"] == 0.0 and "KeyError" in str(r["error"]) for r in failed)
     assert all(r["reward"] == 1.0 for r in rows if r["status"] == "ok")
@@ -99,7 +104,7 @@ def test_dynamic_sampling_filters_zero_variance_groups_and_the_ledger_balances(t
     assert ledger["groups_trained"] == 20
     settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
     assert settled == ledger["groups_dispatched"]
-    rows = _lines(tmp_path / "run" / "trajectories.jsonl")
+    rows = _trajectories(tmp_path / "run")
     assert any(r["status"] == "filtered:zero_variance" for r in rows)
     for r in result.results:  # every trained group had reward variance
         assert float(r.metrics["reward_std"]) > 0  # type: ignore[arg-type]
@@ -108,7 +113,7 @@ def test_dynamic_sampling_filters_zero_variance_groups_and_the_ledger_balances(t
 def test_several_sampler_replicas_all_contribute(tmp_path: Path) -> None:
     cfg = sim_config("rollout.num_samplers=3", "sim.generate_per_request=0.01", "run.steps=4")
     result = run_checked(make_program(cfg, tmp_path))
-    replicas = {r["replica"] for r in _lines(tmp_path / "run" / "trajectories.jsonl")}
+    replicas = {r["replica"] for r in _trajectories(tmp_path / "run")}
     assert replicas == {0, 1, 2}
     lanes = {s.lane for s in trace_spans(result)}
     assert {"sampler/0", "sampler/1", "sampler/2"} <= lanes

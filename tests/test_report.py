@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -30,6 +29,8 @@ OVERRIDES = [
     "rollout.num_generations=4",
     "train.row_tokens=64",
     "train.rows_per_microbatch=2",
+    "sim.train_step=0.03",  # visible training and bookkeeping on the Gantt chart
+    "sim.reduce_metrics=0.01",
 ]
 
 
@@ -260,43 +261,16 @@ def test_held_out_accuracy_from_evals_jsonl(finished: Path, tmp_path: Path) -> N
     assert "No held-out evaluations" not in out.read_text()
 
 
-def test_parquet_trajectory_log_is_preferred(finished: Path, tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+def test_trajectories_come_from_the_per_step_parquet_log(finished: Path, tmp_path: Path) -> None:
     run_dir = _copy(finished, tmp_path / "pq")
-    rows = [{"step": 0, "staleness": 3, "status": "ok", "reward": 1.0}] * 7 + [{"step": 0, "staleness": 9, "status": "filtered:too_stale", "reward": 0.0}]
-    pq.write_table(pa.Table.from_pylist(rows), run_dir / "trajectories.parquet")
     data = load_run(run_dir)
-    assert data.trajectory_source == "trajectories.parquet"
-    assert data.trajectories is not None and len(data.trajectories) == 8
-    assert "7 trained trajectories from trajectories.parquet; 1 filtered" in write_report(run_dir).read_text()
-    # An unreadable parquet file (e.g. still being written) falls back to the jsonl log.
-    (run_dir / "trajectories.parquet").write_bytes(b"PAR1 truncated")
-    data = load_run(run_dir)
-    assert data.trajectory_source == "trajectories.jsonl"
+    assert data.trajectory_source == "trajectories/ (6 step files)"
     assert data.trajectories is not None and len(data.trajectories) == 6 * 16
-    # One file per step under trajectories/, a writer's hidden temporary left out.
-    (run_dir / "trajectories.parquet").unlink()
-    (run_dir / "trajectories.jsonl").unlink()
-    steps = run_dir / "trajectories"
-    steps.mkdir()
-    for step in (1, 2):
-        pq.write_table(pa.Table.from_pylist(rows[: 3 * step]), steps / f"step={step:06d}.parquet")
-    (steps / ".step=000003.parquet.tmp").write_bytes(b"half")
-    data = load_run(run_dir)
-    assert data.trajectory_source == "trajectories/ (2 files)"
-    assert data.trajectories is not None and len(data.trajectories) == 9
-    _assert_pngs(run_dir, ["staleness"], _parse(write_report(run_dir)))
-
-
-def test_without_pyarrow_the_jsonl_log_is_read(finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_dir = _copy(finished, tmp_path / "nopa")
-    (run_dir / "trajectories.parquet").write_bytes(b"PAR1 whatever")
-    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow → ImportError
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    found = read_trajectories(run_dir)
-    assert found is not None and found[1] == "trajectories.jsonl" and len(found[0]) == 6 * 16
-
+    # a writer's hidden temporary (a step being written) is not read
+    (run_dir / "trajectories" / ".step=000006.parquet.tmp").write_bytes(b"half")
+    html_path = write_report(run_dir)
+    assert "96 trained trajectories from trajectories/ (6 step files)" in html_path.read_text()
+    _assert_pngs(run_dir, ["staleness"], _parse(html_path))
 
 def test_list_runs(finished: Path, tmp_path: Path) -> None:
     root = tmp_path / "runs"

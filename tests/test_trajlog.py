@@ -15,9 +15,37 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pc = pytest.importorskip("pyarrow.compute")
 
-from relayrl.telemetry.logs import trajectory_rows  # noqa: E402
 from relayrl.telemetry.trajlog import ParquetTrajectoryLog, read_trajectories, step_files, trajectory_schema  # noqa: E402
 from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, Trajectory, TrajectoryStatus  # noqa: E402
+
+
+# The row semantics the Parquet log must reproduce (the former JSON-lines log's rows).
+def trajectory_rows(step: int, trained_version: int, trajs: list[Trajectory], filtered: list[FilteredGroup]) -> list[dict[str, object]]:
+    rows = [_row(step, trained_version, t, t.status.value) for t in trajs]
+    for item in filtered:
+        rows.extend(_row(step, trained_version, t, f"filtered:{item.reason.value}") for t in item.group.trajectories)
+    return rows
+
+
+def _row(step: int, trained_version: int, t: Trajectory, status: str) -> dict[str, object]:
+    return {
+        "step": step,
+        "prompt_id": t.prompt.prompt_id,
+        "group_id": t.group_id,
+        "sample_index": t.sample_index,
+        "prompt": t.prompt.text,
+        "completion": t.completion_text,
+        "answer": t.prompt.answer,
+        "num_tokens": t.num_tokens,
+        "reward": t.reward,
+        "advantage": t.advantage,
+        "policy_version": t.policy_version,
+        "staleness": trained_version - t.policy_version,
+        "sampler_logprob_sum": sum(t.sampler_logprobs),
+        "status": status,
+        "error": t.error,
+        "replica": t.replica,
+    }
 
 
 def _traj(group_id: int, index: int, version: int, *, reward: float = 0.0, failed: bool = False) -> Trajectory:

@@ -127,6 +127,11 @@ class SimConfig(_Section):
     base_success: float = Field(0.3, ge=0.0, le=1.0)
 
 
+class TelemetryConfig(_Section):
+    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)  # metrics.jsonl always
+    project: str = "relayrl"  # W&B project / MLflow experiment
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -137,6 +142,7 @@ class Config(_Section):
     sim: SimConfig = Field(default_factory=SimConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
     def _check_budget(self) -> Config:

@@ -37,6 +37,7 @@ from relayrl.tasks.rewards import RewardFunction
 from relayrl.telemetry import timeline
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
+from relayrl.telemetry.sinks import build_sinks
 from relayrl.telemetry.stepbook import StepBookkeeper
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
@@ -121,6 +122,9 @@ class Program:
             abort=workers.abort,
             log_trajectories=cfg.orchestrator.log_trajectories,
             release=cfg.orchestrator.release_memory,
+            sinks=build_sinks(run_dir, cfg.telemetry.sinks, cfg.run.name, cfg.model_dump(), project=cfg.telemetry.project)
+            if run_dir is not None
+            else None,
         )
         self.loop: TrainLoop | None = None
         self.evals: list[EvalResult] = []

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relayrl.telemetry import timeline
+from relayrl.telemetry import trajlog
 from relayrl.telemetry.tracer import TraceEvent, load_trace
 
 if TYPE_CHECKING:
@@ -150,57 +151,14 @@ def read_trace(path: Path) -> list[TraceEvent]:
     return events
 
 
-def _parquet_files(run_dir: Path) -> tuple[list[Path], str]:
-    """The Parquet trajectory log's files and how to name them: `trajectories.parquet` (one file,
-    or a dataset directory), else `trajectories/*.parquet` (one file per step); hidden files
-    (a writer's temporaries) are left out."""
-    single = run_dir / "trajectories.parquet"
-    if single.is_file():
-        return [single], single.name
-    for directory in (single, run_dir / "trajectories"):
-        if directory.is_dir():
-            files = sorted(p for p in directory.glob("*.parquet") if p.is_file() and not p.name.startswith("."))
-            if files:
-                return files, f"{directory.name}/"
-    return [], ""
-
-
-def _read_parquet(files: Sequence[Path], columns: Sequence[str]) -> tuple[list[Row], int]:
-    """Rows of the readable files (only `columns`) and the number of files that could not be read."""
-    import pyarrow.parquet as pq
-
-    rows: list[Row] = []
-    bad = 0
-    for path in files:
-        try:
-            names = set(pq.read_schema(path).names)
-            rows.extend(dict(r) for r in pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist())
-        except Exception:  # e.g. a single file still being written has no footer yet
-            bad += 1
-    return rows, bad
-
-
 def read_trajectories(run_dir: Path, columns: Sequence[str] = TRAJECTORY_COLUMNS) -> tuple[list[Row], str] | None:
-    """The trajectory log's rows (only `columns`) and what was read: the Parquet log
-    (`trajectories.parquet`, or `trajectories/*.parquet`) when it exists, pyarrow is importable and
-    some file of it reads, else trajectories.jsonl; None when there is no trajectory log."""
-    files, source = _parquet_files(run_dir)
-    if files:
-        try:
-            import pyarrow.parquet  # noqa: F401
-        except ImportError:
-            files = []
-    if files:
-        rows, bad = _read_parquet(files, columns)
-        if bad < len(files):
-            if len(files) > 1:
-                source += f" ({len(files) - bad} of {len(files)} files read)" if bad else f" ({len(files)} files)"
-            return rows, source
-    jsonl = run_dir / "trajectories.jsonl"
-    if jsonl.exists():
-        rows, _ = read_jsonl(jsonl)
-        return [{c: r[c] for c in columns if c in r} for r in rows], jsonl.name
-    return None
+    """The trajectory log's rows (only `columns`) and where they came from; None without a log.
+    Step files are written whole (temp file + rename), so a live or crashed run reads cleanly."""
+    files = trajlog.step_files(run_dir)
+    if not files:
+        return None
+    table = trajlog.read_trajectories(run_dir).select(list(columns))
+    return table.to_pylist(), f"trajectories/ ({len(files)} step files)"
 
 
 def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True) -> RunData:

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from relayrl.callbacks import Callback
-from relayrl.telemetry.logs import JsonlWriter, trajectory_rows
+from relayrl.telemetry.sinks import SinkSet
+from relayrl.telemetry.trajlog import ParquetTrajectoryLog
 from relayrl.telemetry.memory import release_memory
 from relayrl.telemetry.metrics import reduce_step
 from relayrl.telemetry.tracer import Tracer
@@ -31,14 +32,15 @@ class StepBookkeeper:
         abort: threading.Event,
         log_trajectories: bool,
         release: bool,
+        sinks: SinkSet | None = None,
     ) -> None:
         self._tracer = tracer
         self._callbacks = list(callbacks)
         self._costs = host_costs
         self._abort = abort
         self._release = release
-        self._metrics = JsonlWriter(run_dir / "metrics.jsonl") if run_dir else None
-        self._trajs = JsonlWriter(run_dir / "trajectories.jsonl") if run_dir and log_trajectories else None
+        self._metrics = sinks
+        self._trajs = ParquetTrajectoryLog(run_dir) if run_dir and log_trajectories else None
         self.results: list[StepResult] = []
 
     def _part(self, name: str, step: int, fn: Callable[[], None]) -> None:
@@ -58,11 +60,11 @@ class StepBookkeeper:
 
         def log_metrics() -> None:
             if self._metrics is not None:
-                self._metrics.write_many([dict(result.metrics)])
+                self._metrics.log(step, result.metrics)
 
         def log_trajectories() -> None:
             if self._trajs is not None:
-                self._trajs.write_many(trajectory_rows(step, record.policy_version - 1, record.trajectories, record.filtered))
+                self._trajs.write(step, record.policy_version - 1, record.trajectories, record.filtered)
 
         def on_step_end() -> None:
             for cb in self._callbacks:
