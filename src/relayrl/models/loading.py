@@ -1,0 +1,124 @@
+"""Load causal LMs and their tokenizers from a directory, and measure greedy exact-match accuracy.
+
+Job: one way in for every model — the shipped tiny model and a user's own Hugging Face
+checkpoint directory alike go through ``from_pretrained(dir)``; nothing is fetched from the hub.
+
+Invariants:
+- ``load_model_and_tokenizer`` reads only local files; a missing directory raises
+  ``FileNotFoundError`` naming the path. The returned tokenizer always has a pad token.
+- ``greedy_accuracy`` is deterministic for given weights: greedy decoding, left padding, and a
+  completion counts only if its text up to the first EOS equals the answer (outer whitespace
+  ignored).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from relayrl.types import Prompt
+
+SHIPPED_MODELS_PACKAGE = "relayrl.models"
+ASSETS_DIR = "assets"
+
+
+def shipped_model_dir(name: str = "tiny-arith") -> Path:
+    """Directory of a model shipped inside the installed package (``relayrl/models/assets/<name>``)."""
+    assets = Path(str(resources.files(SHIPPED_MODELS_PACKAGE).joinpath(ASSETS_DIR)))
+    path = assets / name
+    if not (path / "config.json").is_file():
+        available = sorted(p.name for p in assets.iterdir() if (p / "config.json").is_file()) if assets.is_dir() else []
+        raise FileNotFoundError(
+            f"no shipped model {name!r} at {path} (available: {', '.join(available) or 'none'}); "
+            "build it with scripts/make_tiny_model.py"
+        )
+    return path
+
+
+def load_model_and_tokenizer(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    gguf_file: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory with ``from_pretrained``.
+
+    ``gguf_file`` names a GGUF file inside ``path`` (needs the ``gguf`` package). The model is
+    returned in eval mode on the CPU. A tokenizer without a pad token gets its EOS as pad.
+    """
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    if gguf_file is not None and not (model_dir / gguf_file).is_file():
+        raise FileNotFoundError(f"GGUF file not found: {model_dir / gguf_file}")
+    if gguf_file is None and not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {model_dir}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer in {model_dir} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def greedy_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 128,
+) -> list[str]:
+    """Greedy completions of ``texts`` (batched, left-padded), each cut at its first EOS."""
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    if eos_id is None or pad_id is None:
+        raise ValueError("greedy decoding needs a tokenizer with an EOS token")
+    was_training = model.training
+    model.eval()
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    out: list[str] = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = list(texts[start : start + batch_size])
+            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            generated = model.generate(
+                input_ids=enc["input_ids"],
+                attention_mask=enc["attention_mask"],
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_id,
+                pad_token_id=pad_id,
+            )
+            new_tokens = generated[:, enc["input_ids"].shape[1] :].tolist()
+            for row in new_tokens:
+                if eos_id in row:
+                    row = row[: row.index(eos_id)]
+                out.append(tokenizer.decode(row, skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = old_side
+        model.train(was_training)
+    return out
+
+
+def greedy_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    batch_size: int = 128,
+) -> float:
+    """Share of ``prompts`` whose greedy completion (up to EOS, stripped) equals the answer."""
+    if not prompts:
+        raise ValueError("greedy_accuracy needs at least one prompt")
+    completions = greedy_completions(model, tokenizer, [p.text for p in prompts], max_new_tokens, batch_size)
+    correct = sum(c.strip() == p.answer.strip() for c, p in zip(completions, prompts, strict=True))
+    return correct / len(prompts)
