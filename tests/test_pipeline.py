@@ -117,3 +117,32 @@ def test_several_sampler_replicas_all_contribute(tmp_path: Path) -> None:
     assert replicas == {0, 1, 2}
     lanes = {s.lane for s in trace_spans(result)}
     assert {"sampler/0", "sampler/1", "sampler/2"} <= lanes
+
+
+def test_configured_sinks_receive_metrics_and_a_failing_sink_does_not_stop_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from relayrl.telemetry import sinks
+
+    class Broken:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def log(self, step: int, metrics: object) -> None:
+            raise OSError("No space left on device")
+
+        def close(self) -> None:
+            return None
+
+    monkeypatch.setattr(sinks, "TensorBoardSink", Broken)
+    cfg = sim_config('telemetry.sinks=["mlflow", "tensorboard"]')
+    with pytest.warns(sinks.SinkDisabledWarning, match="tensorboard.*No space left"):
+        result = run_checked(make_program(cfg, tmp_path))
+    run = tmp_path / "run"
+    assert len(_lines(run / "metrics.jsonl")) == 4  # never lost
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{run / 'mlruns'}")
+    [experiment] = [e for e in client.search_experiments() if e.name == "relayrl"]
+    [mlrun] = client.search_runs([experiment.experiment_id])
+    history = client.get_metric_history(mlrun.info.run_id, "reward_mean")
+    assert [m.step for m in history] == [0, 1, 2, 3]
+    assert [m.value for m in history] == pytest.approx([r.metrics["reward_mean"] for r in result.results])

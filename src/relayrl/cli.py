@@ -126,12 +126,17 @@ def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directori
 def bench_boundary(
     steps: int = typer.Option(6, help="Steps per configuration."),
     time_scale: float = typer.Option(1.0, help="Multiply every simulated cost (e.g. 0.1 for a quick run)."),
+    set_: Annotated[list[str], typer.Option("--set", help="Extra override for both runs, e.g. telemetry.sinks=[\"wandb\"].")] = [],
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Inline vs overlapped step boundary on the seed's large-model cost profile."""
     from relayrl.bench import run_boundary
 
-    figures = run_boundary(steps=steps, time_scale=time_scale)
+    try:
+        figures = run_boundary(steps=steps, time_scale=time_scale, extra=list(set_))
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
     if as_json:
         print(json.dumps(figures))
         return
