@@ -11,12 +11,15 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Optional
+from collections.abc import Callable
+from typing import Annotated, NoReturn, Optional, TypeVar
 
 import typer
 from rich.console import Console
 
 from relayrl.config import ConfigError, load_config
+
+T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="relayrl: asynchronous RL post-training for language models.")
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks that print figures.")
@@ -25,7 +28,7 @@ app.add_typer(bench_app, name="bench")
 out = Console(highlight=False, soft_wrap=True)
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(code)
 
@@ -41,27 +44,29 @@ def train(
     backend: Annotated[Optional[str], typer.Option("--backend", help="sim | local")] = None,
 ) -> None:
     """Run a training recipe and write its run directory."""
-    from relayrl.run import run_dir_for, run_training
+    import asyncio
+
+    from relayrl.packing import PackingError
+    from relayrl.run import build_program, run_dir_for
     from relayrl.telemetry.progress import ProgressPrinter
 
     overrides = list(set_)
     if backend is not None:
         overrides.append(f"run.backend={backend}")
-    try:
+    try:  # everything a user can get wrong is checked here, before the run starts
         cfg = load_config(config or default_recipe(), overrides)
         run_dir = run_dir_for(cfg)
-        out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
         progress = ProgressPrinter(cfg.run.steps, out)
-        try:
-            result = run_training(cfg, [progress], run_dir)
-        finally:
-            progress.close()
-    except (ConfigError, FileNotFoundError, NotImplementedError) as exc:
+        program = build_program(cfg, [progress], run_dir)
+    except (ValueError, FileNotFoundError) as exc:  # config, task data, reward names, model path
         _fail(str(exc))
-        return
-    except ValueError as exc:  # task data and reward-function errors name their source
+    out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
+    try:
+        result = asyncio.run(program.run())
+    except PackingError as exc:  # a trajectory longer than train.row_tokens
         _fail(str(exc))
-        return
+    finally:
+        progress.close()
     s = result.summary
     acc = ""
     if s.get("accuracy_before") is not None and s.get("accuracy_after") is not None:
@@ -81,7 +86,6 @@ def check_trace(run_dir: Annotated[Path, typer.Argument(help="Run directory (or 
         report = check_run_dir(run_dir)
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
-        return
     if not report.ok:
         more = f" (+{len(report.violations) - 1} more)" if len(report.violations) > 1 else ""
         print(f"violation: {report.violations[0]}{more}", file=sys.stderr)
@@ -99,7 +103,6 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory (finished
         path = write_report(run_dir)
     except FileNotFoundError as exc:
         _fail(str(exc))
-        return
     out.print(f"wrote {path}")
 
 
@@ -122,6 +125,18 @@ def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directori
     out.print(table)
 
 
+def _bench(run: Callable[[], T], as_json: bool) -> T:
+    """Run a benchmark; with --json print its figures as one object and stop there."""
+    try:
+        figures = run()
+    except ConfigError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(figures))
+        raise typer.Exit(0)
+    return figures
+
+
 @bench_app.command("boundary")
 def bench_boundary(
     steps: int = typer.Option(6, help="Steps per configuration."),
@@ -132,14 +147,7 @@ def bench_boundary(
     """Inline vs overlapped step boundary on the seed's large-model cost profile."""
     from relayrl.bench import run_boundary
 
-    try:
-        figures = run_boundary(steps=steps, time_scale=time_scale, extra=list(set_))
-    except ConfigError as exc:
-        _fail(str(exc))
-        return
-    if as_json:
-        print(json.dumps(figures))
-        return
+    figures = _bench(lambda: run_boundary(steps=steps, time_scale=time_scale, extra=list(set_)), as_json)
     for label in ("inline", "overlapped"):
         f = figures[label]
         assert isinstance(f, dict)
@@ -158,10 +166,7 @@ def bench_control_plane(
     """Trajectories/s through the whole pipeline with zero-latency sim workers, on one core."""
     from relayrl.bench import run_control_plane
 
-    figures = run_control_plane(steps=steps)
-    if as_json:
-        print(json.dumps(figures))
-        return
+    figures = _bench(lambda: run_control_plane(steps=steps), as_json)
     out.print(
         f"{figures['trajectories']} trajectories in {figures['wall_s']:.2f} s on {figures['cores']} core(s): "
         f"{figures['trajectories_per_s']:,.0f} trajectories/s"
@@ -179,14 +184,7 @@ def bench_e2e(
     overlapped bookkeeping, (C) the default."""
     from relayrl.bench import run_e2e
 
-    try:
-        figures = run_e2e(steps=steps, recipe=recipe, extra=list(set_))
-    except ConfigError as exc:
-        _fail(str(exc))
-        return
-    if as_json:
-        print(json.dumps(figures))
-        return
+    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_)), as_json)
     for label, f in figures.items():
         out.print(
             f"({label}) {f['samples_per_s']:8.1f} completions/s   trainer busy {f['trainer_busy']:6.1%}   "

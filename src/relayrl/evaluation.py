@@ -27,15 +27,6 @@ class GreedyEngine(Protocol):
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
 
-    def _correct(self, prompt: Prompt, prompt_tokens: list[int], output: list[int]) -> bool:
-        """Correct = every reward function gives a positive reward to the greedy completion."""
-        traj = Trajectory(group_id=-1, sample_index=0, prompt=prompt, prompt_tokens=prompt_tokens, completion_tokens=output,
-                          sampler_logprobs=[], completion_text=self._decode(output), policy_version=self._engine.version, replica=-1)
-        try:
-            return all(fn(traj) > 0 for fn in self._reward_fns)
-        except Exception:  # a raising reward function scores the completion as wrong
-            return False
-
     async def close(self) -> None: ...
 
 

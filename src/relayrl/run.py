@@ -1,4 +1,4 @@
-"""Build a run from a config: run directory, backend, prompts, reward functions; run it.
+"""Build a run from a config: run directory, backend, prompts, reward functions.
 
 Invariant: everything that can be rejected (config, task data, model path) is checked here,
 before the run directory is written.
@@ -6,7 +6,6 @@ before the run directory is written.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 from relayrl.backends.bundle import Backend, build_sim_backend
 from relayrl.callbacks import Callback
 from relayrl.config import Config
-from relayrl.program import Program, RunResult
+from relayrl.program import Program
 from relayrl.tasks import rewards
 from relayrl.tasks.build import build_task
 from relayrl.threads import Workers
@@ -38,8 +37,3 @@ def build_program(cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path
     if run_dir is not None and run_dir.exists() and cfg.run.overwrite:
         shutil.rmtree(run_dir)
     return Program(cfg, backend, task.stream, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks)
-
-
-def run_training(cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path | None = None) -> RunResult:
-    program = build_program(cfg, callbacks, run_dir)
-    return asyncio.run(program.run())
