@@ -134,24 +134,26 @@ E2E_CONFIGS: dict[str, list[str]] = {
 }
 
 
-def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """The default recipe, shortened, in configurations A, B and C (see E2E_CONFIGS)."""
+def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None = None, repeats: int = 1) -> dict[str, dict[str, float]]:
+    """The default recipe, shortened, in configurations A, B and C (see E2E_CONFIGS), run
+    `repeats` times round-robin (A B C A B C ...); each figure is the median over the repeats."""
     from relayrl.cli import default_recipe
 
-    out: dict[str, dict[str, float]] = {}
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in E2E_CONFIGS}
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
-        for label, overrides in E2E_CONFIGS.items():
-            cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
-            result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / label).run())
-            all_spans = timeline.spans(result.tracer.events)
-            gaps = timeline.boundary_gaps(all_spans)
-            wall = float(result.summary["wall_time_s"])  # type: ignore[arg-type]
-            out[label] = {
-                "samples_per_s": result.ledger.trajectories_trained / wall,
-                "trainer_busy": timeline.trainer_busy_fraction(all_spans),
-                "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
-                "gap_median_s": statistics.median(gaps) if gaps else float("nan"),
-                "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
-                "wall_s": wall,
-            }
-    return out
+        for rep in range(repeats):
+            for label, overrides in E2E_CONFIGS.items():
+                cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
+                result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
+                all_spans = timeline.spans(result.tracer.events)
+                gaps = timeline.boundary_gaps(all_spans)
+                wall = float(result.summary["wall_time_s"])  # type: ignore[arg-type]
+                runs[label].append({
+                    "samples_per_s": result.ledger.trajectories_trained / wall,
+                    "trainer_busy": timeline.trainer_busy_fraction(all_spans),
+                    "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
+                    "gap_median_s": statistics.median(gaps) if gaps else float("nan"),
+                    "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
+                    "wall_s": wall,
+                })
+    return {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}

@@ -178,13 +178,14 @@ def bench_e2e(
     steps: int = typer.Option(8, help="Steps per configuration."),
     recipe: Annotated[Optional[Path], typer.Option(help="Recipe (default: the shipped default recipe).")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Extra override for every configuration.")] = [],
+    repeats: int = typer.Option(1, help="Run A, B, C round-robin this many times; print medians."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The shortened default recipe: (A) synchronous + inline bookkeeping, (B) synchronous +
     overlapped bookkeeping, (C) the default."""
     from relayrl.bench import run_e2e
 
-    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_)), as_json)
+    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_), repeats=repeats), as_json)
     for label, f in figures.items():
         out.print(
             f"({label}) {f['samples_per_s']:8.1f} completions/s   trainer busy {f['trainer_busy']:6.1%}   "

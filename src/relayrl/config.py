@@ -55,6 +55,7 @@ class RolloutConfig(_Section):
     prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
     num_samplers: int = Field(1, ge=1)
     sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = torch's default
+    sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -103,7 +104,8 @@ class OrchestratorConfig(_Section):
     queue_size: int = Field(64, ge=1)
     loop_lag_interval_ms: float = Field(5.0, gt=0.0)
     log_trajectories: bool = True
-    release_memory: bool = True
+    release_memory: bool = True  # gc.collect() after each step (in the bookkeeping job)
+    malloc_trim: bool = True  # ... then glibc malloc_trim(0): hand freed memory back to the OS
 
 
 class SimConfig(_Section):

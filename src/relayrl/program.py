@@ -122,6 +122,7 @@ class Program:
             abort=workers.abort,
             log_trajectories=cfg.orchestrator.log_trajectories,
             release=cfg.orchestrator.release_memory,
+            trim=cfg.orchestrator.malloc_trim,
             sinks=build_sinks(run_dir, cfg.telemetry.sinks, cfg.run.name, cfg.model_dump(), project=cfg.telemetry.project)
             if run_dir is not None
             else None,

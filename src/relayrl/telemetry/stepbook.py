@@ -14,7 +14,7 @@ from pathlib import Path
 from relayrl.callbacks import Callback
 from relayrl.telemetry.sinks import SinkSet
 from relayrl.telemetry.trajlog import ParquetTrajectoryLog
-from relayrl.telemetry.memory import release_memory
+from relayrl.telemetry.memory import freeze_long_lived, release_memory
 from relayrl.telemetry.metrics import reduce_step
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import burn_cpu
@@ -32,6 +32,7 @@ class StepBookkeeper:
         abort: threading.Event,
         log_trajectories: bool,
         release: bool,
+        trim: bool = True,
         sinks: SinkSet | None = None,
     ) -> None:
         self._tracer = tracer
@@ -39,6 +40,7 @@ class StepBookkeeper:
         self._costs = host_costs
         self._abort = abort
         self._release = release
+        self._trim = trim
         self._metrics = sinks
         self._trajs = ParquetTrajectoryLog(run_dir) if run_dir and log_trajectories else None
         self.results: list[StepResult] = []
@@ -74,8 +76,17 @@ class StepBookkeeper:
         self._part("log_metrics", step, log_metrics)
         self._part("log_trajectories", step, log_trajectories)
         self._part("on_step_end", step, on_step_end)
-        self._part("release_memory", step, release_memory if self._release else lambda: None)
+        # the step's trajectories are logged: let them go, or every later collection walks them
+        record.groups, record.filtered = [], []
+        self._part("release_memory", step, self._release_memory if self._release else lambda: None)
         self._tracer.flush()
+
+    def _release_memory(self) -> None:
+        release_memory(self._trim)
+        if len(self.results) == 1:
+            # modules and caches created lazily by the first step are long-lived too: freeze them,
+            # so each later collection walks only what the step itself allocated
+            freeze_long_lived()
 
     def close(self) -> None:
         for writer in (self._metrics, self._trajs):

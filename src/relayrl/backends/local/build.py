@@ -89,7 +89,7 @@ def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[P
     samplers = [
         LocalSampler(
             _frozen_copy(model), copy.deepcopy(tokenizer), params,
-            replica=i, seed=cfg.run.seed, torch_threads=r.sampler_threads or None,
+            replica=i, seed=cfg.run.seed, torch_threads=r.sampler_threads or None, nice=r.sampler_nice,
         )
         for i in range(r.num_samplers)
     ]

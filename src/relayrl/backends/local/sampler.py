@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,15 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(sorted(ids))
 
 
+def _setup_worker_thread(torch_threads: int | None, nice: int) -> None:
+    """Runs first in the sampler's thread: its torch intra-op threads, and its scheduling
+    priority (Linux: niceness is per thread and inherited by the OpenMP threads it starts)."""
+    if nice and hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
 class LocalSampler:
     """One sampler replica holding a model in this process (implements `Sampler`).
 
@@ -59,6 +69,8 @@ class LocalSampler:
     `torch_threads` caps torch's intra-op threads in the worker thread only (the setting is
     per-thread), e.g. to leave the other cores to a trainer in the same process.
     `max_batch_samples` caps the sample rows of one batched forward; requests are chunked whole.
+    `nice` lowers the thread's scheduling priority, so that on a machine with few cores the trainer
+    (usually the bottleneck) keeps its cores and the sampler runs on what is left.
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class LocalSampler:
         seed: int = 0,
         torch_threads: int | None = None,
         max_batch_samples: int | None = None,
+        nice: int = 0,
     ) -> None:
         if max_batch_samples is not None and max_batch_samples < 1:
             raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
@@ -100,8 +113,8 @@ class LocalSampler:
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=f"relayrl-sampler-{replica}",
-            initializer=torch.set_num_threads if torch_threads else None,
-            initargs=(torch_threads,) if torch_threads else (),
+            initializer=_setup_worker_thread,
+            initargs=(torch_threads, nice),
         )
 
     @property
