@@ -86,12 +86,17 @@ def logprobs_from_logits(
     return torch.cat(logps, 0), torch.cat(ents, 0)
 
 
+CHUNK_ELEMENTS = 1 << 24  # full-vocabulary temporaries per chunk (64 MiB of float32)
+
+
 def token_logprobs(
-    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_rows: int = 1
+    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (log-prob of `batch.target_ids`, entropy), each (B, L) float32, on the packed
     batch. Values off `batch.loss_mask` are meaningless (but finite) and must be masked by the
     caller. `temperature` must match the sampler's for the log-probs to be comparable.
+    `chunk_rows` None: as many rows per chunk as keep the temporaries under CHUNK_ELEMENTS (a
+    small vocabulary takes the whole batch at once; a 49k vocabulary one row at a time).
     """
     if batch.attention_mask.dtype == torch.bool and _attn_implementation(model) == "eager":
         raise ValueError(
@@ -110,6 +115,8 @@ def token_logprobs(
         position_ids=batch.position_ids,
         use_cache=False,
     )
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1] * logits.shape[-1]))
     return logprobs_from_logits(logits, batch.target_ids, temperature, chunk_rows)
 
 
