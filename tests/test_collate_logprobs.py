@@ -20,6 +20,8 @@ from relayrl.backends.local.collate import PackedBatch, TorchCollator, block_cau
 from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logprobs
 from relayrl.types import MicroBatch, PaddingStats, Prompt, Trajectory
 
+from modelutil import random_qwen2
+
 torch.set_num_threads(1)
 
 VOCAB = 32
@@ -28,20 +30,7 @@ ModelFactory = Callable[[str], torch.nn.Module]
 
 
 def tiny_qwen2(attn_implementation: str) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn_implementation,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(VOCAB, attn_implementation=attn_implementation)
 
 
 MODEL_FACTORIES: dict[str, ModelFactory] = {"qwen2-random": tiny_qwen2}

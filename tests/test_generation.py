@@ -14,12 +14,14 @@ import time
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from relayrl.backends.local.generation import SampledSequence, SamplingParams, sample
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.protocols import Weights
 from relayrl.types import Prompt, SampleRequest
+
+from modelutil import random_qwen2
 
 torch.set_num_threads(1)
 
@@ -29,20 +31,7 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16], [17, 18, 19, 20, 21]
 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(VOCAB, seed, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
