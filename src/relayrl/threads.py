@@ -11,10 +11,25 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+async def run_in_thread(executor: Executor, fn: Callable[[], T], abort: threading.Event) -> T:
+    """Run `fn` in `executor`. If the caller is cancelled, set `abort` (which cooperative work
+    checks) and wait for the thread to stop before re-raising: nothing keeps running behind it."""
+    future = asyncio.get_running_loop().run_in_executor(executor, fn)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        abort.set()
+        if not future.done():
+            await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved, so it is not reported as never retrieved
+        raise
 
 
 class Workers:
@@ -28,18 +43,7 @@ class Workers:
         }
 
     async def run(self, name: str, fn: Callable[[], T]) -> T:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executors[name], fn)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            self.abort.set()
-            if not future.done():
-                # Wait for the thread to notice the abort flag; never leave it running.
-                await asyncio.wait([future])
-            if future.done() and not future.cancelled():
-                future.exception()  # retrieved so it is not reported as never retrieved
-            raise
+        return await run_in_thread(self._executors[name], fn, self.abort)
 
     def shutdown(self) -> None:
         self.abort.set()

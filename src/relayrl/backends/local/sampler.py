@@ -35,6 +35,7 @@ from relayrl.backends.local.generation import (
     sample,
 )
 from relayrl.backends.protocols import Weights
+from relayrl.threads import run_in_thread
 from relayrl.types import Completion, GenerateResult, SampleRequest
 
 __all__ = ["LocalSampler", "SamplingAborted"]
@@ -163,16 +164,7 @@ class LocalSampler:
         if self._closed:
             raise RuntimeError(f"LocalSampler replica {self.replica} is closed")
         abort = threading.Event()
-        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, abort)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            abort.set()
-            if not future.done():
-                await asyncio.wait([future])  # never leave the thread's work running behind us
-            if future.done() and not future.cancelled():
-                future.exception()  # retrieved, so it is not reported as never retrieved
-            raise
+        return await run_in_thread(self._executor, lambda: fn(abort), abort)
 
     def _generate_sync(self, requests: list[SampleRequest], abort: threading.Event) -> list[GenerateResult]:
         version = self._version  # the weights this call samples with: loads run in this thread too

@@ -16,7 +16,6 @@ that step's figures and returns the new policy version (= number of updates so f
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from relayrl.algorithms.losses import LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.protocols import Weights
+from relayrl.threads import run_in_thread
 from relayrl.types import MicroBatch
 
 T = TypeVar("T")
@@ -107,13 +107,7 @@ class LocalTrainer:
     async def _run(self, fn: Callable[[], T]) -> T:
         if self._closed:
             raise RuntimeError("trainer is closed")
-        future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            self._abort.set()
-            await asyncio.wait([future])  # never leave compute running behind the caller
-            raise
+        return await run_in_thread(self._executor, fn, self._abort)
 
     # -- protocol ------------------------------------------------------------------------------
     async def train_step(self, mb: MicroBatch) -> None:
