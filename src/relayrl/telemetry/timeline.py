@@ -57,10 +57,14 @@ def boundary_gaps(all_spans: list[Span]) -> list[float]:
     return [first[n + 1] - optim_end[n] for n in sorted(optim_end) if n + 1 in first]
 
 
+def _trainer_work(all_spans: list[Span]) -> list[Span]:
+    return [s for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")]
+
+
 def trainer_busy_fraction(all_spans: list[Span]) -> float:
     """Share of the trainer's active window (first train_step start → last optim_step end) spent
     inside train_step or optim_step."""
-    busy = [s for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")]
+    busy = _trainer_work(all_spans)
     if not busy:
         return 0.0
     window = max(s.end for s in busy) - min(s.start for s in busy)
@@ -97,7 +101,7 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 
 def lane_busy_fraction(all_spans: list[Span], lane_prefix: str, name: str) -> float:
     """Share of the trainer's active window in which some `name` span of these lanes ran."""
-    busy = [s for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")]
+    busy = _trainer_work(all_spans)
     if not busy:
         return 0.0
     lo, hi = min(s.start for s in busy), max(s.end for s in busy)
@@ -108,7 +112,7 @@ def lane_busy_fraction(all_spans: list[Span], lane_prefix: str, name: str) -> fl
 def exposed_bookkeeping_time(all_spans: list[Span]) -> float:
     """Trainer idle time inside its active window that is neither waiting for data nor waiting for
     a weight sync: time the trainer lost to orchestrator work that could have overlapped."""
-    busy = _union([(s.start, s.end) for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")])
+    busy = _union([(s.start, s.end) for s in _trainer_work(all_spans)])
     if not busy:
         return 0.0
     idle = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
