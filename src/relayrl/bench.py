@@ -68,16 +68,20 @@ def boundary_config(overlap: bool, steps: int, time_scale: float, extra: list[st
     return load_config(None, overrides + (extra or []))
 
 
+def _summary_float(result: RunResult, key: str) -> float:
+    """A figure the run already put in its summary (NaN when it has none, e.g. no boundary)."""
+    value = result.summary.get(key)
+    return float(value) if isinstance(value, int | float) else float("nan")
+
+
 def _figures(result: RunResult) -> BoundaryFigures:
-    all_spans = timeline.spans(result.tracer.events)
-    gaps = timeline.boundary_gaps(all_spans)
     lags = [float(r.metrics.get("loop_lag_max_ms") or 0.0) for r in result.results]
     return BoundaryFigures(
-        gap_median_s=statistics.median(gaps) if gaps else float("nan"),
-        busy_fraction=timeline.trainer_busy_fraction(all_spans),
+        gap_median_s=_summary_float(result, "boundary_gap_median_s"),
+        busy_fraction=_summary_float(result, "trainer_busy_fraction"),
         loop_lag_max_ms=max(lags, default=0.0),
         step_time_median_s=statistics.median(rec.step_time_sec for rec in result.records),
-        wall_s=float(result.summary["wall_time_s"]),  # type: ignore[arg-type]
+        wall_s=_summary_float(result, "wall_time_s"),
     )
 
 
@@ -116,13 +120,10 @@ def run_control_plane(steps: int = 40, one_core: bool = True, extra: list[str] |
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
         cfg = control_plane_config(steps, extra)
         result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / "cp").run())
-    ledger = result.ledger.as_dict()
-    wall = float(result.summary["wall_time_s"])  # type: ignore[arg-type]
-    trained = int(ledger["trajectories_trained"])  # type: ignore[call-overload]
     return {
-        "trajectories": trained,
-        "wall_s": wall,
-        "trajectories_per_s": trained / wall,
+        "trajectories": result.ledger.trajectories_trained,
+        "wall_s": _summary_float(result, "wall_time_s"),
+        "trajectories_per_s": _summary_float(result, "samples_per_s"),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
 
@@ -146,14 +147,12 @@ def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None 
                 cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
                 result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
                 all_spans = timeline.spans(result.tracer.events)
-                gaps = timeline.boundary_gaps(all_spans)
-                wall = float(result.summary["wall_time_s"])  # type: ignore[arg-type]
                 runs[label].append({
-                    "samples_per_s": result.ledger.trajectories_trained / wall,
-                    "trainer_busy": timeline.trainer_busy_fraction(all_spans),
+                    "samples_per_s": _summary_float(result, "samples_per_s"),
+                    "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
                     "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
-                    "gap_median_s": statistics.median(gaps) if gaps else float("nan"),
+                    "gap_median_s": _summary_float(result, "boundary_gap_median_s"),
                     "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
-                    "wall_s": wall,
+                    "wall_s": _summary_float(result, "wall_time_s"),
                 })
     return {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}
