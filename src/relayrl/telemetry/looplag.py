@@ -14,22 +14,15 @@ class LoopLagMonitor:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._max_s = 0.0
-        self._overall_max_s = 0.0
 
     async def run(self) -> None:
         while True:
             start = time.perf_counter()
             await asyncio.sleep(self.interval_s)
             lag = time.perf_counter() - start - self.interval_s
-            if lag > self._max_s:
-                self._max_s = lag
-                self._overall_max_s = max(self._overall_max_s, lag)
+            self._max_s = max(self._max_s, lag)
 
     def take_max_ms(self) -> float:
         """The largest lag seen since the previous call, in milliseconds; resets the window."""
         value, self._max_s = self._max_s, 0.0
         return value * 1e3
-
-    @property
-    def overall_max_ms(self) -> float:
-        return self._overall_max_s * 1e3

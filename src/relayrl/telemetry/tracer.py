@@ -50,9 +50,6 @@ class Tracer:
         """Seconds since the run started (the trace's time base)."""
         return time.perf_counter() - self._t0
 
-    def to_run_time(self, perf_counter_value: float) -> float:
-        return perf_counter_value - self._t0
-
     def _lane_meta(self, lane: str, tid: int) -> None:
         self._emit({"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": lane}})
         self._emit({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
