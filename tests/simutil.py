@@ -22,6 +22,7 @@ def sim_config(*overrides: str) -> Config:
         "rollout.prompts_per_request=2",
         "train.row_tokens=64",
         "train.rows_per_microbatch=2",
+        "train.share_prompt=false",  # the sim's timings assume one prompt copy per trajectory
         "orchestrator.release_memory=false",  # no gc.freeze inside the test process
     ]
     return load_config(None, base + list(overrides))

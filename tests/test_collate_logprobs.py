@@ -1,6 +1,6 @@
-"""Packed collation + log-probs: packed per-token log-probs equal unpacked ones, and the packed
-tensors line up (loss mask on exactly the completion tokens, restarting positions, advantages and
-sampler log-probs on the positions that predict their token).
+"""Packed collation + log-probs: packed per-token log-probs (and gradients) equal unpacked ones,
+with and without prompt sharing, and the packed tensors line up (positions, segments, the
+position that predicts each completion token, advantages and sampler log-probs).
 
 The model comes from a factory `(attn_implementation) -> model`, so the shipped tiny model can be
 swapped in for the random Qwen2 below.
@@ -16,8 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relayrl.backends.local.collate import PackedBatch, TorchCollator, block_causal_mask
+from relayrl.backends.local.collate import PackedBatch, TorchCollator, prefix_tree_mask
 from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logprobs
+from relayrl.packing import layout_tokens
 from relayrl.types import MicroBatch, PaddingStats, Prompt, Trajectory
 
 from modelutil import random_qwen2
@@ -37,14 +38,15 @@ MODEL_FACTORIES: dict[str, ModelFactory] = {"qwen2-random": tiny_qwen2}
 
 
 def make_trajectory(
-    rng: random.Random, i: int, n_prompt: int, n_comp: int, vocab: int = VOCAB
+    rng: random.Random, i: int, n_prompt: int, n_comp: int, vocab: int = VOCAB,
+    group_id: int | None = None, prompt_tokens: list[int] | None = None,
 ) -> Trajectory:
     completion = [rng.randrange(1, vocab) for _ in range(n_comp)]
     return Trajectory(
-        group_id=i // 4,
-        sample_index=i % 4,
+        group_id=i if group_id is None else group_id,
+        sample_index=i,
         prompt=Prompt(prompt_id=f"p{i}", text="", answer=""),
-        prompt_tokens=[rng.randrange(1, vocab) for _ in range(n_prompt)],
+        prompt_tokens=prompt_tokens if prompt_tokens is not None else [rng.randrange(1, vocab) for _ in range(n_prompt)],
         completion_tokens=completion,
         sampler_logprobs=[-rng.random() * 3 for _ in completion],
         completion_text="",
@@ -55,30 +57,41 @@ def make_trajectory(
     )
 
 
-def make_microbatch(trajectories: list[Trajectory], rows: list[list[int]]) -> MicroBatch:
-    row_tokens = max(sum(trajectories[i].num_tokens for i in row) for row in rows)
-    real = sum(t.num_tokens for t in trajectories)
+def make_groups(rng: random.Random, groups: list[tuple[int, list[int]]]) -> list[Trajectory]:
+    """Trajectories of groups given as (prompt length, completion lengths): the completions of
+    a group share one prompt, as a sampler's group does."""
+    trajectories: list[Trajectory] = []
+    for g, (n_prompt, completions) in enumerate(groups):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(n_prompt)]
+        for n_comp in completions:
+            trajectories.append(make_trajectory(rng, len(trajectories), n_prompt, n_comp, group_id=g, prompt_tokens=prompt))
+    return trajectories
+
+
+def make_microbatch(trajectories: list[Trajectory], rows: list[list[int]], share_prompt: bool = False) -> MicroBatch:
+    lengths = [layout_tokens(trajectories, row, share_prompt) for row in rows]
     return MicroBatch(
         step=0,
         index=0,
         final=True,
         trajectories=trajectories,
         rows=rows,
-        padding=PaddingStats(rows=len(rows), row_tokens=row_tokens, real_tokens=real, sequences=len(trajectories)),
-        num_tokens=real,
+        padding=PaddingStats(rows=len(rows), row_tokens=max(lengths), real_tokens=sum(lengths), sequences=len(trajectories)),
+        num_tokens=sum(lengths),
+        share_prompt=share_prompt,
     )
 
 
-# (prompt, completion) lengths; one trajectory with an empty completion; rows hold 2-3 sequences.
-LENGTHS = [(3, 5), (1, 2), (4, 6), (2, 1), (5, 3), (2, 4), (3, 0), (1, 7)]
-ROWS = [[0, 1], [2, 3, 4], [5, 6, 7]]
+# groups as (prompt length, completion lengths): one empty completion; groups 0 and 1 are split
+# over rows, and rows hold segments of one to three groups.
+GROUPS = [(3, [5, 2, 4]), (4, [1, 6, 0, 3]), (2, [2, 7])]
+ROWS = [[0, 1, 3, 4], [2, 7, 8, 5], [6]]
 
 
-@pytest.fixture
-def microbatch() -> MicroBatch:
-    rng = random.Random(0)
-    trajectories = [make_trajectory(rng, i, p, c) for i, (p, c) in enumerate(LENGTHS)]
-    return make_microbatch(trajectories, ROWS)
+@pytest.fixture(params=[False, True], ids=["own-prompt", "shared-prompt"])
+def microbatch(request: pytest.FixtureRequest) -> MicroBatch:
+    trajectories = make_groups(random.Random(0), GROUPS)
+    return make_microbatch(trajectories, ROWS, share_prompt=request.param)
 
 
 def _max_error(batch: PackedBatch, packed: torch.Tensor, unpacked: list[torch.Tensor]) -> float:
@@ -90,7 +103,7 @@ def _max_error(batch: PackedBatch, packed: torch.Tensor, unpacked: list[torch.Te
 @pytest.mark.parametrize("factory_name", sorted(MODEL_FACTORIES))
 @pytest.mark.parametrize(
     ("attn", "mask_kind", "pad_rows_to"),
-    [("sdpa", "bool", "longest"), ("sdpa", "float", 24), ("eager", "float", "longest")],
+    [("sdpa", "bool", "longest"), ("sdpa", "float", 32), ("eager", "float", "longest")],
 )
 def test_packed_logprobs_equal_unpacked(
     microbatch: MicroBatch, factory_name: str, attn: str, mask_kind: str, pad_rows_to: str | int
@@ -108,9 +121,9 @@ def test_packed_logprobs_equal_unpacked(
 def test_packed_gradients_equal_unpacked(microbatch: MicroBatch) -> None:
     """Backward through the packed batch (padding included) is finite and equals the unpacked sum."""
     model = tiny_qwen2("sdpa")
-    batch = TorchCollator(PAD, pad_rows_to=24).collate(microbatch)
+    batch = TorchCollator(PAD, pad_rows_to=32).collate(microbatch)
     logp, _ = token_logprobs(model, batch)
-    (logp * batch.loss_mask * batch.advantages).sum().backward()
+    (logp * batch.advantages).sum().backward()
     packed_grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     model.zero_grad()
     ref, _ = unpacked_token_logprobs(model, microbatch.trajectories)
@@ -130,29 +143,40 @@ def test_eager_with_bool_mask_is_refused(microbatch: MicroBatch) -> None:
 def test_layout(microbatch: MicroBatch) -> None:
     batch = TorchCollator(PAD).collate(microbatch)
     trajs = microbatch.trajectories
-    longest = max(sum(trajs[i].num_tokens for i in row) for row in ROWS)
-    assert batch.shape == (len(ROWS), longest)  # padded to the longest row only
-    assert batch.attention_mask.shape == (len(ROWS), 1, longest, longest)
+    share = microbatch.share_prompt
+    lengths = [layout_tokens(trajs, row, share) for row in ROWS]
+    assert batch.shape == (len(ROWS), max(lengths))  # padded to the longest row only
+    assert batch.attention_mask.shape == (len(ROWS), 1, max(lengths), max(lengths))
     assert batch.attention_mask.dtype == torch.bool
-    assert batch.num_real_tokens == sum(t.num_tokens for t in trajs)
-    assert batch.num_loss_tokens == int(batch.loss_mask.sum().item()) == sum(len(t.completion_tokens) for t in trajs)
+    assert batch.num_real_tokens == sum(lengths)
+    assert batch.num_loss_tokens == batch.target_ids.numel() == sum(len(t.completion_tokens) for t in trajs)
     assert batch.num_sequences == len(trajs)
+    if share:  # row 0 holds the prompts of groups 0 and 1 once, row 1 that of group 2
+        assert sum(lengths) == sum(t.num_tokens for t in trajs) - 3 - 4 - 2
 
+    flat_ids = batch.input_ids.reshape(-1)
+    flat_pos = batch.position_ids.reshape(-1)
     for r, row in enumerate(ROWS):
-        start = 0
-        for i in row:
-            t = trajs[i]
-            n, p = t.num_tokens, len(t.prompt_tokens)
-            assert batch.input_ids[r, start : start + n].tolist() == t.prompt_tokens + t.completion_tokens
-            assert batch.position_ids[r, start : start + n].tolist() == list(range(n))  # restarts
-            assert (batch.seq_index[r, start : start + n] == i).all()
-            # the loss mask is 1 exactly on the positions predicting completion tokens
-            expected = [0.0] * (p - 1) + [1.0] * len(t.completion_tokens) + [0.0]
-            assert batch.loss_mask[r, start : start + n].tolist() == expected
-            start += n
-        assert (batch.seq_index[r, start:] == -1).all()
-        assert (batch.loss_mask[r, start:] == 0).all()
-        assert (batch.input_ids[r, start:] == PAD).all()
+        expected_ids: list[int] = []
+        expected_pos: list[int] = []
+        if share:  # completions follow their segment's prompt, segments in order of first appearance
+            for g in dict.fromkeys(trajs[i].group_id for i in row):
+                members = [i for i in row if trajs[i].group_id == g]
+                p = trajs[members[0]].prompt_tokens
+                expected_ids += p
+                expected_pos += list(range(len(p)))
+                for i in members:
+                    expected_ids += trajs[i].completion_tokens
+                    expected_pos += list(range(len(p), len(p) + len(trajs[i].completion_tokens)))
+        else:
+            for i in row:
+                expected_ids += trajs[i].prompt_tokens + trajs[i].completion_tokens
+                expected_pos += list(range(trajs[i].num_tokens))
+        n = len(expected_ids)
+        assert batch.input_ids[r, :n].tolist() == expected_ids
+        assert batch.position_ids[r, :n].tolist() == expected_pos
+        assert (batch.segment_ids[r, :n] >= 0).all() and (batch.segment_ids[r, n:] == -1).all()
+        assert (batch.input_ids[r, n:] == PAD).all()
 
     for i, t in enumerate(trajs):
         assert batch.split_by_sequence(batch.target_ids)[i].tolist() == t.completion_tokens
@@ -161,21 +185,28 @@ def test_layout(microbatch: MicroBatch) -> None:
         )
         adv = batch.split_by_sequence(batch.advantages)[i]
         assert torch.allclose(adv, torch.full_like(adv, t.advantage))
-    assert (batch.advantages[batch.loss_mask == 0] == 0).all()
+        # token j is predicted by the last prompt position (j = 0) or by completion token j - 1
+        src = batch.split_by_sequence(batch.source_index)[i]
+        predictors = (t.prompt_tokens[-1:] + t.completion_tokens[:-1])[: len(t.completion_tokens)]
+        assert flat_ids[src].tolist() == predictors
+        assert flat_pos[src].tolist() == list(range(len(t.prompt_tokens) - 1, t.num_tokens - 1))
 
 
-def test_mask_blocks_across_sequences_and_pads_attend_to_themselves() -> None:
-    seq = torch.tensor([[0, 0, 1, 1, 1, -1, -1]])
-    mask = block_causal_mask(seq)[0, 0]
+def test_prefix_tree_mask_shares_the_prompt_and_isolates_completions() -> None:
+    # row: segment 0 = prompt (2 tokens) + completion a (2) + completion b (1); segment 1 = 2 tokens; 1 pad
+    seg = torch.tensor([[0, 0, 0, 0, 0, 1, 1, -1]])
+    branch = torch.tensor([[-1, -1, 7, 7, 9, -1, -1, -1]])
+    mask = prefix_tree_mask(seg, branch)[0, 0]
     expected = torch.tensor(
         [
-            [1, 0, 0, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0, 0, 0],
-            [0, 0, 1, 0, 0, 0, 0],
-            [0, 0, 1, 1, 0, 0, 0],
-            [0, 0, 1, 1, 1, 0, 0],
-            [0, 0, 0, 0, 0, 1, 0],
-            [0, 0, 0, 0, 0, 0, 1],
+            [1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0, 0],  # b sees the prompt and itself, not a
+            [0, 0, 0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 0, 0, 0, 0, 1],
         ],
         dtype=torch.bool,
     )
@@ -193,19 +224,20 @@ def test_float_mask_is_additive(microbatch: MicroBatch) -> None:
 def test_bad_microbatches_are_named(microbatch: MicroBatch) -> None:
     with pytest.raises(ValueError, match="over pad_rows_to=8"):
         TorchCollator(PAD, pad_rows_to=8).collate(microbatch)
-    microbatch.trajectories[2].sampler_logprobs.pop()
-    with pytest.raises(ValueError, match="trajectory 2 .*5 sampler_logprobs for 6 completion tokens"):
+    microbatch.trajectories[4].sampler_logprobs.pop()
+    with pytest.raises(ValueError, match="trajectory 4 .*5 sampler_logprobs for 6 completion tokens"):
         TorchCollator(PAD).collate(microbatch)
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    lengths=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=8),
+    groups=st.lists(st.tuples(st.integers(1, 6), st.lists(st.integers(0, 6), min_size=1, max_size=4)), min_size=1, max_size=4),
+    share=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_layout_invariants_hold_for_any_packing(lengths: list[tuple[int, int]], seed: int) -> None:
+def test_layout_invariants_hold_for_any_packing(groups: list[tuple[int, list[int]]], share: bool, seed: int) -> None:
     rng = random.Random(seed)
-    trajs = [make_trajectory(rng, i, p, c) for i, (p, c) in enumerate(lengths)]
+    trajs = make_groups(rng, groups)
     order = list(range(len(trajs)))
     rng.shuffle(order)
     rows: list[list[int]] = []
@@ -213,16 +245,21 @@ def test_layout_invariants_hold_for_any_packing(lengths: list[tuple[int, int]], 
         k = rng.randint(1, 3)
         rows.append(order[:k])
         order = order[k:]
-    batch = TorchCollator(PAD).collate(make_microbatch(trajs, rows))
+    batch = TorchCollator(PAD).collate(make_microbatch(trajs, rows, share))
+    flat_ids = batch.input_ids.reshape(-1)
     for i, t in enumerate(trajs):
         assert batch.split_by_sequence(batch.target_ids)[i].tolist() == t.completion_tokens
         assert batch.split_by_sequence(batch.old_logprobs)[i].tolist() == pytest.approx(t.sampler_logprobs)
-    # a position starts a sequence exactly where its position id is 0 (and it is real)
-    starts = (batch.position_ids == 0) & (batch.seq_index >= 0)
-    assert int(starts.sum()) == len(trajs)
-    # every real position attends to its own sequence's prefix only: row sums equal position + 1
+        src = batch.split_by_sequence(batch.source_index)[i]
+        assert flat_ids[src].tolist() == (t.prompt_tokens[-1:] + t.completion_tokens[:-1])[: len(t.completion_tokens)]
+    # a segment starts exactly where a real position has position id 0: one per prompt copy
+    real = batch.segment_ids >= 0
+    starts = (batch.position_ids == 0) & real
+    copies = sum(len({trajs[i].group_id for i in row}) if share else len(row) for row in rows)
+    assert int(starts.sum()) == copies == int(batch.segment_ids.max()) + 1
+    # every real position attends to exactly its sequence's prefix (prompt + own earlier tokens):
+    # position + 1 keys; padding attends to itself only
     attended = batch.attention_mask[:, 0].sum(-1)
-    real = batch.seq_index >= 0
     assert torch.equal(attended[real], batch.position_ids[real] + 1)
     assert (attended[~real] == 1).all()
 
@@ -250,8 +287,9 @@ def test_float_mask_follows_model_dtype(microbatch: MicroBatch) -> None:
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
 def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> None:
-    """The production path (sdpa) on the shipped model, with real arithmetic prompts packed
-    several to a row: per-token log-probs equal the one-sequence-at-a-time ones (atol 1e-5)."""
+    """The production path (sdpa, packer + collator, prompts shared) on the shipped model, with
+    real arithmetic groups packed several to a row: per-token log-probs equal the
+    one-sequence-at-a-time ones (atol 1e-5)."""
     from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
     from relayrl.packing import build_microbatch, plan
     from relayrl.tasks.arithmetic import ArithmeticTask
@@ -259,13 +297,16 @@ def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> 
     model, tok = load_model_and_tokenizer(shipped_model_dir())
     rng = random.Random(1)
     trajectories = []
-    for i, prompt in zip(range(12), ArithmeticTask().stream()):
+    for g, prompt in zip(range(6), ArithmeticTask().stream()):
         ids = tok(prompt.text, add_special_tokens=False)["input_ids"]
-        completion = tok(prompt.answer if i % 3 else str(rng.randrange(200)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        trajectories.append(Trajectory(group_id=i, sample_index=0, prompt=prompt, prompt_tokens=ids, completion_tokens=completion,
-                                       sampler_logprobs=[0.0] * len(completion), completion_text="", policy_version=0, replica=0))
-    mb = build_microbatch(0, 0, trajectories, plan(trajectories, 40, 8))
-    assert max(len(row) for row in mb.rows) >= 3  # really packed
+        for s in range(4):
+            answer = prompt.answer if s % 2 else str(rng.randrange(200))
+            completion = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            trajectories.append(Trajectory(group_id=g, sample_index=s, prompt=prompt, prompt_tokens=ids, completion_tokens=completion,
+                                           sampler_logprobs=[0.0] * len(completion), completion_text="", policy_version=0, replica=0))
+    mb = build_microbatch(0, 0, trajectories, plan(trajectories, 40, 8, share_prompt=True))
+    assert max(len({mb.trajectories[i].group_id for i in row}) for row in mb.rows) >= 2  # really packed
+    assert mb.num_tokens < sum(t.num_tokens for t in trajectories)  # really shared
     batch = TorchCollator(tok.pad_token_id, mask_kind=mask_kind).collate(mb)  # type: ignore[arg-type]
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from relayrl.algorithms.advantages import group_advantages
 from relayrl.bookkeeping import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.config import ConfigError, load_config
-from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, plan
+from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, layout_tokens, plan
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Prompt, Trajectory
 from relayrl.window import DispatchWindow
@@ -106,6 +106,35 @@ def test_ffd_places_every_token_once_and_respects_the_budget(lengths: list[int],
     assert sum(mb.num_tokens for mb in mbs) == sum(t.num_tokens for t in trajs)
     assert [mb.final for mb in mbs] == [False] * (len(mbs) - 1) + [True]
     assert all(0 < mb.padding.efficiency <= 1 for mb in mbs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(1, 20), st.lists(st.integers(0, 30), min_size=1, max_size=16)), min_size=1, max_size=12),
+    budget=st.integers(51, 200),
+    rows_per_mb=st.integers(1, 5),
+)
+def test_shared_prompt_packing_places_every_trajectory_once_within_the_budget(
+    groups: list[tuple[int, list[int]]], budget: int, rows_per_mb: int
+) -> None:
+    trajs = [_traj(n_prompt, n_comp, g) for g, (n_prompt, comps) in enumerate(groups) for n_comp in comps]
+    p = plan(trajs, budget, rows_per_mb, share_prompt=True)
+    assert sorted(i for row in p.rows for i in row) == list(range(len(trajs)))
+    assert all(layout_tokens(trajs, row, True) <= budget for row in p.rows)
+    mbs = [build_microbatch(0, k, trajs, p) for k in range(len(p.microbatches))]
+    assert all(mb.share_prompt for mb in mbs)
+    laid_out = sum(mb.num_tokens for mb in mbs)
+    # each group's prompt is laid out at least once and at most once per member
+    assert sum(n for n, _ in groups) + sum(map(sum, (c for _, c in groups))) <= laid_out <= sum(t.num_tokens for t in trajs)
+    assert sum(mb.padding.sequence_tokens for mb in mbs) == sum(t.num_tokens for t in trajs)
+    if all(n + sum(c) <= budget for n, c in groups):  # every group fits one row: its prompt is laid out once
+        assert laid_out == sum(n for n, _ in groups) + sum(map(sum, (c for _, c in groups)))
+
+
+def test_shared_prompt_packing_names_the_budget_key() -> None:
+    trajs = [_traj(6, 5, 0), _traj(6, 3, 0)]
+    with pytest.raises(PackingError, match="11 tokens exceeds the row budget of 10 tokens .train.row_tokens"):
+        plan(trajs, 10, 2, share_prompt=True)
 
 
 def test_ffd_is_tight_on_a_known_case() -> None:

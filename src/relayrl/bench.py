@@ -63,6 +63,7 @@ def boundary_config(overlap: bool, steps: int, time_scale: float, extra: list[st
         "rollout.prompts_per_request=8",
         "train.row_tokens=256",
         "train.rows_per_microbatch=3",
+        "train.share_prompt=false",  # the seed profile's micro-batch count
         f"orchestrator.overlap_bookkeeping={'true' if overlap else 'false'}",
     ]
     return load_config(None, overrides + (extra or []))

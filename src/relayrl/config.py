@@ -74,6 +74,9 @@ class AlgorithmConfig(_Section):
 class TrainConfig(_Section):
     row_tokens: int = Field(256, ge=8)  # token budget of one packed row
     rows_per_microbatch: int = Field(4, ge=1)
+    # a group's completions share one copy of its prompt in a packed row (exact: each completion
+    # sees the prompt and itself only); off = one prompt copy per trajectory
+    share_prompt: bool = True
     learning_rate: float = Field(1e-5, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)

@@ -1,7 +1,14 @@
 """Token-budget packing: first-fit-decreasing of trajectories into rows, rows into micro-batches.
 
-Invariant: every trajectory of the step is placed in exactly one row, no row holds more tokens
-than the budget, and every row belongs to exactly one micro-batch.
+A row is laid out as *segments*: one prompt followed by one or more completions of it. Without
+prompt sharing every trajectory is its own segment (prompt + completion). With prompt sharing the
+trajectories of one group that carry the same prompt tokens share one copy of the prompt: a group
+of G completions of c tokens costs P + G·c tokens instead of G·(P + c). The collator's attention
+mask lets each completion see the shared prompt and its own earlier tokens only, so the
+per-token log-probs (and their gradients) are those of G separate sequences.
+
+Invariant: every trajectory of the step is placed in exactly one row, no row's laid-out length
+(`layout_tokens`) exceeds the budget, and every row belongs to exactly one micro-batch.
 """
 
 from __future__ import annotations
@@ -35,35 +42,80 @@ def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]
     return bins
 
 
-def plan(trajectories: Sequence[Trajectory], row_budget: int, rows_per_microbatch: int) -> PackPlan:
-    rows = first_fit_decreasing([t.num_tokens for t in trajectories], row_budget)
+def segments(trajectories: Sequence[Trajectory], indices: Sequence[int], share_prompt: bool) -> list[list[int]]:
+    """`indices` as segments (lists of trajectory indices laid out behind one prompt copy), in
+    order of first appearance: with `share_prompt`, one segment per (group, prompt tokens);
+    otherwise one segment per trajectory."""
+    if not share_prompt:
+        return [[i] for i in indices]
+    by_key: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i in indices:
+        t = trajectories[i]
+        by_key.setdefault((t.group_id, tuple(t.prompt_tokens)), []).append(i)
+    return list(by_key.values())
+
+
+def segment_tokens(trajectories: Sequence[Trajectory], segment: Sequence[int]) -> int:
+    """Tokens a segment occupies: its prompt once, then every completion."""
+    return len(trajectories[segment[0]].prompt_tokens) + sum(len(trajectories[i].completion_tokens) for i in segment)
+
+
+def layout_tokens(trajectories: Sequence[Trajectory], indices: Sequence[int], share_prompt: bool) -> int:
+    """Tokens a row holding `indices` occupies once laid out as segments."""
+    return sum(segment_tokens(trajectories, s) for s in segments(trajectories, indices, share_prompt))
+
+
+def _units(trajectories: Sequence[Trajectory], budget: int, share_prompt: bool) -> list[list[int]]:
+    """Packing units: segments split (FFD of their completions) so that each fits the budget."""
+    units: list[list[int]] = []
+    for seg in segments(trajectories, range(len(trajectories)), share_prompt):
+        if len(seg) == 1:
+            units.append(seg)
+            continue
+        prompt = len(trajectories[seg[0]].prompt_tokens)
+        longest = max(len(trajectories[i].completion_tokens) for i in seg)
+        if prompt + longest > budget:
+            raise PackingError(
+                f"a trajectory of {prompt + longest} tokens exceeds the row budget of {budget} tokens (train.row_tokens)"
+            )
+        lengths = [len(trajectories[i].completion_tokens) for i in seg]
+        units.extend([seg[k] for k in sorted(chunk)] for chunk in first_fit_decreasing(lengths, budget - prompt))
+    return units
+
+
+def plan(trajectories: Sequence[Trajectory], row_budget: int, rows_per_microbatch: int, share_prompt: bool = False) -> PackPlan:
+    units = _units(trajectories, row_budget, share_prompt)
+    unit_rows = first_fit_decreasing([segment_tokens(trajectories, u) for u in units], row_budget)
+    rows = [[i for u in unit_row for i in units[u]] for unit_row in unit_rows]
     microbatches = [list(range(i, min(i + rows_per_microbatch, len(rows)))) for i in range(0, len(rows), rows_per_microbatch)]
-    return PackPlan(rows=rows, microbatches=microbatches, row_budget=row_budget)
+    return PackPlan(rows=rows, microbatches=microbatches, row_budget=row_budget, share_prompt=share_prompt)
 
 
 def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> MicroBatch:
     """The micro-batch `index` of a plan, with rows re-indexed into its own trajectory list."""
     mb_trajs: list[Trajectory] = []
     mb_rows: list[list[int]] = []
-    longest = 0
     for row_index in pack_plan.microbatches[index]:
-        row: list[int] = []
-        row_len = 0
-        for t_index in pack_plan.rows[row_index]:
-            row.append(len(mb_trajs))
-            mb_trajs.append(trajectories[t_index])
-            row_len += trajectories[t_index].num_tokens
-        mb_rows.append(row)
-        longest = max(longest, row_len)
-    real = sum(t.num_tokens for t in mb_trajs)
+        row = pack_plan.rows[row_index]
+        mb_rows.append(list(range(len(mb_trajs), len(mb_trajs) + len(row))))
+        mb_trajs.extend(trajectories[t] for t in row)
+    row_lengths = [layout_tokens(mb_trajs, row, pack_plan.share_prompt) for row in mb_rows]
+    real = sum(row_lengths)
     return MicroBatch(
         step=step,
         index=index,
         final=index == len(pack_plan.microbatches) - 1,
         trajectories=mb_trajs,
         rows=mb_rows,
-        padding=PaddingStats(rows=len(mb_rows), row_tokens=longest, real_tokens=real, sequences=len(mb_trajs)),
+        padding=PaddingStats(
+            rows=len(mb_rows),
+            row_tokens=max(row_lengths, default=0),
+            real_tokens=real,
+            sequences=len(mb_trajs),
+            sequence_tokens=sum(t.num_tokens for t in mb_trajs),
+        ),
         num_tokens=real,
         step_completion_tokens=sum(len(t.completion_tokens) for t in trajectories),
         step_sequences=sum(1 for t in trajectories if t.completion_tokens),
+        share_prompt=pack_plan.share_prompt,
     )

@@ -219,6 +219,7 @@ class Program:
                     overlap=cfg.orchestrator.overlap_bookkeeping,
                     row_tokens=cfg.train.row_tokens,
                     rows_per_microbatch=cfg.train.rows_per_microbatch,
+                    share_prompt=cfg.train.share_prompt,
                     on_step_begin=on_step_begin,
                     on_commit=on_commit,
                     bookkeep=self.bookkeeper,

@@ -110,8 +110,9 @@ class PaddingStats:
 
     rows: int
     row_tokens: int  # length every row is padded to
-    real_tokens: int
+    real_tokens: int  # tokens laid out in the rows (a shared prompt counts once)
     sequences: int
+    sequence_tokens: int = 0  # prompt + completion tokens of every sequence (without prompt sharing)
 
     @property
     def padded_tokens(self) -> int:
@@ -129,6 +130,7 @@ class PackPlan:
     rows: list[list[int]]  # indices into the step's trajectory list, per packed row
     microbatches: list[list[int]]  # indices into `rows`, per micro-batch
     row_budget: int
+    share_prompt: bool = False  # a group's completions share one copy of its prompt in a row
 
 
 @dataclass(slots=True)
@@ -144,6 +146,7 @@ class MicroBatch:
     num_tokens: int
     step_completion_tokens: int = 0  # over the whole step: the loss normaliser for accumulation
     step_sequences: int = 0  # trajectories of the step with at least one completion token
+    share_prompt: bool = False  # rows are laid out as segments sharing a prompt (packing.segments)
     payload: object = None
 
     @property

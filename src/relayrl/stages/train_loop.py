@@ -115,6 +115,7 @@ class TrainLoop:
         overlap: bool,
         row_tokens: int,
         rows_per_microbatch: int,
+        share_prompt: bool,
         on_step_begin: Callable[[int], None],
         on_commit: Callable[[StepRecord], None],
         bookkeep: Callable[[StepRecord], None],
@@ -131,6 +132,7 @@ class TrainLoop:
         self._overlap = overlap
         self._row_tokens = row_tokens
         self._rows_per_mb = rows_per_microbatch
+        self._share_prompt = share_prompt
         self._on_step_begin = on_step_begin
         self._on_commit = on_commit  # fills the record's cheap commit-time fields (sync times, lag)
         self._bookkeep = bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
@@ -150,7 +152,7 @@ class TrainLoop:
 
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
         trajectories = [t for g in groups for t in g.trajectories]
-        pack_plan = plan(trajectories, self._row_tokens, self._rows_per_mb)
+        pack_plan = plan(trajectories, self._row_tokens, self._rows_per_mb, self._share_prompt)
         return _Prepared(step, groups, trajectories, pack_plan, self._start_pack(step, 0, trajectories, pack_plan), waited)
 
     # -- end of step -----------------------------------------------------------------------

@@ -29,6 +29,7 @@ def reduce_step(record: StepRecord) -> Metrics:
     staleness = [trained_version - t.policy_version for t in trajs]
     real = sum(p.real_tokens for p in record.padding)
     padded = sum(p.padded_tokens for p in record.padding)
+    unshared = sum(p.sequence_tokens for p in record.padding)
     completion_lengths = [len(t.completion_tokens) for t in trajs]
     metrics: Metrics = {
         "step": record.step,
@@ -52,6 +53,8 @@ def reduce_step(record: StepRecord) -> Metrics:
         "tokens": real,
         "microbatches": len(record.padding),
         "padding_efficiency": real / padded if padded else 1.0,
+        # tokens the trainer did not compute because completions shared their prompt's copy
+        "prompt_sharing_saving": 1.0 - real / unshared if unshared else 0.0,
         "loop_lag_max_ms": record.loop_lag_max_ms,
     }
     for key, value in record.trainer_metrics.items():

@@ -1,15 +1,17 @@
 """Collation: turn a planned micro-batch into the packed tensors a causal LM trains on.
 
-Job: lay each row's trajectories (prompt + completion tokens) side by side, pad the rows to a
-common length, and build everything the loss needs per position.
+Job: lay each row's segments (one prompt followed by the completions that share it, see
+`relayrl.packing.segments`) side by side, pad the rows to a common length, and list the loss
+tokens: for every completion token, the row position whose logits predict it.
 
-Invariant: a packed forward pass sees each sequence exactly as an unpacked one would —
-`position_ids` restart at 0 for every sequence and a 4D block-diagonal causal `attention_mask`
-lets a token attend only to earlier tokens of its own sequence; padding positions attend only to
-themselves (so softmax stays defined and nothing becomes NaN) and are never attended to by real
-tokens. Position `p` carries the *prediction of token p+1*: `loss_mask[p] == 1` exactly when
-token p+1 is a completion token of the same sequence, and then `target_ids[p]` is that token,
-`old_logprobs[p]` its sampler log-prob and `advantages[p]` the sequence's advantage.
+Invariant: a packed forward pass gives every completion token exactly the log-prob one unpacked
+forward pass of its own sequence gives. Positions restart at 0 at each segment's prompt and a
+completion continues from the prompt's length; the 4D `attention_mask` lets a prompt token attend
+to earlier tokens of its prompt, and a completion token to its segment's prompt and to earlier
+tokens of its own completion — never to another completion or segment. Padding positions attend
+only to themselves (so softmax stays defined and nothing becomes NaN) and are never attended to.
+The first completion token of every completion in a segment is predicted by the prompt's last
+position (shared); completion token j > 0 by the completion's own token j − 1.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from relayrl.packing import segment_tokens, segments
 from relayrl.types import MicroBatch, Trajectory
 
 MaskKind = Literal["bool", "float"]
@@ -26,30 +29,32 @@ MaskKind = Literal["bool", "float"]
 
 @dataclass(slots=True)
 class PackedBatch:
-    """Tensors of one packed micro-batch; every per-token tensor has shape (B, L).
+    """Tensors of one packed micro-batch.
 
+    Per position, shape (B, L):
     - `input_ids`: token ids, `pad_token_id` on padding.
-    - `position_ids`: restart at 0 for every packed sequence; 0 on padding.
+    - `position_ids`: 0.. along each segment's prompt, then prompt length.. along each completion;
+      0 on padding.
+    - `segment_ids`: the segment (numbered across the micro-batch) owning the position; -1 on pad.
     - `attention_mask`: (B, 1, L, L); bool (True = attend, for sdpa) or additive float
       (0 = attend, dtype min = blocked, for eager or sdpa).
-    - `target_ids`: the token each position predicts (next token of the same sequence);
-      `pad_token_id` where there is none (last token of a sequence, padding).
-    - `loss_mask`: float 1.0 where `target_ids` is a completion token, else 0.0.
-    - `advantages`: the owning trajectory's advantage on loss positions, 0 elsewhere.
-    - `old_logprobs`: the sampler's log-prob of `target_ids` on loss positions, 0 elsewhere.
-    - `seq_index`: index into the micro-batch's `trajectories` of the token's sequence; -1 on pad.
-    - `num_real_tokens`: prompt + completion tokens of all sequences (no padding).
-    - `num_loss_tokens`: completion tokens scored (== loss_mask.sum()).
-    - `num_sequences`: trajectories in the micro-batch.
+    Per loss token (one per completion token), shape (T,), in trajectory order and, within a
+    trajectory, in completion order:
+    - `source_index`: flat index into (B·L) of the position whose logits predict the token.
+    - `target_ids`, `old_logprobs` (the sampler's log-prob), `advantages` (the trajectory's),
+      `seq_index` (index into the micro-batch's `trajectories`).
+    Counts: `num_real_tokens` (laid-out tokens, a shared prompt once; no padding),
+    `num_loss_tokens` (= T), `num_sequences` (trajectories in the micro-batch).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    segment_ids: torch.Tensor
     attention_mask: torch.Tensor
+    source_index: torch.Tensor
     target_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
     old_logprobs: torch.Tensor
+    advantages: torch.Tensor
     seq_index: torch.Tensor
     num_real_tokens: int
     num_loss_tokens: int
@@ -59,6 +64,11 @@ class PackedBatch:
     def shape(self) -> tuple[int, int]:
         rows, length = self.input_ids.shape
         return int(rows), int(length)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """All ones over the loss tokens (every listed token is scored)."""
+        return torch.ones(self.target_ids.shape, dtype=torch.float32, device=self.target_ids.device)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """A copy with every tensor moved to `device` (counts unchanged)."""
@@ -71,23 +81,22 @@ class PackedBatch:
         return PackedBatch(**moved)  # type: ignore[arg-type]
 
     def split_by_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """Per sequence (in `trajectories` order), the entries of a (B, L) tensor on its loss
-        positions, in completion order: entry j belongs to completion token j."""
-        flat_seq = self.seq_index.reshape(-1)
-        flat_mask = self.loss_mask.reshape(-1) > 0
-        flat_values = values.reshape(-1)
-        return [flat_values[(flat_seq == i) & flat_mask] for i in range(self.num_sequences)]
+        """Per sequence (in `trajectories` order), the entries of a (T,) per-loss-token tensor, in
+        completion order: entry j belongs to completion token j."""
+        return [values[self.seq_index == i] for i in range(self.num_sequences)]
 
 
-def block_causal_mask(seq_index: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, L, L) mask, True = attend: causal within each sequence id, nothing across
-    sequences; a padding position (id < 0) attends only to itself."""
-    rows, length = seq_index.shape
-    same = seq_index[:, :, None] == seq_index[:, None, :]
-    real = (seq_index >= 0)[:, :, None]
-    causal = torch.ones(length, length, dtype=torch.bool, device=seq_index.device).tril_()
-    eye = torch.eye(length, dtype=torch.bool, device=seq_index.device)
-    mask = (same & real & causal) | eye
+def prefix_tree_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1, L, L) mask, True = attend: causal within each segment, nothing across
+    segments, and a position of branch b >= 0 (a completion) sees only branch -1 (the segment's
+    prompt) and its own branch; a padding position (segment < 0) attends only to itself."""
+    rows, length = segment_ids.shape
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids >= 0)[:, :, None]
+    visible = (branch_ids[:, None, :] < 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril_()
+    eye = torch.eye(length, dtype=torch.bool, device=segment_ids.device)
+    mask = (same & real & visible & causal) | eye
     return mask.unsqueeze(1)
 
 
@@ -136,7 +145,8 @@ class TorchCollator:
         for i, traj in enumerate(trajectories):
             _check_trajectory(traj, i, mb)
 
-        row_lengths = [sum(trajectories[i].num_tokens for i in row) for row in mb.rows]
+        row_segments = [segments(trajectories, row, mb.share_prompt) for row in mb.rows]
+        row_lengths = [sum(segment_tokens(trajectories, s) for s in segs) for segs in row_segments]
         longest = max(row_lengths, default=0)
         if self.pad_rows_to == "longest":
             length = max(longest, 1)
@@ -150,51 +160,67 @@ class TorchCollator:
                 )
         rows = max(len(mb.rows), 1)
 
-        input_ids = torch.full((rows, length), self.pad_token_id, dtype=torch.long)
-        target_ids = torch.full((rows, length), self.pad_token_id, dtype=torch.long)
-        position_ids = torch.zeros((rows, length), dtype=torch.long)
-        seq_index = torch.full((rows, length), -1, dtype=torch.long)
-        loss_mask = torch.zeros((rows, length), dtype=torch.float32)
-        advantages = torch.zeros((rows, length), dtype=torch.float32)
-        old_logprobs = torch.zeros((rows, length), dtype=torch.float32)
+        # per position (rows × length, flat) and per loss token, filled as Python lists
+        input_ids = [self.pad_token_id] * (rows * length)
+        position_ids = [0] * (rows * length)
+        segment_ids = [-1] * (rows * length)
+        branch_ids = [-1] * (rows * length)
+        n_loss = sum(len(t.completion_tokens) for t in trajectories)
+        source = [0] * n_loss
+        target = [0] * n_loss
+        old = [0.0] * n_loss
+        adv = [0.0] * n_loss
+        seq = [0] * n_loss
+        offsets = [0] * len(trajectories)  # first loss-token slot of each trajectory
+        for i in range(1, len(trajectories)):
+            offsets[i] = offsets[i - 1] + len(trajectories[i - 1].completion_tokens)
 
-        num_loss_tokens = 0
-        for r, row in enumerate(mb.rows):
-            start = 0
-            for i in row:
-                traj = trajectories[i]
-                n_prompt, n_comp = len(traj.prompt_tokens), len(traj.completion_tokens)
-                n = n_prompt + n_comp
-                end = start + n
-                tokens = torch.tensor(traj.prompt_tokens + traj.completion_tokens, dtype=torch.long)
-                input_ids[r, start:end] = tokens
-                target_ids[r, start : end - 1] = tokens[1:]
-                position_ids[r, start:end] = torch.arange(n)
-                seq_index[r, start:end] = i
-                if n_comp:
-                    # positions predicting completion token j sit at start + n_prompt - 1 + j
-                    first = start + n_prompt - 1
-                    loss_mask[r, first : first + n_comp] = 1.0
-                    advantages[r, first : first + n_comp] = traj.advantage
-                    old_logprobs[r, first : first + n_comp] = torch.tensor(
-                        traj.sampler_logprobs, dtype=torch.float32
-                    )
-                num_loss_tokens += n_comp
-                start = end
+        segment_id = 0
+        for r, segs in enumerate(row_segments):
+            p = r * length
+            for seg in segs:
+                prompt = trajectories[seg[0]].prompt_tokens
+                n_prompt = len(prompt)
+                input_ids[p : p + n_prompt] = prompt
+                position_ids[p : p + n_prompt] = range(n_prompt)
+                segment_ids[p : p + n_prompt] = [segment_id] * n_prompt
+                last_prompt = p + n_prompt - 1
+                p += n_prompt
+                for i in seg:
+                    traj = trajectories[i]
+                    comp = traj.completion_tokens
+                    n = len(comp)
+                    input_ids[p : p + n] = comp
+                    position_ids[p : p + n] = range(n_prompt, n_prompt + n)
+                    segment_ids[p : p + n] = [segment_id] * n
+                    branch_ids[p : p + n] = [i] * n
+                    o = offsets[i]
+                    if n:
+                        source[o] = last_prompt
+                        source[o + 1 : o + n] = range(p, p + n - 1)
+                    target[o : o + n] = comp
+                    old[o : o + n] = traj.sampler_logprobs
+                    adv[o : o + n] = [traj.advantage] * n
+                    seq[o : o + n] = [i] * n
+                    p += n
+                segment_id += 1
 
-        mask = block_causal_mask(seq_index)
+        shape = (rows, length)
+        segment_t = torch.tensor(segment_ids, dtype=torch.long).view(shape)
+        mask = prefix_tree_mask(segment_t, torch.tensor(branch_ids, dtype=torch.long).view(shape))
         attention_mask = mask if self.mask_kind == "bool" else to_additive_mask(mask, self.float_dtype)
         return PackedBatch(
-            input_ids=input_ids,
-            position_ids=position_ids,
+            input_ids=torch.tensor(input_ids, dtype=torch.long).view(shape),
+            position_ids=torch.tensor(position_ids, dtype=torch.long).view(shape),
+            segment_ids=segment_t,
             attention_mask=attention_mask,
-            target_ids=target_ids,
-            loss_mask=loss_mask,
-            advantages=advantages,
-            old_logprobs=old_logprobs,
-            seq_index=seq_index,
+            source_index=torch.tensor(source, dtype=torch.long),
+            target_ids=torch.tensor(target, dtype=torch.long),
+            old_logprobs=torch.tensor(old, dtype=torch.float32),
+            advantages=torch.tensor(adv, dtype=torch.float32),
+            seq_index=torch.tensor(seq, dtype=torch.long),
             num_real_tokens=sum(row_lengths),
-            num_loss_tokens=num_loss_tokens,
+            num_loss_tokens=n_loss,
             num_sequences=len(trajectories),
         )
 

@@ -1,16 +1,16 @@
 """Per-token log-probs and entropies of a Hugging Face causal LM on a packed batch.
 
-Job: run the model once on a `PackedBatch` and return, for every position p, log π(target_p |
-tokens ≤ p of the same sequence) and the entropy of that next-token distribution.
+Job: run the model once on a `PackedBatch` and return, for every loss token (completion token),
+its log π(token | its sequence's earlier tokens) and the entropy of that next-token distribution.
 
 Invariant: packed results equal what one unpacked forward pass per sequence gives (to float
-round-off), because the collator's 4D block-diagonal mask and restarting `position_ids` isolate
-the sequences. The log-probs carry gradient; the entropy is always detached (a statistic).
-Memory: the log-prob is `gather(logits, target) - logsumexp(logits)`; backward keeps only the
-logits themselves (no second full-vocabulary tensor, as `log_softmax` would create next to the
-logits). The entropy is computed under `no_grad` one row chunk at a time so its softmax
-temporaries stay small. Exceptions: non-float32 logits or a temperature ≠ 1 make a float32 /
-scaled copy per chunk, which backward keeps (one extra full-vocabulary copy in all).
+round-off), because the collator's 4D prefix-tree mask and positions isolate the sequences (see
+`collate`). The log-probs carry gradient; the entropy is always detached (a statistic).
+Memory: only the logits of the positions that predict a loss token are scored (one
+`index_select`); the log-prob is `gather(logits, target) - logsumexp(logits)`, so backward keeps
+no second full-vocabulary tensor as `log_softmax` would. The entropy is computed under `no_grad`
+a chunk of tokens at a time so its softmax temporaries stay small. Exceptions: non-float32
+logits or a temperature ≠ 1 make a float32 / scaled copy per chunk, which backward keeps.
 """
 
 from __future__ import annotations
@@ -55,27 +55,25 @@ def logprobs_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(…, V) logits and (…) integer targets → (log-prob of target, detached entropy), both (…).
 
-    Computed in float32. Rows are the leading dimension; `chunk_rows` rows at a time bound the
-    temporaries (only the entropy and a dtype up-cast need full-vocabulary temporaries).
+    Computed in float32, `chunk_rows` vectors of V logits at a time: that bounds the temporaries
+    (only the entropy and a dtype up-cast need full-vocabulary temporaries).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() < 2 or logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
-    if logits.dim() == 2:
-        logits, targets = logits.unsqueeze(0), targets.unsqueeze(0)
-        lp, ent = logprobs_from_logits(logits, targets, temperature, chunk_rows)
-        return lp.squeeze(0), ent.squeeze(0)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
     step = max(chunk_rows, 1)
     logps: list[torch.Tensor] = []
     ents: list[torch.Tensor] = []
-    for start in range(0, logits.shape[0], step):
-        chunk = logits[start : start + step]
+    for start in range(0, flat_logits.shape[0], step):
+        chunk = flat_logits[start : start + step]
         if chunk.dtype != torch.float32:
             chunk = chunk.float()
         if temperature != 1.0:
             chunk = chunk / temperature
-        picked = chunk.gather(-1, targets[start : start + step].unsqueeze(-1)).squeeze(-1)
+        picked = chunk.gather(-1, flat_targets[start : start + step].unsqueeze(-1)).squeeze(-1)
         lse = torch.logsumexp(chunk, dim=-1)
         logps.append(picked - lse)
         with torch.no_grad():
@@ -83,7 +81,9 @@ def logprobs_from_logits(
             probs = torch.softmax(detached, dim=-1)
             ents.append(lse.detach() - (probs * detached).sum(-1))
             del probs
-    return torch.cat(logps, 0), torch.cat(ents, 0)
+    logp = torch.cat(logps) if logps else flat_logits.new_zeros(0, dtype=torch.float32)
+    ent = torch.cat(ents) if ents else flat_logits.new_zeros(0, dtype=torch.float32)
+    return logp.view(targets.shape), ent.view(targets.shape)
 
 
 CHUNK_ELEMENTS = 1 << 24  # full-vocabulary temporaries per chunk (64 MiB of float32)
@@ -92,11 +92,10 @@ CHUNK_ELEMENTS = 1 << 24  # full-vocabulary temporaries per chunk (64 MiB of flo
 def token_logprobs(
     model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (log-prob of `batch.target_ids`, entropy), each (B, L) float32, on the packed
-    batch. Values off `batch.loss_mask` are meaningless (but finite) and must be masked by the
-    caller. `temperature` must match the sampler's for the log-probs to be comparable.
-    `chunk_rows` None: as many rows per chunk as keep the temporaries under CHUNK_ELEMENTS (a
-    small vocabulary takes the whole batch at once; a 49k vocabulary one row at a time).
+    """Per loss token (log-prob of `batch.target_ids`, entropy), each (T,) float32, from one
+    forward pass over the packed batch. `temperature` must match the sampler's for the log-probs
+    to be comparable. `chunk_rows` None: as many loss tokens per chunk as keep the temporaries
+    under CHUNK_ELEMENTS (a small vocabulary takes the whole batch at once).
     """
     if batch.attention_mask.dtype == torch.bool and _attn_implementation(model) == "eager":
         raise ValueError(
@@ -115,9 +114,11 @@ def token_logprobs(
         position_ids=batch.position_ids,
         use_cache=False,
     )
+    vocab = logits.shape[-1]
+    predicting = logits.reshape(-1, vocab).index_select(0, batch.source_index)
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1] * logits.shape[-1]))
-    return logprobs_from_logits(logits, batch.target_ids, temperature, chunk_rows)
+        chunk_rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
+    return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_rows)
 
 
 def unpacked_token_logprobs(
