@@ -133,6 +133,29 @@ def test_next_step_first_microbatch_is_packed_while_final_one_trains(tmp_path: P
     assert max(g for g in gaps if g is not None) < 0.03  # never paid a pack at the boundary
 
 
+def test_next_step_is_packed_when_its_groups_arrive_during_the_final_microbatch(tmp_path: Path) -> None:
+    """One micro-batch per step, and generation shorter than training but not done when that
+    micro-batch is issued: N+1 is taken and packed the moment its groups land, inside N's
+    training, so the boundary pays neither the wait nor the pack."""
+    cfg = sim_config(
+        "run.steps=5", "train.rows_per_microbatch=100", "sim.train_step=0.2",
+        "sim.generate_per_request=0.025", "sim.pack_per_microbatch=0.03",
+    )
+    result = run_checked(make_program(cfg, tmp_path))
+    s = trace_spans(result)
+    late = 0
+    for n in range(1, cfg.run.steps - 1):
+        train = find(s, "train_step", n, microbatch=0)
+        assert train.args["final"]
+        pack0 = find(s, "pack", n + 1, microbatch=0)
+        late += pack0.start >= train.start + 0.04  # the groups were not there when it was issued
+        assert pack0.end <= find(s, "optim_step", n).start  # ... and still packed before the commit
+    assert late >= 1  # the case this test is about happened
+    gaps = [r.metrics["boundary_gap_sec"] for r in result.results[2:]]
+    assert max(g for g in gaps if g is not None) < 0.03
+    assert all(r.metrics["exposed_generation_time"] == 0.0 for r in result.results[2:])
+
+
 def test_inline_baseline_pays_the_boundary_on_the_event_loop(tmp_path: Path) -> None:
     cfg = sim_config("orchestrator.overlap_bookkeeping=false", "sim.get_metrics=0.05", "sim.reduce_metrics=0.03")
     result = run_checked(make_program(cfg, tmp_path))

@@ -7,7 +7,8 @@ work of N (metrics fetch, reduction, logging, callbacks, memory release) is defe
 - fetch(N):        starts at commit(N),           finishes before optim_step(N+1)   (rules 1, 2)
 - bookkeeping(N):  starts at first_train(N+1)     finishes before optim_step(N+1)   (rules 3, 4)
                    and after fetch(N) landed, runs in the bookkeeping thread
-- N+1's first micro-batch is packed while N's final one trains when its groups are there (rule 9)
+- N+1's groups are taken and its first micro-batch packed as soon as they are there, from the
+  moment N's final micro-batch is issued: while it trains if the groups arrive in time (rule 9)
 
 With `overlap_bookkeeping = false` the seed's inline behaviour is kept as the baseline: fetch and
 bookkeeping run right after the commit, on the event loop, and N+1 is packed only after them.
@@ -96,7 +97,8 @@ class _Prepared:
     trajectories: list[Trajectory]
     plan: PackPlan
     first_pack: asyncio.Task[tuple[MicroBatch, float]]
-    waited: float
+    waited: float  # trainer-exposed wait for the groups
+    ready_at: float = 0.0  # when the groups were all there
 
 
 class TrainLoop:
@@ -153,7 +155,14 @@ class TrainLoop:
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
         trajectories = [t for g in groups for t in g.trajectories]
         pack_plan = plan(trajectories, self._row_tokens, self._rows_per_mb, self._share_prompt)
-        return _Prepared(step, groups, trajectories, pack_plan, self._start_pack(step, 0, trajectories, pack_plan), waited)
+        first = self._start_pack(step, 0, trajectories, pack_plan)
+        return _Prepared(step, groups, trajectories, pack_plan, first, waited, self._tracer.now())
+
+    async def _take_and_prepare(self, step: int) -> _Prepared:
+        """Wait for `step`'s groups and start packing its first micro-batch (the exposed part of
+        the wait is settled by the loop, which knows when the trainer went idle)."""
+        groups, _ = await self._taker.take(step)
+        return self._prepare(step, groups, 0.0)
 
     # -- end of step -----------------------------------------------------------------------
     async def _fetch(self, record: StepRecord) -> None:
@@ -194,14 +203,16 @@ class TrainLoop:
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> list[StepRecord]:
         tracer = self._tracer
-        pending: _Prepared | None = None
+        pending: asyncio.Task[_Prepared] | None = None
         last_commit: float | None = None
         step_start = tracer.now()
         for step in range(self._steps):
             if pending is None:
                 groups, waited = await self._taker.take(step)
-                pending = self._prepare(step, groups, waited)
-            prepared, pending = pending, None
+                prepared = self._prepare(step, groups, waited)
+            else:
+                prepared, pending = await pending, None
+                prepared.waited = max(0.0, prepared.ready_at - step_start)
             record = StepRecord(step=step, groups=prepared.groups, exposed_generation_time=prepared.waited)
             self._on_step_begin(step)
             pack_task = prepared.first_pack
@@ -211,10 +222,8 @@ class TrainLoop:
                 record.packing_time += pack_seconds
                 if index + 1 < count:
                     pack_task = self._start_pack(step, index + 1, prepared.trajectories, prepared.plan)
-                elif self._overlap and step + 1 < self._steps:
-                    ready = self._taker.try_take(step + 1)
-                    if ready is not None:
-                        pending = self._prepare(step + 1, ready, 0.0)  # rule 9: pack N+1 now
+                elif self._overlap and step + 1 < self._steps:  # rule 9: N+1 as soon as its groups are there
+                    pending = self._tg.create_task(self._take_and_prepare(step + 1), name=f"prepare:{step + 1}")
                 start = tracer.now()
                 train = self._tg.create_task(self._trainer.train_step(mb), name=f"train_step:{step}:{index}")
                 if index == 0:
