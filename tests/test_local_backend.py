@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,25 @@ def test_on_policy_sampler_and_trainer_agree(short_run: tuple[Path, object]) -> 
     assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-3 for r in rows)
 
 
+def test_kl_reference_and_truncated_is_in_a_real_run(tmp_path: Path) -> None:
+    """KL to a frozen reference and truncated IS, end to end on the local backend: the first
+    step's policy is the reference (KL 0), later steps have moved away from it (KL > 0); the IS
+    weights are reported, capped, and 1 where sampler and trainer agree."""
+    cfg = load_config(None, [*QUICK, "run.steps=4", "train.learning_rate=5e-3", "rollout.max_staleness=1",
+                             "algorithm.kl_beta=0.1", "algorithm.tis_cap=1.5", "eval.enabled=false"])
+    run_checked(build_program(cfg, run_dir=tmp_path / "run"), timeout=120)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["train/completion_tokens"] > 0]
+    assert len(trained) == 4
+    assert trained[0]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # version 0 is the reference
+    assert max(r["train/kl_mean"] for r in trained[1:]) > 0
+    for r in trained:
+        assert 0 < r["train/tis_weight_mean"] <= 1.5 + 1e-6
+        if r["staleness_max"] == 0:  # on-policy: trainer and sampler agree, weight exp(0) = 1
+            assert r["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert any(r["staleness_max"] == 1 and abs(r["train/tis_weight_mean"] - 1.0) > 1e-4 for r in trained)
+
+
 def test_trainer_update_changes_weights_and_fills_the_slot() -> None:
     from relayrl.backends.local.collate import TorchCollator
     from relayrl.packing import build_microbatch, plan
@@ -109,6 +129,35 @@ def test_lr_schedule() -> None:
 def test_default_recipe_is_the_local_backend_on_the_shipped_model() -> None:
     cfg = load_config(default_recipe())
     assert cfg.run.backend == "local" and cfg.task.kind == "arithmetic" and cfg.model.path == ""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "trainer_threads", "sampler_threads"),
+    [([], 2, 2), (["rollout.num_samplers=3"], 1, 1), (["train.torch_threads=3", "rollout.sampler_threads=1"], 3, 1)],
+)
+def test_threads_are_split_between_trainer_and_samplers(
+    overrides: list[str], trainer_threads: int, sampler_threads: int, tmp_path: Path
+) -> None:
+    """By default the trainer and the samplers, which compute at the same time, share the
+    process's intra-op threads (4 here) instead of each taking all of them."""
+    from relayrl.backends.local.build import build_local_backend
+
+    cfg = load_config(None, [*QUICK, "eval.enabled=false", *overrides])
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        backend = build_local_backend(cfg, threading.Event(), [])
+    finally:
+        torch.set_num_threads(before)
+    try:
+        assert backend.trainer.settings.torch_threads == trainer_threads  # type: ignore[attr-defined]
+        assert [s.torch_threads for s in backend.samplers] == [sampler_threads] * cfg.rollout.num_samplers  # type: ignore[attr-defined]
+    finally:
+        async def close() -> None:
+            await backend.trainer.close()
+            for s in backend.samplers:
+                await s.close()
+        asyncio.run(close())
 
 
 def test_missing_model_directory_is_named(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
     num_samplers: int = Field(1, ge=1)
-    sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = torch's default
+    sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = auto (see train.torch_threads)
     sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
@@ -84,7 +84,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     max_grad_norm: float = Field(1.0, gt=0.0)
-    torch_threads: int = Field(0, ge=0)  # trainer's intra-op threads; 0 = torch's default
+    # trainer's intra-op threads; 0 = auto: the process's torch threads split evenly between the
+    # trainer and the local samplers, which compute at the same time (at least 1 each)
+    torch_threads: int = Field(0, ge=0)
 
 
 class ModelConfig(_Section):

@@ -86,10 +86,15 @@ def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[P
         return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
 
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    # the trainer and the samplers compute at the same time: by default split the process's
+    # intra-op threads between them rather than oversubscribe the cores (measured on 2 cores:
+    # 1 + 1 threads is as fast as 2 + 2 on the default recipe and ~1.4x faster on small steps)
+    auto_threads = max(1, torch.get_num_threads() // (1 + r.num_samplers))
+    sampler_threads = r.sampler_threads or auto_threads
     samplers = [
         LocalSampler(
             _frozen_copy(model), copy.deepcopy(tokenizer), params,
-            replica=i, seed=cfg.run.seed, torch_threads=r.sampler_threads or None, nice=r.sampler_nice,
+            replica=i, seed=cfg.run.seed, torch_threads=sampler_threads, nice=r.sampler_nice,
         )
         for i in range(r.num_samplers)
     ]
@@ -101,13 +106,13 @@ def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[P
     settings = TrainerSettings(
         learning_rate=t.learning_rate, total_steps=cfg.run.steps, loss=loss, weight_decay=t.weight_decay,
         betas=(t.adam_beta1, t.adam_beta2), warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,
-        max_grad_norm=t.max_grad_norm, temperature=r.temperature, torch_threads=t.torch_threads,
+        max_grad_norm=t.max_grad_norm, temperature=r.temperature, torch_threads=t.torch_threads or auto_threads,
     )
     ref = _frozen_copy(model) if a.kl_beta > 0 else None
     evaluator = None
     if cfg.eval.enabled and heldout:
         engine = LocalSampler(_frozen_copy(model), copy.deepcopy(tokenizer), params, replica=r.num_samplers, seed=cfg.run.seed,
-                              torch_threads=r.sampler_threads or None)
+                              torch_threads=sampler_threads)
         evaluator = HeldoutEvaluator(engine, heldout, tokenize(), _Decode(copy.deepcopy(tokenizer)), cfg.eval.max_new_tokens,
                                      rewards.resolve(cfg.task.reward_functions))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -95,6 +95,7 @@ class LocalSampler:
             params = dataclasses.replace(params, eos_token_ids=_eos_ids(model, tokenizer))
         self.params = params
         self.replica = replica
+        self.torch_threads = torch_threads
         self._version = version
         self._max_batch_samples = max_batch_samples
         self._generator = torch.Generator(device=model.device)
