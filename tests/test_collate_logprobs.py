@@ -133,6 +133,40 @@ def test_packed_gradients_equal_unpacked(microbatch: MicroBatch) -> None:
         torch.testing.assert_close(packed, p.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_microbatch_without_completion_tokens_still_backpropagates() -> None:
+    """A micro-batch whose trajectories all have empty completions (e.g. the last row of a step)
+    scores nothing, but the loss built on it still supports backward() (zero gradient)."""
+    from relayrl.algorithms.losses import LossConfig, policy_loss
+
+    model = tiny_qwen2("sdpa")
+    trajs = make_groups(random.Random(3), [(3, [0, 0])])
+    batch = TorchCollator(PAD).collate(make_microbatch(trajs, [[0, 1]], share_prompt=True))
+    assert batch.num_loss_tokens == 0
+    logp, ent = token_logprobs(model, batch)
+    assert logp.shape == ent.shape == (0,)
+    out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.seq_index, LossConfig(),
+                      num_tokens_in_step=1.0, num_seqs_in_step=1.0)
+    out.loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, None])
+def test_chunked_scoring_equals_one_chunk(microbatch: MicroBatch, chunk_tokens: int | None) -> None:
+    model = tiny_qwen2("sdpa")
+    batch = TorchCollator(PAD).collate(microbatch)
+    grads = []
+    for chunk in (chunk_tokens, 10_000):
+        model.zero_grad()
+        logp, ent = token_logprobs(model, batch, chunk_tokens=chunk)
+        (logp * batch.advantages).sum().backward()
+        grads.append((logp.detach(), ent, [p.grad.clone() for p in model.parameters()]))  # type: ignore[union-attr]
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = grads
+    torch.testing.assert_close(lp_a, lp_b)
+    torch.testing.assert_close(ent_a, ent_b)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(a, b)
+
+
 def test_eager_with_bool_mask_is_refused(microbatch: MicroBatch) -> None:
     model = tiny_qwen2("eager")
     batch = TorchCollator(PAD, mask_kind="bool").collate(microbatch)

@@ -160,6 +160,18 @@ def test_threads_are_split_between_trainer_and_samplers(
         asyncio.run(close())
 
 
+def test_split_threads() -> None:
+    from relayrl.backends.local.build import split_threads
+
+    assert split_threads(2, 0, 0, 1) == (1, 1)
+    assert split_threads(16, 0, 0, 1) == (8, 8)
+    assert split_threads(16, 0, 0, 3) == (4, 4)
+    assert split_threads(16, 10, 0, 2) == (10, 3)  # the samplers share what the trainer leaves
+    assert split_threads(16, 0, 4, 2) == (8, 4)
+    assert split_threads(2, 4, 0, 1) == (4, 1)  # never below one thread
+    assert split_threads(16, 3, 5, 1) == (3, 5)
+
+
 def test_missing_model_directory_is_named(tmp_path: Path) -> None:
     cfg = load_config(None, [*QUICK, f"model.path={tmp_path / 'nope'}"])
     with pytest.raises(FileNotFoundError, match="nope"):

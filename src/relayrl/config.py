@@ -84,8 +84,8 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     max_grad_norm: float = Field(1.0, gt=0.0)
-    # trainer's intra-op threads; 0 = auto: the process's torch threads split evenly between the
-    # trainer and the local samplers, which compute at the same time (at least 1 each)
+    # trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
+    # time and share the process's torch threads (at least 1 each; see local/build.split_threads)
     torch_threads: int = Field(0, ge=0)
 
 

@@ -1,4 +1,4 @@
-"""Token-budget packing: first-fit-decreasing of trajectories into rows, rows into micro-batches.
+"""Token-budget packing: first-fit-decreasing of segments into rows, rows into micro-batches.
 
 A row is laid out as *segments*: one prompt followed by one or more completions of it. Without
 prompt sharing every trajectory is its own segment (prompt + completion). With prompt sharing the

@@ -60,7 +60,11 @@ class Trainer(Protocol):
 
 
 class Collator(Protocol):
-    """Turns a planned micro-batch into what the trainer consumes. Runs in a packing thread."""
+    """Turns a planned micro-batch into what the trainer consumes. Runs in a packing thread.
+
+    Rows were sized by `relayrl.packing.layout_tokens`: with `mb.share_prompt` a collator must
+    lay each row out as `relayrl.packing.segments` (one prompt copy per segment) or it may
+    exceed the row budget."""
 
     def collate(self, mb: MicroBatch) -> object: ...
 

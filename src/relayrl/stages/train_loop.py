@@ -65,21 +65,12 @@ class GroupTaker:
         groups, self._held = self._held[: self._gps], self._held[self._gps :]
         return groups
 
-    def try_take(self, step: int) -> list[Group] | None:
-        """Step's groups if they are all there now, without waiting."""
-        while len(self._held) < self._gps:
-            try:
-                group = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return None
-            self._admit(group, step)
-        return self._hand_over()
-
     async def take(self, step: int) -> tuple[list[Group], float]:
         """Step's groups, waiting for them; returns the groups and the time spent waiting."""
-        groups = self.try_take(step)
-        if groups is not None:
-            return groups, 0.0
+        while len(self._held) < self._gps and not self._queue.empty():
+            self._admit(self._queue.get_nowait(), step)
+        if len(self._held) >= self._gps:
+            return self._hand_over(), 0.0
         start = self._tracer.now()
         while len(self._held) < self._gps:
             self._admit(await self._queue.get(), step)
@@ -98,7 +89,7 @@ class _Prepared:
     plan: PackPlan
     first_pack: asyncio.Task[tuple[MicroBatch, float]]
     waited: float  # trainer-exposed wait for the groups
-    ready_at: float = 0.0  # when the groups were all there
+    ready_at: float  # when the groups were all there
 
 
 class TrainLoop:
@@ -153,16 +144,17 @@ class TrainLoop:
         return self._tg.create_task(self._pack(step, index, trajectories, pack_plan), name=f"pack:{step}:{index}")
 
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
+        ready_at = self._tracer.now()
         trajectories = [t for g in groups for t in g.trajectories]
         pack_plan = plan(trajectories, self._row_tokens, self._rows_per_mb, self._share_prompt)
         first = self._start_pack(step, 0, trajectories, pack_plan)
-        return _Prepared(step, groups, trajectories, pack_plan, first, waited, self._tracer.now())
+        return _Prepared(step, groups, trajectories, pack_plan, first, waited, ready_at)
 
     async def _take_and_prepare(self, step: int) -> _Prepared:
-        """Wait for `step`'s groups and start packing its first micro-batch (the exposed part of
-        the wait is settled by the loop, which knows when the trainer went idle)."""
+        """Wait for `step`'s groups and start packing its first micro-batch. Its `waited` is set
+        by the loop, which knows when the trainer went idle (only that part is exposed)."""
         groups, _ = await self._taker.take(step)
-        return self._prepare(step, groups, 0.0)
+        return self._prepare(step, groups, waited=0.0)
 
     # -- end of step -----------------------------------------------------------------------
     async def _fetch(self, record: StepRecord) -> None:

@@ -50,30 +50,38 @@ def _logits(model: CausalLM, **inputs: torch.Tensor | bool) -> torch.Tensor:
     return logits
 
 
+CHUNK_ELEMENTS = 1 << 24  # full-vocabulary temporaries per chunk (64 MiB of float32)
+
+
 def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(…, V) logits and (…) integer targets → (log-prob of target, detached entropy), both (…).
 
-    Computed in float32, `chunk_rows` vectors of V logits at a time: that bounds the temporaries
-    (only the entropy and a dtype up-cast need full-vocabulary temporaries).
+    Computed in float32, `chunk_tokens` vectors of V logits at a time (None: as many as keep the
+    temporaries under CHUNK_ELEMENTS); only the entropy and a dtype up-cast need full-vocabulary
+    temporaries. With no targets the result is empty but still part of the autograd graph.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() < 2 or logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1)
-    step = max(chunk_rows, 1)
+    vocab = logits.shape[-1]
+    step = max(1, chunk_tokens if chunk_tokens is not None else CHUNK_ELEMENTS // max(1, vocab))
+    flat_logits = logits.reshape(-1, vocab)
+    if flat_logits.shape[0] == 0:
+        empty = flat_logits.float().sum(-1)  # (0,), connected to the graph: backward() still works
+        return empty.view(targets.shape), empty.detach().view(targets.shape)
     logps: list[torch.Tensor] = []
     ents: list[torch.Tensor] = []
-    for start in range(0, flat_logits.shape[0], step):
-        chunk = flat_logits[start : start + step]
+    # `split` (not slicing in a loop): backward then concatenates the chunk gradients instead of
+    # adding one full-size zero-padded gradient per chunk
+    for chunk, target in zip(flat_logits.split(step), targets.reshape(-1).split(step)):
         if chunk.dtype != torch.float32:
             chunk = chunk.float()
         if temperature != 1.0:
             chunk = chunk / temperature
-        picked = chunk.gather(-1, flat_targets[start : start + step].unsqueeze(-1)).squeeze(-1)
+        picked = chunk.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         lse = torch.logsumexp(chunk, dim=-1)
         logps.append(picked - lse)
         with torch.no_grad():
@@ -81,21 +89,16 @@ def logprobs_from_logits(
             probs = torch.softmax(detached, dim=-1)
             ents.append(lse.detach() - (probs * detached).sum(-1))
             del probs
-    logp = torch.cat(logps) if logps else flat_logits.new_zeros(0, dtype=torch.float32)
-    ent = torch.cat(ents) if ents else flat_logits.new_zeros(0, dtype=torch.float32)
-    return logp.view(targets.shape), ent.view(targets.shape)
-
-
-CHUNK_ELEMENTS = 1 << 24  # full-vocabulary temporaries per chunk (64 MiB of float32)
+    return torch.cat(logps).view(targets.shape), torch.cat(ents).view(targets.shape)
 
 
 def token_logprobs(
-    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_rows: int | None = None
+    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per loss token (log-prob of `batch.target_ids`, entropy), each (T,) float32, from one
     forward pass over the packed batch. `temperature` must match the sampler's for the log-probs
-    to be comparable. `chunk_rows` None: as many loss tokens per chunk as keep the temporaries
-    under CHUNK_ELEMENTS (a small vocabulary takes the whole batch at once).
+    to be comparable. `chunk_tokens`: see `logprobs_from_logits` (a small vocabulary takes the
+    whole batch in one chunk).
     """
     if batch.attention_mask.dtype == torch.bool and _attn_implementation(model) == "eager":
         raise ValueError(
@@ -114,11 +117,8 @@ def token_logprobs(
         position_ids=batch.position_ids,
         use_cache=False,
     )
-    vocab = logits.shape[-1]
-    predicting = logits.reshape(-1, vocab).index_select(0, batch.source_index)
-    if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
-    return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_rows)
+    predicting = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.source_index)
+    return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_tokens)
 
 
 def unpacked_token_logprobs(
