@@ -42,8 +42,11 @@ def train(
     config: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: the shipped default recipe).")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a key: section.key=value (repeatable).")] = [],
     backend: Annotated[Optional[str], typer.Option("--backend", help="sim | local")] = None,
+    resume: Annotated[
+        Optional[Path], typer.Option("--resume", help="Continue RUN_DIR from its newest checkpoint (with its config.toml and any --set).")
+    ] = None,
 ) -> None:
-    """Run a training recipe and write its run directory."""
+    """Run a training recipe and write its run directory, or resume one (--resume RUN_DIR)."""
     import asyncio
 
     from relayrl.packing import PackingError
@@ -54,13 +57,20 @@ def train(
     if backend is not None:
         overrides.append(f"run.backend={backend}")
     try:  # everything a user can get wrong is checked here, before the run starts
-        cfg = load_config(config or default_recipe(), overrides)
-        run_dir = run_dir_for(cfg)
+        if resume is not None:
+            if config is not None:
+                _fail("give either a recipe or --resume RUN_DIR (a resumed run uses RUN_DIR/config.toml)")
+            cfg = load_config(resume / "config.toml", overrides)
+            run_dir = resume
+        else:
+            cfg = load_config(config or default_recipe(), overrides)
+            run_dir = run_dir_for(cfg)
         progress = ProgressPrinter(cfg.run.steps, out)
-        program = build_program(cfg, [progress], run_dir)
+        program = build_program(cfg, [progress], run_dir, resume=resume is not None)
     except (ValueError, FileNotFoundError) as exc:  # config, task data, reward names, model path
         _fail(str(exc))
-    out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
+    start = f"from step {program.start_step} " if program.start_step else ""
+    out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
     try:
         result = asyncio.run(program.run())
     except PackingError as exc:  # a trajectory longer than train.row_tokens

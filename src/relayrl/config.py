@@ -111,6 +111,10 @@ class OrchestratorConfig(_Section):
     log_trajectories: bool = True
     release_memory: bool = True  # gc.collect() after each step (in the bookkeeping job)
     malloc_trim: bool = True  # ... then glibc malloc_trim(0): hand freed memory back to the OS
+    # write checkpoints/step-N/ every K steps and after the last one (0 = never); `relayrl train
+    # --resume RUN_DIR` continues from the newest
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)  # the newest K checkpoints are kept
 
 
 class SimConfig(_Section):

@@ -2,6 +2,8 @@
 
 Invariant: every dispatched group reaches exactly one of trained, filtered (by reason) or unused
 (still in flight when the run ended). Settling a group twice, or one never dispatched, raises.
+The prompts of the groups in flight are kept, so a checkpoint can hand them to the resumed run;
+a resumed ledger starts from the settled counts of the checkpoint it resumes.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from relayrl.types import FilteredGroup
+from relayrl.types import FilteredGroup, Prompt
 
 
 class LedgerError(RuntimeError):
@@ -25,21 +27,57 @@ class Ledger:
     reward_errors: Counter[str] = field(default_factory=Counter)
     _outcome: dict[int, str] = field(default_factory=dict)
     _pending_filtered: list[FilteredGroup] = field(default_factory=list)
+    _in_flight: dict[int, tuple[Prompt, int]] = field(default_factory=dict)  # id -> (prompt, group size)
+    _settled_before: Counter[str] = field(default_factory=Counter)  # outcomes restored from a checkpoint
+    _base_ids: int = 0  # ids below this were settled before the resume
 
-    def dispatch(self, num_groups: int, group_size: int) -> range:
-        """Allocate ids for newly dispatched groups."""
-        ids = range(self.groups_dispatched, self.groups_dispatched + num_groups)
-        self.groups_dispatched += num_groups
-        self.trajectories_dispatched += num_groups * group_size
+    def dispatch(self, prompts: list[Prompt], group_size: int) -> range:
+        """Allocate ids for newly dispatched groups, one per prompt."""
+        ids = range(self.groups_dispatched, self.groups_dispatched + len(prompts))
+        self.groups_dispatched += len(prompts)
+        self.trajectories_dispatched += len(prompts) * group_size
+        for gid, prompt in zip(ids, prompts):
+            self._in_flight[gid] = (prompt, group_size)
         return ids
 
+    def in_flight(self) -> list[Prompt]:
+        """Prompts of the dispatched groups not settled yet, in dispatch order."""
+        return [prompt for prompt, _ in self._in_flight.values()]
+
+    def checkpoint(self) -> dict[str, object]:
+        """The settled part of the ledger: a resumed run re-dispatches the groups in flight."""
+        unsettled = sum(size for _, size in self._in_flight.values())
+        return {
+            "outcomes": dict(self._settled_before + Counter(self._outcome.values())),
+            "trajectories_dispatched": self.trajectories_dispatched - unsettled,
+            "trajectories_trained": self.trajectories_trained,
+            "trajectories_failed": self.trajectories_failed,
+            "reward_errors": dict(self.reward_errors),
+        }
+
+    @classmethod
+    def resumed(cls, state: dict[str, object]) -> Ledger:
+        """A ledger that continues from `checkpoint()`'s output."""
+        outcomes = Counter({str(k): int(v) for k, v in dict(state["outcomes"]).items()})  # type: ignore[call-overload]
+        ledger = cls(
+            groups_dispatched=sum(outcomes.values()),
+            trajectories_dispatched=int(state["trajectories_dispatched"]),  # type: ignore[call-overload]
+            trajectories_trained=int(state["trajectories_trained"]),  # type: ignore[call-overload]
+            trajectories_failed=int(state["trajectories_failed"]),  # type: ignore[call-overload]
+            reward_errors=Counter({str(k): int(v) for k, v in dict(state["reward_errors"]).items()}),  # type: ignore[call-overload]
+        )
+        ledger._settled_before = outcomes
+        ledger._base_ids = ledger.groups_dispatched
+        return ledger
+
     def _settle(self, group_id: int, outcome: str) -> None:
-        if group_id >= self.groups_dispatched or group_id < 0:
+        if group_id >= self.groups_dispatched or group_id < self._base_ids:
             raise LedgerError(f"group {group_id} settled as {outcome} but was never dispatched")
         previous = self._outcome.get(group_id)
         if previous is not None:
             raise LedgerError(f"group {group_id} settled twice: {previous}, then {outcome}")
         self._outcome[group_id] = outcome
+        self._in_flight.pop(group_id, None)
 
     def trained(self, group_id: int, num_trajectories: int) -> None:
         self._settle(group_id, "trained")
@@ -55,13 +93,13 @@ class Ledger:
         return items
 
     def as_dict(self) -> dict[str, object]:
-        counts = Counter(self._outcome.values())
+        counts = self._settled_before + Counter(self._outcome.values())
         filtered = {k.removeprefix("filtered:"): v for k, v in counts.items() if k.startswith("filtered:")}
         return {
             "groups_dispatched": self.groups_dispatched,
             "groups_trained": counts.get("trained", 0),
             "groups_filtered": filtered,
-            "groups_unused": self.groups_dispatched - len(self._outcome),
+            "groups_unused": self.groups_dispatched - sum(counts.values()),
             "trajectories_dispatched": self.trajectories_dispatched,
             "trajectories_trained": self.trajectories_trained,
             "trajectories_failed": self.trajectories_failed,

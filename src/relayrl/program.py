@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Weights
 from relayrl.bookkeeping import RUN_END, DeferredJobs, commit
 from relayrl.callbacks import Callback
+from relayrl.checkpoint import PromptSource, ResumePoint, checkpoint_dir, commit_checkpoint, staging_dir, state_dict
 from relayrl.config import Config, config_to_toml
 from relayrl.evaluation import EvalResult
 from relayrl.ledger import Ledger
@@ -67,6 +69,10 @@ def _append_line(path: Path, row: dict[str, object]) -> None:
         fh.write(json.dumps(row) + "\n")
 
 
+def _eval_row(result: EvalResult) -> dict[str, object]:
+    return {"version": result.version, "accuracy": result.accuracy, "num_prompts": result.num_prompts, "seconds": result.seconds}
+
+
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     errors: list[BaseException] = []
     stack: list[BaseException] = [group]
@@ -93,15 +99,18 @@ class Program:
         run_dir: Path | None,
         workers: Workers,
         callbacks: Sequence[Callback] = (),
+        resume: ResumePoint | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
-        self.prompts = prompts
+        self.resume = resume
+        self.start_step = resume.next_step if resume else 0
+        self.prompts = PromptSource(prompts, resume.in_flight, resume.prompts_drawn) if resume else PromptSource(prompts)
         self.reward_fns = list(reward_fns)
         self.run_dir = run_dir
         self.workers = workers
         self.callbacks = list(callbacks)
-        self.ledger = Ledger()
+        self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
         run_info: dict[str, object] = {
             "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
             "max_staleness": cfg.rollout.max_staleness,
@@ -109,6 +118,7 @@ class Program:
             "steps": cfg.run.steps,
             "backend": cfg.run.backend,
             "loop_thread": threading.current_thread().name,
+            "first_step": self.start_step,
         }
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,11 +138,17 @@ class Program:
             else None,
         )
         self.loop: TrainLoop | None = None
-        self.evals: list[EvalResult] = []
+        self.evals: list[EvalResult] = (
+            [EvalResult(**e) for e in resume.evals] if resume else []  # type: ignore[arg-type]
+        )
+        self._started = time.perf_counter()
+
+    def _elapsed(self) -> float:
+        return (self.resume.elapsed_s if self.resume else 0.0) + time.perf_counter() - self._started
 
     async def run(self) -> RunResult:
         cfg = self.cfg
-        started = time.perf_counter()
+        self._started = started = time.perf_counter()
         status, error = "failed", ""
         try:
             if cfg.orchestrator.release_memory:
@@ -149,7 +165,7 @@ class Program:
             self.workers.shutdown()
             self.bookkeeper.close()
             self.tracer.close(status)
-            summary = self._summary(status, error, time.perf_counter() - started)
+            summary = self._summary(status, error, self._elapsed())
             self._result = RunResult(self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger)
             if self.run_dir is not None:
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -163,12 +179,15 @@ class Program:
         collected: asyncio.Queue[list[Group]] = asyncio.Queue(size)
         scored: asyncio.Queue[list[Group]] = asyncio.Queue(size)
         ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
-        window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps)
-        committed = VersionSignal()
+        start = self.start_step
+        window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps, start)
+        committed = VersionSignal(start)
         sync_times = SyncTimes()
         lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
         try:
-            if backend.evaluator is not None:
+            if self.resume is not None:
+                await self._restore(self.resume)
+            elif backend.evaluator is not None:
                 await self._evaluate(None)  # the starting policy, before any update
             async with asyncio.TaskGroup() as tg:
                 background = [
@@ -188,25 +207,40 @@ class Program:
                         advantage_stage(scored, ready, cfg.algorithm.advantage, cfg.algorithm.dynamic_sampling, self.ledger, window),
                         name="advantages",
                     ),
-                    tg.create_task(sync_stage(backend.trainer, backend.samplers, committed, window, self.tracer, sync_times), name="weight-sync"),
+                    tg.create_task(
+                        sync_stage(backend.trainer, backend.samplers, committed, window, self.tracer, sync_times, start),
+                        name="weight-sync",
+                    ),
                 ]
 
                 jobs = DeferredJobs(tg)
                 every = cfg.eval.every_steps
+                checkpoints: dict[int, dict[str, object]] = {}
+                ckpt_every = cfg.orchestrator.checkpoint_every if self.run_dir is not None else 0
 
                 def on_commit(record: StepRecord) -> None:
                     committed.set(record.policy_version)
                     record.weight_sync_time = sync_times.drain()
                     record.loop_lag_max_ms = lag.take_max_ms()
-                    done = record.step + 1
+                    step, done = record.step, record.step + 1
                     if backend.evaluator is not None and every and done % every == 0 and done < cfg.run.steps:
-                        jobs.schedule(f"eval:{record.step}", self._evaluate_latest, start_after=commit(record.step), finish_before=RUN_END)
+                        jobs.schedule(f"eval:{step}", self._evaluate_latest, start_after=commit(step), finish_before=RUN_END)
+                    if ckpt_every and (done % ckpt_every == 0 or done == cfg.run.steps):
+                        checkpoints[step] = self._checkpoint_state(done)  # the state at this commit
+
+                async def after_bookkeeping(record: StepRecord) -> None:
+                    # written once the step's metrics and trajectories are: a checkpoint never
+                    # claims a step whose logs a kill could still lose
+                    state = checkpoints.pop(record.step, None)
+                    if state is not None:
+                        await self._checkpoint(record.step, state)
 
                 def on_step_begin(step: int) -> None:
                     for cb in self.callbacks:
                         cb.on_step_begin(step)
 
                 self.loop = TrainLoop(
+                    start_step=start,
                     steps=cfg.run.steps,
                     trainer=backend.trainer,
                     collator=backend.collator,
@@ -223,6 +257,7 @@ class Program:
                     on_step_begin=on_step_begin,
                     on_commit=on_commit,
                     bookkeep=self.bookkeeper,
+                    after_bookkeeping=after_bookkeeping,
                 )
                 await tg.create_task(self.loop.run(), name="train-loop")
                 if backend.evaluator is not None:
@@ -234,6 +269,49 @@ class Program:
         finally:
             await self.backend.close()
 
+    async def _restore(self, point: ResumePoint) -> None:
+        """Before a resumed run starts: the trainer's state, and its weights on every sampler."""
+        version = await self.backend.trainer.load_state(point.directory)
+        if version != point.next_step:
+            raise RuntimeError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.next_step}")
+        weights = await self.backend.trainer.export_weights()
+        for sampler in self.backend.samplers:
+            await sampler.load_weights(weights)
+        every = self.cfg.eval.every_steps
+        due = every and point.next_step % every == 0 and all(e.version != point.next_step for e in self.evals)
+        if self.backend.evaluator is not None and due:  # the periodic eval a kill interrupted
+            await self._evaluate(weights)
+
+    def _checkpoint_state(self, next_step: int) -> dict[str, object]:
+        return state_dict(
+            next_step=next_step, source=self.prompts, in_flight=self.ledger.in_flight(), ledger=self.ledger.checkpoint(),
+            evals=[_eval_row(e) for e in self.evals], elapsed_s=self._elapsed(), reward_mean_first=None,
+        )
+
+    def _reward_mean_first(self) -> float | None:
+        if self.resume is not None and self.resume.reward_mean_first is not None:
+            return self.resume.reward_mean_first
+        results = self.bookkeeper.results
+        first = results[0].metrics.get("reward_mean") if results and results[0].step == 0 else None
+        return float(first) if isinstance(first, (int, float)) else None
+
+    async def _checkpoint(self, step: int, state: dict[str, object]) -> None:
+        assert self.run_dir is not None
+        start = self.tracer.now()
+        state["reward_mean_first"] = self._reward_mean_first()  # step 0's result exists by now
+        final = checkpoint_dir(self.run_dir, step)
+        staging = staging_dir(final)
+        keep = self.cfg.orchestrator.keep_checkpoints
+
+        def prepare() -> None:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+
+        await self.workers.run("bookkeeping", prepare)
+        await self.backend.trainer.save_state(staging)
+        await self.workers.run("bookkeeping", lambda: commit_checkpoint(staging, final, state, keep))
+        self.tracer.complete("orchestrator", "checkpoint", start, self.tracer.now(), step=step)
+
     async def _evaluate_latest(self) -> None:
         await self._evaluate(await self.backend.trainer.export_weights())
 
@@ -243,7 +321,7 @@ class Program:
         result = await self.backend.evaluator.evaluate(weights)
         self.tracer.complete("eval", "eval", start, self.tracer.now(), version=result.version, accuracy=result.accuracy)
         self.evals.append(result)
-        row = {"version": result.version, "accuracy": result.accuracy, "num_prompts": result.num_prompts, "seconds": result.seconds}
+        row = _eval_row(result)
         if self.run_dir is not None:
             path = self.run_dir / "evals.jsonl"
             await self.workers.run("bookkeeping", lambda: _append_line(path, row))
@@ -258,7 +336,8 @@ class Program:
         return {
             "status": status,
             "error": error,
-            "steps_completed": len(results),
+            "steps_completed": self.start_step + len(results),
+            "resumed_from_step": self.start_step if self.resume else None,
             "wall_time_s": wall,
             "samples_per_s": trained / wall if wall > 0 else 0.0,
             "trainer_busy_fraction": timeline.trainer_busy_fraction(all_spans),
@@ -266,7 +345,7 @@ class Program:
             "accuracy_before": self.evals[0].accuracy if self.evals else None,
             "accuracy_after": self.evals[-1].accuracy if len(self.evals) > 1 else None,
             "evals": [{"version": e.version, "accuracy": e.accuracy} for e in self.evals],
-            "reward_mean_first": results[0].metrics.get("reward_mean") if results else None,
+            "reward_mean_first": self._reward_mean_first(),
             "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
             "ledger": self.ledger.as_dict(),
         }

@@ -16,13 +16,14 @@ import asyncio
 
 
 class DispatchWindow:
-    def __init__(self, groups_per_step: int, max_staleness: int, total_steps: int) -> None:
+    def __init__(self, groups_per_step: int, max_staleness: int, total_steps: int, start_step: int = 0) -> None:
+        """`start_step` > 0: a resumed run, whose samplers hold version `start_step`."""
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.total_steps = total_steps
-        self.dispatched = 0
+        self.dispatched = start_step * groups_per_step
         self.filtered = 0
-        self.synced_version = 0
+        self.synced_version = start_step
         self._changed = asyncio.Event()
 
     def _next_step(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from relayrl.types import GenerateResult, MicroBatch, SampleRequest, Trajectory
@@ -55,6 +56,16 @@ class Trainer(Protocol):
         ...
 
     async def export_weights(self) -> Weights: ...
+
+    async def save_state(self, directory: Path) -> None:
+        """Write the committed state (weights, optimizer, schedule, version) into `directory`.
+        Called between a commit and the next `optim_step`, which waits for it; training may run
+        meanwhile, so it must not wait behind a train step."""
+        ...
+
+    async def load_state(self, directory: Path) -> int:
+        """Restore what `save_state` wrote (before any training); returns its version."""
+        ...
 
     async def close(self) -> None: ...
 

@@ -13,10 +13,12 @@ overwritten by the next `optim_step`, exactly the hazard step-boundary rule 2 gu
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from relayrl.backends.protocols import Weights
 from relayrl.config import Config, SimConfig
@@ -121,6 +123,15 @@ class SimTrainer:
         version = self.version
         await _sleep(self._cfg.weight_sync)
         return Weights(version=version, payload=version)
+
+    async def save_state(self, directory: Path) -> None:
+        version = self.version
+        await _sleep(self._cfg.weight_sync)
+        (directory / "sim_trainer.json").write_text(json.dumps({"version": version}), encoding="utf-8")
+
+    async def load_state(self, directory: Path) -> int:
+        self.version = int(json.loads((directory / "sim_trainer.json").read_text(encoding="utf-8"))["version"])
+        return self.version
 
     async def close(self) -> None:
         return None

@@ -29,5 +29,5 @@ async def dispatch_stage(
         batch = list(islice(prompts, n))
         if len(batch) < n:
             raise RuntimeError("the prompt stream ended before the run's last step (task data exhausted)")
-        ids = ledger.dispatch(n, num_generations)
+        ids = ledger.dispatch(batch, num_generations)
         await outbox.put([SampleRequest(gid, p, tokenize(p.text), num_generations) for gid, p in zip(ids, batch)])

@@ -18,8 +18,8 @@ from relayrl.window import DispatchWindow
 class VersionSignal:
     """The trainer's latest committed version, awaitable by the sync stage."""
 
-    def __init__(self) -> None:
-        self.version = 0
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
         self._changed = asyncio.Event()
 
     def set(self, version: int) -> None:
@@ -54,8 +54,8 @@ async def sync_stage(
     window: DispatchWindow,
     tracer: Tracer,
     times: SyncTimes,
+    synced: int = 0,
 ) -> None:
-    synced = 0
     while True:
         await committed.newer_than(synced)
         start = tracer.now()

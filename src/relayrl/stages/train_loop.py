@@ -21,7 +21,7 @@ run's TaskGroup.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from relayrl.backends.protocols import Collator, Trainer
@@ -96,6 +96,7 @@ class TrainLoop:
     def __init__(
         self,
         *,
+        start_step: int = 0,
         steps: int,
         trainer: Trainer,
         collator: Collator,
@@ -112,7 +113,9 @@ class TrainLoop:
         on_step_begin: Callable[[int], None],
         on_commit: Callable[[StepRecord], None],
         bookkeep: Callable[[StepRecord], None],
+        after_bookkeeping: Callable[[StepRecord], Awaitable[None]] | None = None,
     ) -> None:
+        self._start_step = start_step
         self._steps = steps
         self._trainer = trainer
         self._collator = collator
@@ -129,6 +132,7 @@ class TrainLoop:
         self._on_step_begin = on_step_begin
         self._on_commit = on_commit  # fills the record's cheap commit-time fields (sync times, lag)
         self._bookkeep = bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
+        self._after = after_bookkeeping  # e.g. a checkpoint, which must not precede the step's logs
         self.records: list[StepRecord] = []
 
     # -- packing ---------------------------------------------------------------------------
@@ -174,12 +178,16 @@ class TrainLoop:
     async def _deferred_bookkeeping(self, record: StepRecord, fetch: asyncio.Task[None]) -> None:
         await fetch
         await self._workers.run("bookkeeping", lambda: self._bookkeep(record))
+        if self._after is not None:
+            await self._after(record)
 
     async def _end_of_step(self, record: StepRecord) -> None:
         step = record.step
         if not self._overlap:
             await self._fetch(record)
             self._bookkeep(record)  # inline, on the event loop: the seed's behaviour
+            if self._after is not None:
+                await self._after(record)
             return
         fetch = self._jobs.schedule(
             f"fetch:{step}", lambda: self._fetch(record), start_after=commit(step), finish_before=before_optim(step + 1)
@@ -198,7 +206,7 @@ class TrainLoop:
         pending: asyncio.Task[_Prepared] | None = None
         last_commit: float | None = None
         step_start = tracer.now()
-        for step in range(self._steps):
+        for step in range(self._start_step, self._steps):
             if pending is None:
                 groups, waited = await self._taker.take(step)
                 prepared = self._prepare(step, groups, waited)

@@ -25,6 +25,7 @@ def _fmt(value: object, spec: str) -> str:
 class ProgressPrinter(Callback):
     def __init__(self, total_steps: int, console: Console | None = None, live: bool | None = None) -> None:
         self._total = total_steps
+        self._first: int | None = None  # the first step this process runs (> 0 when resumed)
         self._console = console or Console(highlight=False, soft_wrap=True)
         self._start = time.perf_counter()
         self._accuracy: float | None = None
@@ -38,13 +39,13 @@ class ProgressPrinter(Callback):
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                 console=self._console, transient=False,
             )
-            self._task = self._progress.add_task("", total=self._total)
+            self._task = self._progress.add_task("", total=self._total, completed=self._first or 0)
             self._progress.start()
         return self._progress
 
     def _line(self, done: int, m: dict[str, float | int | None]) -> str:
         elapsed = time.perf_counter() - self._start
-        eta = elapsed / done * (self._total - done)
+        eta = elapsed / max(1, done - (self._first or 0)) * (self._total - done)
         step_time = m.get("step_time_sec")
         train_time = m.get("train_time")
         busy = train_time / step_time if isinstance(step_time, float) and isinstance(train_time, float) and step_time > 0 else None
@@ -55,6 +56,11 @@ class ProgressPrinter(Callback):
             f"step {_fmt(step_time, '.2f')}s  busy {_fmt(busy, '.0%')}  gap {_fmt(gap_ms, '.1f')}ms  "
             f"stale {_fmt(m.get('staleness_mean'), '.2f')}  eta {eta:.0f}s"
         )
+
+    def on_step_begin(self, step: int) -> None:
+        if self._first is None:
+            self._first = step
+            self._start = time.perf_counter()
 
     def on_step_end(self, step: int, result: StepResult) -> None:
         done = step + 1

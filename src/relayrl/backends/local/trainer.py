@@ -16,11 +16,13 @@ that step's figures and returns the new policy version (= number of updates so f
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -126,6 +128,36 @@ class LocalTrainer:
         with self._slot_lock:
             snapshot = self._snapshot
         return snapshot if snapshot is not None else await self._run(self._export)
+
+    async def save_state(self, directory: Path) -> None:
+        """Weights of the committed version (the snapshot taken at commit), the optimizer and LR
+        schedule, in `directory/trainer.pt`. Runs in its own thread: the optimizer state does not
+        change before the next `optim_step`, which waits for this, so training goes on."""
+        with self._slot_lock:
+            snapshot = self._snapshot
+        if snapshot is None or snapshot.version != self.version:
+            raise RuntimeError(f"save_state: no committed snapshot of version {self.version}")
+        state = {
+            "version": snapshot.version,
+            "model": snapshot.payload,
+            "optimizer": self._optimizer.state_dict(),
+            "scheduler": self._scheduler.state_dict(),
+        }
+        await asyncio.to_thread(torch.save, state, directory / "trainer.pt")
+
+    async def load_state(self, directory: Path) -> int:
+        def load() -> int:
+            state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._scheduler.load_state_dict(state["scheduler"])
+            self.version = int(state["version"])
+            snapshot = self._export()
+            with self._slot_lock:
+                self._snapshot = snapshot
+            return self.version
+
+        return await self._run(load)
 
     async def close(self) -> None:
         if not self._closed:

@@ -1,0 +1,181 @@
+"""Checkpoints: what a run writes every K steps so that it can resume after a crash or a kill -9.
+
+`checkpoints/step-NNNNNN/` holds, for the moment step N committed: the trainer's state
+(`Trainer.save_state`: weights of version N+1, optimizer, LR schedule) and `state.json` — the
+next step, how many prompts the task stream has handed out, the prompts of the groups still in
+flight (dispatched, not yet trained or filtered), the settled ledger, the held-out evaluations
+and the wall time so far. A checkpoint is written into a hidden temporary directory and renamed
+into place only when complete, so a kill at any moment leaves either the whole checkpoint or none.
+
+Resuming (`relayrl train --resume RUN_DIR`) rewinds the run directory to the newest complete
+checkpoint — metrics, evaluations and trajectory files of later steps are removed, the old trace
+is kept as `trace.part-K.json` — and the run goes on from its next step: the in-flight prompts are
+dispatched again first, then the stream continues where it was. Invariant: every prompt the
+stream handed out before the checkpoint is trained, filtered or in flight exactly once in the
+resumed run; no step is trained twice in the final record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+
+from relayrl.types import Prompt
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "state.json"
+_PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class ResumePoint:
+    directory: Path
+    next_step: int  # the first step the resumed run trains (= the policy version it starts from)
+    prompts_drawn: int  # prompts the task stream had handed out
+    in_flight: list[Prompt]  # dispatched but not settled: dispatched again, first
+    ledger: dict[str, object]  # Ledger.checkpoint()
+    evals: list[dict[str, object]]  # evals.jsonl rows so far
+    elapsed_s: float  # wall time of the run up to the checkpoint
+    reward_mean_first: float | None
+
+
+class PromptSource(Iterator[Prompt]):
+    """The prompts a run dispatches: `replay` first, then `stream` after skipping `skip` items.
+    `drawn` counts the items taken from the stream, skipped ones included."""
+
+    def __init__(self, stream: Iterator[Prompt], replay: Iterable[Prompt] = (), skip: int = 0) -> None:
+        self._replay = list(replay)
+        self._stream = islice(stream, skip, None)
+        self.drawn = skip
+
+    def __next__(self) -> Prompt:
+        if self._replay:
+            return self._replay.pop(0)
+        prompt = next(self._stream)
+        self.drawn += 1
+        return prompt
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"{_PREFIX}{step:06d}"
+
+
+def staging_dir(final: Path) -> Path:
+    """Where a checkpoint is written before it is renamed to `final` (ignored when resuming)."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def state_dict(
+    *, next_step: int, source: PromptSource, in_flight: list[Prompt], ledger: dict[str, object],
+    evals: list[dict[str, object]], elapsed_s: float, reward_mean_first: float | None,
+) -> dict[str, object]:
+    return {
+        "next_step": next_step,
+        "prompts_drawn": source.drawn,
+        "in_flight": [asdict(p) for p in in_flight],
+        "ledger": ledger,
+        "evals": evals,
+        "elapsed_s": elapsed_s,
+        "reward_mean_first": reward_mean_first,
+    }
+
+
+def commit_checkpoint(staging: Path, final: Path, state: dict[str, object], keep: int) -> None:
+    """Write `state.json` into the staged checkpoint, move it into place, keep the newest `keep`."""
+    tmp = staging / (STATE_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, staging / STATE_FILE)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    for old in complete_checkpoints(final.parent)[:-keep]:
+        shutil.rmtree(old)
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints under `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def load_resume_point(run_dir: Path) -> ResumePoint:
+    """The newest complete checkpoint of `run_dir`; a CheckpointError names what is missing."""
+    found = complete_checkpoints(run_dir / CHECKPOINTS)
+    if not found:
+        raise CheckpointError(
+            f"{run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS} "
+            "(checkpoints are written when orchestrator.checkpoint_every > 0)"
+        )
+    directory = found[-1]
+    path = directory / STATE_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return ResumePoint(
+            directory=directory,
+            next_step=int(raw["next_step"]),
+            prompts_drawn=int(raw["prompts_drawn"]),
+            in_flight=[Prompt(**p) for p in raw["in_flight"]],
+            ledger=dict(raw["ledger"]),
+            evals=list(raw["evals"]),
+            elapsed_s=float(raw["elapsed_s"]),
+            reward_mean_first=raw.get("reward_mean_first"),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint state ({type(exc).__name__}: {exc})") from None
+
+
+def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
+    """Drop what the run wrote after the checkpoint: metrics rows and trajectory files of steps
+    ≥ next_step (a torn last line is dropped), evaluations not in the checkpoint; keep the old
+    trace as `trace.part-K.json`. Each file is replaced atomically."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        _rewrite_jsonl(metrics, lambda row: int(row["step"]) < point.next_step)  # type: ignore[call-overload]
+    evals = run_dir / "evals.jsonl"
+    _write_jsonl(evals, point.evals)
+    trajectories = run_dir / "trajectories"
+    if trajectories.is_dir():
+        for f in trajectories.iterdir():
+            if f.name.startswith("step=") and int(f.name.split("=")[1].split(".")[0]) >= point.next_step:
+                f.unlink()
+    trace = run_dir / "trace.json"
+    if trace.exists():
+        part = 0
+        while (run_dir / f"trace.part-{part}.json").exists():
+            part += 1
+        os.replace(trace, run_dir / f"trace.part-{part}.json")
+
+
+def _rewrite_jsonl(path: Path, keep: object) -> None:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows: list[dict[str, object]] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # the line a kill interrupted
+                break
+            raise CheckpointError(f"{path}:{number}: not a JSON line; cannot rewind the run directory") from None
+        if keep(row):  # type: ignore[operator]
+            rows.append(row)
+    _write_jsonl(path, rows)
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,228 @@
+"""Checkpoints and resume: a run killed with SIGKILL resumes from its newest checkpoint and ends
+as if it had never stopped — every step trained once, every prompt trained once, the ledger
+balanced, the trace rules holding; the trainer's state round-trips exactly; bad resumes are named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from relayrl.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
+from relayrl.config import load_config
+from relayrl.ledger import Ledger
+from relayrl.run import build_program
+from relayrl.telemetry.checker import check_run_dir
+from relayrl.types import FilteredGroup, FilterReason, Group, Prompt
+
+from simutil import run_checked, sim_config
+
+STEPS = 30
+GROUPS_PER_STEP = 4
+SIM_RUN = [
+    "run.backend=sim",
+    f"run.steps={STEPS}",
+    "rollout.num_generations=4",
+    f"rollout.groups_per_step={GROUPS_PER_STEP}",
+    "rollout.prompts_per_request=2",
+    "train.row_tokens=64",
+    "train.rows_per_microbatch=2",
+    "train.share_prompt=false",
+    "sim.train_step=0.02",
+    "sim.generate_per_request=0.005",
+    "orchestrator.checkpoint_every=4",
+    "orchestrator.keep_checkpoints=2",
+]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "relayrl.cli", "train", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) -> None:
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=killed"]]
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / CHECKPOINTS / "step-000011").exists():  # three checkpoints in
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = json.loads(open(run_dir / "metrics.jsonl").read().splitlines()[-1])["step"]
+    assert killed_at < STEPS - 1  # really interrupted
+
+    resumed = subprocess.run(_cli("--resume", str(run_dir)), env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "from step" in resumed.stdout
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["steps_completed"] == STEPS
+    assert 12 <= summary["resumed_from_step"] < STEPS
+    # every step once, in order
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    # every trained prompt once; the prompts handed out are a prefix of the stream: none lost
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    assert sorted(set(trajs["step"])) == list(range(STEPS))
+    trained = trajs[trajs["status"] == "ok"]
+    steps_of: dict[str, set[int]] = defaultdict(set)
+    for prompt_id, step in zip(trained["prompt_id"], trained["step"]):
+        steps_of[prompt_id].add(int(step))
+    assert all(len(s) == 1 for s in steps_of.values())
+    assert len(steps_of) == STEPS * GROUPS_PER_STEP
+    seen = {int(p.rsplit("-", 1)[1]) for p in trajs["prompt_id"]}  # "arith-train-<stream index>"
+    assert seen == set(range(len(seen)))
+    ledger = summary["ledger"]
+    assert ledger["groups_trained"] == STEPS * GROUPS_PER_STEP
+    filtered = sum(ledger["groups_filtered"].values())
+    assert ledger["groups_dispatched"] == ledger["groups_trained"] + filtered + ledger["groups_unused"]
+    # the resumed segment obeys the boundary rules; the killed one is kept beside it
+    report = check_run_dir(run_dir)
+    assert report.ok, report.violations
+    assert (run_dir / "trace.part-0.json").exists()
+    # checkpoints: the newest two, complete, nothing half-written left
+    kept = complete_checkpoints(run_dir / CHECKPOINTS)
+    assert [p.name for p in kept] == ["step-000027", "step-000029"]
+    assert not [p for p in (run_dir / CHECKPOINTS).iterdir() if p.name.startswith(".")]
+
+
+def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> None:
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        build_program(cfg, run_dir=tmp_path / "r", resume=True)
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    with pytest.raises(CheckpointError, match="already trained 4 steps of run.steps=4; raise run.steps"):
+        build_program(cfg, run_dir=tmp_path / "r", resume=True)
+    # ... and raising run.steps continues it from the final checkpoint
+    longer = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2", "run.steps=6")
+    result = run_checked(build_program(longer, run_dir=tmp_path / "r", resume=True))
+    assert [r.step for r in result.results] == [4, 5]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert result.summary["steps_completed"] == 6
+
+
+def test_cli_resume_without_checkpoint_exits_2(tmp_path: Path) -> None:
+    proc = subprocess.run(_cli("--resume", str(tmp_path / "nothing")), env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "config file not found" in proc.stdout + proc.stderr
+
+
+def test_prompt_source_replays_then_continues_the_stream() -> None:
+    stream = (Prompt(f"p{i}", str(i), str(i)) for i in range(100))
+    replay = [Prompt("p3", "3", "3"), Prompt("p5", "5", "5")]
+    source = PromptSource(stream, replay, skip=7)
+    assert [next(source).prompt_id for _ in range(4)] == ["p3", "p5", "p7", "p8"]
+    assert source.drawn == 9
+
+
+def test_ledger_checkpoint_keeps_settled_counts_and_in_flight_prompts() -> None:
+    ledger = Ledger()
+    prompts = [Prompt(f"p{i}", "", "") for i in range(5)]
+    ids = ledger.dispatch(prompts, 4)
+    ledger.trained(ids[0], 4)
+    group = Group(ids[2], [])
+    ledger.filtered(FilteredGroup(group, FilterReason.STALE))
+    assert [p.prompt_id for p in ledger.in_flight()] == ["p1", "p3", "p4"]
+    resumed = Ledger.resumed(json.loads(json.dumps(ledger.checkpoint())))
+    again = resumed.dispatch(ledger.in_flight(), 4)
+    for gid in again:
+        resumed.trained(gid, 4)
+    d = resumed.as_dict()
+    assert d["groups_dispatched"] == 5 and d["groups_trained"] == 4 and d["groups_filtered"] == {"stale": 1}
+    assert d["groups_unused"] == 0 and d["trajectories_trained"] == 16 and d["trajectories_dispatched"] == 20
+    with pytest.raises(Exception, match="never dispatched"):
+        resumed.trained(ids[1], 4)  # an id of the run before the resume
+
+
+def test_local_trainer_state_round_trips(tmp_path: Path) -> None:
+    """Save after one update, load into a fresh trainer: the same weights and version, and the
+    next update (which depends on AdamW's moments and the LR schedule) lands on the same weights."""
+    from relayrl.algorithms.losses import LossConfig
+    from relayrl.backends.local.collate import TorchCollator
+    from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+    from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+    from relayrl.packing import build_microbatch, plan
+    from relayrl.types import Trajectory
+
+    def make() -> tuple[LocalTrainer, object]:
+        model, tok = load_model_and_tokenizer(shipped_model_dir())
+        settings = TrainerSettings(learning_rate=1e-2, total_steps=10, loss=LossConfig(), warmup_steps=3, lr_schedule="cosine")
+        return LocalTrainer(model, settings), tok
+
+    trainer, tok = make()
+    ids = tok("12+7=", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    trajs = [
+        Trajectory(group_id=0, sample_index=i, prompt=Prompt("p", "12+7=", "19"), prompt_tokens=ids, completion_tokens=c,
+                   sampler_logprobs=[-1.0] * len(c), completion_text="", policy_version=0, replica=0, advantage=a)
+        for i, (c, a) in enumerate([([5, 6, 1], 1.0), ([5, 7, 1], -1.0)])
+    ]
+    mb = build_microbatch(0, 0, trajs, plan(trajs, 64, 4, share_prompt=True))
+    mb.payload = TorchCollator(pad_token_id=0).collate(mb)
+
+    async def update(t: LocalTrainer) -> int:
+        await t.train_step(mb)
+        return await t.optim_step()
+
+    async def first_part() -> dict[str, torch.Tensor]:
+        await update(trainer)
+        await trainer.save_state(tmp_path)
+        await update(trainer)
+        state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        await trainer.close()
+        return state
+
+    continued = asyncio.run(first_part())
+    fresh, _ = make()
+
+    async def second_part() -> tuple[int, int]:
+        version = await fresh.load_state(tmp_path)
+        exported = (await fresh.export_weights()).version
+        after = await update(fresh)
+        await fresh.close()
+        return version, exported * 100 + after
+
+    version, both = asyncio.run(second_part())
+    assert version == 1 and both == 102
+    for name, value in fresh.model.state_dict().items():
+        torch.testing.assert_close(value, continued[name], rtol=0, atol=0)
+
+
+def test_local_run_resumes_with_its_trainer_state_and_evals(tmp_path: Path) -> None:
+    """The local backend end to end: a 2-step run with a checkpoint per step, extended to 4 steps
+    by a resume that restores the trainer (version 2) and keeps the held-out evaluations."""
+    base = [
+        "run.backend=local", "task.kind=arithmetic", "rollout.num_generations=4", "rollout.groups_per_step=4",
+        "task.heldout_size=16", "orchestrator.release_memory=false", "orchestrator.checkpoint_every=1",
+        "eval.every_steps=2",
+    ]
+    first = load_config(None, [*base, "run.steps=2"])
+    run_checked(build_program(first, run_dir=tmp_path / "run"), timeout=120)
+    assert (tmp_path / "run" / CHECKPOINTS / "step-000001" / "trainer.pt").is_file()
+    longer = load_config(None, [*base, "run.steps=4"])
+    result = run_checked(build_program(longer, run_dir=tmp_path / "run", resume=True), timeout=120)
+    assert [r.step for r in result.results] == [2, 3]
+    assert [r.policy_version for r in result.results] == [3, 4]  # went on from version 2
+    evals = [json.loads(line)["version"] for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
+    assert evals == [0, 2, 4]
+    assert result.summary["steps_completed"] == 4 and result.summary["accuracy_before"] is not None
