@@ -18,7 +18,7 @@ from simutil import make_program, run_checked, sim_config
 @pytest.fixture(scope="module")
 def good_trace(tmp_path_factory: pytest.TempPathFactory) -> list[TraceEvent]:
     tmp = tmp_path_factory.mktemp("checker")
-    cfg = sim_config("sim.get_metrics=0.03", "sim.train_step=0.02", "sim.reduce_metrics=0.005")
+    cfg = sim_config("sim.get_metrics=0.03", "sim.train_step=0.02", "sim.reduce_metrics=0.005", "orchestrator.checkpoint_every=1")
     run_checked(make_program(cfg, tmp))
     return load_trace(tmp / "run" / "trace.json")
 
@@ -38,6 +38,17 @@ def _violations(events: list[TraceEvent]) -> list[str]:
 def test_good_trace_passes(good_trace: list[TraceEvent]) -> None:
     report = check_events(good_trace)
     assert report.ok and report.completed and report.steps == 4
+
+
+def test_checkpoint_before_the_steps_logs_or_after_the_next_update_is_a_violation(good_trace: list[TraceEvent]) -> None:
+    assert _span(good_trace, "checkpoint", 1)
+    ev = copy.deepcopy(good_trace)
+    _span(ev, "checkpoint", 1)["ts"] = float(_span(ev, "log_trajectories", 1)["ts"]) - 10.0  # type: ignore[arg-type]
+    assert any("checkpoint" in v and "log_trajectories finished" in v for v in _violations(ev))
+    ev = copy.deepcopy(good_trace)
+    ck, optim = _span(ev, "checkpoint", 1), _span(ev, "optim_step", 2)
+    ck["dur"] = float(optim["ts"]) - float(ck["ts"]) + 100.0  # type: ignore[arg-type]
+    assert any(v.startswith("checkpoint:") and "was issued" in v for v in _violations(ev))
 
 
 def test_fetch_landing_after_next_optim_violates_rule_2(good_trace: list[TraceEvent]) -> None:

@@ -13,6 +13,8 @@ Rules checked (N and N+1 consecutive committed steps; "mb0" = train_step microba
   rule 5     a completed run committed every step it started (no step hung at its boundary)
   rule 6     on_step_end runs in step order, after the step's commit and its metric reduction
   staleness  every train_step's step − min_version ≤ max_staleness
+  checkpoint checkpoint(N) starts after optim(N) ends and after step N's metrics and trajectories
+             were logged, and ends before optim(N+1) starts (it holds the optimizer state of N)
 
 Invariant: the checker only reads; a violation message names the rule, the step and the spans.
 """
@@ -128,6 +130,17 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
     for a, b in zip(ends, ends[1:]):
         if b.step <= a.step:
             v.append(f"rule 6: on_step_end(step {b.step}) ran after on_step_end(step {a.step})")
+
+    for ck in (s for s in all_spans if s.name == "checkpoint"):
+        n = ck.step
+        if n in optim and ck.start < optim[n].end - EPS:
+            v.append(f"checkpoint: {_fmt(ck)} started before {_fmt(optim[n])} committed")
+        if n + 1 in optim and ck.end > optim[n + 1].start + EPS:
+            v.append(f"checkpoint: {_fmt(ck)} finished after {_fmt(optim[n + 1])} was issued")
+        for name in ("log_metrics", "log_trajectories"):
+            logged = books.get(n, {}).get(name)
+            if logged is None or logged.end > ck.start + EPS:
+                v.append(f"checkpoint: {_fmt(ck)} started before step {n}'s {name} finished")
 
     if completed:
         started = {s.step for s in train}
