@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
+from relayrl.callbacks import Callback
 from relayrl.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
 from relayrl.config import load_config
 from relayrl.ledger import Ledger
@@ -59,7 +60,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not (run_dir / CHECKPOINTS / "step-000011").exists():  # three checkpoints in
+        while not (run_dir / CHECKPOINTS / "step-000007").exists():  # two checkpoints in
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.01)
@@ -67,8 +68,8 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    killed_at = json.loads(open(run_dir / "metrics.jsonl").read().splitlines()[-1])["step"]
-    assert killed_at < STEPS - 1  # really interrupted
+    logged = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(logged) < STEPS  # really interrupted (the last line may be torn)
 
     resumed = subprocess.run(_cli("--resume", str(run_dir)), env=_env(), capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
@@ -77,7 +78,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert summary["steps_completed"] == STEPS
-    assert 12 <= summary["resumed_from_step"] < STEPS
+    assert 8 <= summary["resumed_from_step"] < STEPS
     # every step once, in order
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -122,10 +123,84 @@ def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> 
     assert result.summary["steps_completed"] == 6
 
 
-def test_cli_resume_without_checkpoint_exits_2(tmp_path: Path) -> None:
+def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(_cli("--resume", str(tmp_path / "nothing")), env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "config file not found" in proc.stdout + proc.stderr
+    # a run without checkpoints
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2", "orchestrator.checkpoint_every=0"]]
+    assert subprocess.run(_cli(*sets), env=_env(), capture_output=True, timeout=60).returncode == 0
+    proc = subprocess.run(_cli("--resume", str(tmp_path / "r")), env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    # a checkpoint whose trainer state is gone: named before anything in the run directory changes
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2"]]
+    assert subprocess.run(_cli(*sets), env=_env(), capture_output=True, timeout=60).returncode == 0
+    (tmp_path / "r" / CHECKPOINTS / "step-000001" / "sim_trainer.json").unlink()
+    proc = subprocess.run(_cli("--resume", str(tmp_path / "r"), "--set=run.steps=3"), env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "trainer state file(s) missing: sim_trainer.json" in proc.stderr
+    assert (tmp_path / "r" / "trace.json").exists() and not (tmp_path / "r" / "trace.part-0.json").exists()
+
+
+def test_fresh_run_refuses_a_used_run_directory_without_overwrite(tmp_path: Path) -> None:
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r")
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    keep = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "run.overwrite=false")
+    with pytest.raises(ValueError, match="not empty and run.overwrite=false: resume it with --resume"):
+        build_program(keep, run_dir=tmp_path / "r")
+
+
+class _Crash(Exception):
+    pass
+
+
+class _StopAt(Callback):
+    """Fails the run at the end of a step, as a crash would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, step: int, result: object) -> None:
+        if step == self.step:
+            raise _Crash(f"stopped at step {step}")
+
+
+def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -> None:
+    """Checkpoint every step, groups filtered out of order (dynamic sampling), crash twice, resume
+    twice. The first run has a fast sampler and a slow trainer, so 16 groups are in flight at
+    its checkpoint (staleness 4); the first resume has a slow sampler behind a one-request
+    queue, so replayed prompts are still waiting to be dispatched when its checkpoint is taken."""
+    sets = [
+        f"run.output_dir={tmp_path}", "run.name=r", "run.steps=10", "rollout.max_staleness=4", "orchestrator.queue_size=1",
+        "rollout.prompts_per_request=1", "algorithm.dynamic_sampling=true", "orchestrator.checkpoint_every=1",
+        "orchestrator.keep_checkpoints=1", "sim.learn_rate=0.0",
+    ]
+    fast = sim_config(*sets, "sim.generate_per_request=0.001", "sim.train_step=0.05")
+    slow = sim_config(*sets, "sim.generate_per_request=0.05", "sim.train_step=0.01")
+    run_dir = tmp_path / "r"
+    # a crash in on_step_end(N) comes before checkpoint N: the resumes start at steps 3 and 4
+    for crash_at, resume, cfg in ((3, False, fast), (4, True, slow)):
+        with pytest.raises(_Crash):
+            asyncio.run(build_program(cfg, [_StopAt(crash_at)], run_dir=run_dir, resume=resume).run())
+    state = json.loads((run_dir / CHECKPOINTS / "step-000003" / "state.json").read_text())
+    assert len(state["in_flight"]) > 3  # replays that were still waiting are carried on
+    result = run_checked(build_program(fast, run_dir=run_dir, resume=True))
+    assert result.summary["steps_completed"] == 10
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(10))
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    assert trajs.groupby("group_id")["prompt_id"].nunique().max() == 1  # an id names one group
+    trained = trajs[trajs["status"] == "ok"]
+    assert trained.groupby("prompt_id")["step"].nunique().max() == 1  # no prompt trained twice
+    logged = {int(p.rsplit("-", 1)[1]) for p in trajs["prompt_id"]}
+    in_flight = {int(p.prompt_id.rsplit("-", 1)[1]) for p in result.ledger.in_flight()}
+    # every prompt the stream handed out is trained or filtered (logged) or still in flight: none lost
+    assert logged | in_flight == set(range(len(logged | in_flight)))
+    assert not logged & in_flight
+    assert filtered_count(trajs) > 0  # the case this test is about: groups settled out of order
+
+
+def filtered_count(trajs: pd.DataFrame) -> int:
+    return int(trajs["status"].str.startswith("filtered").sum())
 
 
 def test_prompt_source_replays_then_continues_the_stream() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -40,6 +40,7 @@ class CheckpointError(ValueError):
 class ResumePoint:
     directory: Path
     next_step: int  # the first step the resumed run trains (= the policy version it starts from)
+    backend: str
     prompts_drawn: int  # prompts the task stream had handed out
     in_flight: list[Prompt]  # dispatched but not settled: dispatched again, first
     ledger: dict[str, object]  # Ledger.checkpoint()
@@ -64,6 +65,10 @@ class PromptSource(Iterator[Prompt]):
         self.drawn += 1
         return prompt
 
+    def pending(self) -> list[Prompt]:
+        """Replayed prompts not dispatched yet (a checkpoint must carry them on)."""
+        return list(self._replay)
+
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"{_PREFIX}{step:06d}"
@@ -75,13 +80,15 @@ def staging_dir(final: Path) -> Path:
 
 
 def state_dict(
-    *, next_step: int, source: PromptSource, in_flight: list[Prompt], ledger: dict[str, object],
+    *, next_step: int, backend: str, source: PromptSource, in_flight: list[Prompt], ledger: dict[str, object],
     evals: list[dict[str, object]], elapsed_s: float, reward_mean_first: float | None,
 ) -> dict[str, object]:
+    """`in_flight`: the ledger's unsettled prompts; the source's undispatched replays follow."""
     return {
         "next_step": next_step,
+        "backend": backend,
         "prompts_drawn": source.drawn,
-        "in_flight": [asdict(p) for p in in_flight],
+        "in_flight": [asdict(p) for p in in_flight + source.pending()],
         "ledger": ledger,
         "evals": evals,
         "elapsed_s": elapsed_s,
@@ -90,7 +97,9 @@ def state_dict(
 
 
 def commit_checkpoint(staging: Path, final: Path, state: dict[str, object], keep: int) -> None:
-    """Write `state.json` into the staged checkpoint, move it into place, keep the newest `keep`."""
+    """Write `state.json` (naming the trainer's files) into the staged checkpoint, move it into
+    place, keep the newest `keep`."""
+    state = {**state, "trainer_files": sorted(p.name for p in staging.iterdir())}
     tmp = staging / (STATE_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(state, fh)
@@ -124,9 +133,13 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
     path = directory / STATE_FILE
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
+        missing = [name for name in raw["trainer_files"] if not (directory / name).is_file()]
+        if missing:
+            raise CheckpointError(f"{directory}: trainer state file(s) missing: {', '.join(missing)}")
         return ResumePoint(
             directory=directory,
             next_step=int(raw["next_step"]),
+            backend=str(raw["backend"]),
             prompts_drawn=int(raw["prompts_drawn"]),
             in_flight=[Prompt(**p) for p in raw["in_flight"]],
             ledger=dict(raw["ledger"]),
@@ -134,19 +147,30 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
             elapsed_s=float(raw["elapsed_s"]),
             reward_mean_first=raw.get("reward_mean_first"),
         )
+    except CheckpointError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint state ({type(exc).__name__}: {exc})") from None
 
 
 def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
     """Drop what the run wrote after the checkpoint: metrics rows and trajectory files of steps
-    ≥ next_step (a torn last line is dropped), evaluations not in the checkpoint; keep the old
-    trace as `trace.part-K.json`. Each file is replaced atomically."""
+    ≥ next_step (a torn last line is dropped), evaluations of later versions, the old summary;
+    keep the old trace as `trace.part-K.json`. Each file is replaced atomically. `point.evals`
+    becomes every evaluation of a version ≤ next_step (those that landed after the checkpoint
+    was taken included). Idempotent: a kill during the rewind leaves it to be done again."""
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         _rewrite_jsonl(metrics, lambda row: int(row["step"]) < point.next_step)  # type: ignore[call-overload]
     evals = run_dir / "evals.jsonl"
+    by_version = {int(e["version"]): e for e in point.evals}  # type: ignore[call-overload]
+    if evals.exists():
+        for row in _read_jsonl(evals):
+            if int(row["version"]) <= point.next_step:  # type: ignore[call-overload]
+                by_version.setdefault(int(row["version"]), row)  # type: ignore[call-overload]
+    point.evals = [by_version[v] for v in sorted(by_version)]
     _write_jsonl(evals, point.evals)
+    (run_dir / "summary.json").unlink(missing_ok=True)
     trajectories = run_dir / "trajectories"
     if trajectories.is_dir():
         for f in trajectories.iterdir():
@@ -160,19 +184,21 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
         os.replace(trace, run_dir / f"trace.part-{part}.json")
 
 
-def _rewrite_jsonl(path: Path, keep: object) -> None:
+def _read_jsonl(path: Path) -> list[dict[str, object]]:
     lines = path.read_text(encoding="utf-8").splitlines()
     rows: list[dict[str, object]] = []
     for number, line in enumerate(lines, 1):
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except ValueError:
             if number == len(lines):  # the line a kill interrupted
                 break
             raise CheckpointError(f"{path}:{number}: not a JSON line; cannot rewind the run directory") from None
-        if keep(row):  # type: ignore[operator]
-            rows.append(row)
-    _write_jsonl(path, rows)
+    return rows
+
+
+def _rewrite_jsonl(path: Path, keep: Callable[[dict[str, object]], bool]) -> None:
+    _write_jsonl(path, [row for row in _read_jsonl(path) if keep(row)])
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:

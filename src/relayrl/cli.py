@@ -49,6 +49,7 @@ def train(
     """Run a training recipe and write its run directory, or resume one (--resume RUN_DIR)."""
     import asyncio
 
+    from relayrl.checkpoint import CheckpointError
     from relayrl.packing import PackingError
     from relayrl.run import build_program, run_dir_for
     from relayrl.telemetry.progress import ProgressPrinter
@@ -73,7 +74,7 @@ def train(
     out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
     try:
         result = asyncio.run(program.run())
-    except PackingError as exc:  # a trajectory longer than train.row_tokens
+    except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
         _fail(str(exc))
     finally:
         progress.close()

@@ -27,7 +27,7 @@ class RunConfig(_Section):
     seed: int = 0
     steps: int = Field(20, ge=1)
     backend: Literal["sim", "local"] = "sim"
-    overwrite: bool = True
+    overwrite: bool = True  # a fresh run replaces a non-empty run directory; false = refuse
 
 
 class TaskConfig(_Section):

@@ -29,11 +29,13 @@ class Ledger:
     _pending_filtered: list[FilteredGroup] = field(default_factory=list)
     _in_flight: dict[int, tuple[Prompt, int]] = field(default_factory=dict)  # id -> (prompt, group size)
     _settled_before: Counter[str] = field(default_factory=Counter)  # outcomes restored from a checkpoint
-    _base_ids: int = 0  # ids below this were settled before the resume
+    _next_id: int = 0  # group ids are never reused, across resumes too
+    _base_ids: int = 0  # ids below this belong to the run before the resume
 
     def dispatch(self, prompts: list[Prompt], group_size: int) -> range:
         """Allocate ids for newly dispatched groups, one per prompt."""
-        ids = range(self.groups_dispatched, self.groups_dispatched + len(prompts))
+        ids = range(self._next_id, self._next_id + len(prompts))
+        self._next_id += len(prompts)
         self.groups_dispatched += len(prompts)
         self.trajectories_dispatched += len(prompts) * group_size
         for gid, prompt in zip(ids, prompts):
@@ -48,6 +50,7 @@ class Ledger:
         """The settled part of the ledger: a resumed run re-dispatches the groups in flight."""
         unsettled = sum(size for _, size in self._in_flight.values())
         return {
+            "next_group_id": self._next_id,
             "outcomes": dict(self._settled_before + Counter(self._outcome.values())),
             "trajectories_dispatched": self.trajectories_dispatched - unsettled,
             "trajectories_trained": self.trajectories_trained,
@@ -67,11 +70,11 @@ class Ledger:
             reward_errors=Counter({str(k): int(v) for k, v in dict(state["reward_errors"]).items()}),  # type: ignore[call-overload]
         )
         ledger._settled_before = outcomes
-        ledger._base_ids = ledger.groups_dispatched
+        ledger._next_id = ledger._base_ids = int(state["next_group_id"])  # type: ignore[call-overload]
         return ledger
 
     def _settle(self, group_id: int, outcome: str) -> None:
-        if group_id >= self.groups_dispatched or group_id < self._base_ids:
+        if group_id >= self._next_id or group_id < self._base_ids:
             raise LedgerError(f"group {group_id} settled as {outcome} but was never dispatched")
         previous = self._outcome.get(group_id)
         if previous is not None:

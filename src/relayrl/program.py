@@ -24,7 +24,15 @@ from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Weights
 from relayrl.bookkeeping import RUN_END, DeferredJobs, commit
 from relayrl.callbacks import Callback
-from relayrl.checkpoint import PromptSource, ResumePoint, checkpoint_dir, commit_checkpoint, staging_dir, state_dict
+from relayrl.checkpoint import (
+    CheckpointError,
+    PromptSource,
+    ResumePoint,
+    checkpoint_dir,
+    commit_checkpoint,
+    staging_dir,
+    state_dict,
+)
 from relayrl.config import Config, config_to_toml
 from relayrl.evaluation import EvalResult
 from relayrl.ledger import Ledger
@@ -271,9 +279,12 @@ class Program:
 
     async def _restore(self, point: ResumePoint) -> None:
         """Before a resumed run starts: the trainer's state, and its weights on every sampler."""
-        version = await self.backend.trainer.load_state(point.directory)
+        try:
+            version = await self.backend.trainer.load_state(point.directory)
+        except Exception as exc:
+            raise CheckpointError(f"{point.directory}: cannot restore the trainer state ({type(exc).__name__}: {exc})") from exc
         if version != point.next_step:
-            raise RuntimeError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.next_step}")
+            raise CheckpointError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.next_step}")
         weights = await self.backend.trainer.export_weights()
         for sampler in self.backend.samplers:
             await sampler.load_weights(weights)
@@ -284,7 +295,7 @@ class Program:
 
     def _checkpoint_state(self, next_step: int) -> dict[str, object]:
         return state_dict(
-            next_step=next_step, source=self.prompts, in_flight=self.ledger.in_flight(), ledger=self.ledger.checkpoint(),
+            next_step=next_step, backend=self.cfg.run.backend, source=self.prompts, in_flight=self.ledger.in_flight(), ledger=self.ledger.checkpoint(),
             evals=[_eval_row(e) for e in self.evals], elapsed_s=self._elapsed(), reward_mean_first=None,
         )
 

@@ -35,6 +35,10 @@ def build_program(
         if run_dir is None:
             raise ValueError("resume needs a run directory")
         point = load_resume_point(run_dir)
+        if point.backend != cfg.run.backend:
+            raise CheckpointError(
+                f"{point.directory}: written by the {point.backend!r} backend, cannot resume on {cfg.run.backend!r} (run.backend)"
+            )
         if point.next_step >= cfg.run.steps:
             raise CheckpointError(
                 f"{point.directory}: the run already trained {point.next_step} steps of run.steps={cfg.run.steps}; "
@@ -53,6 +57,11 @@ def build_program(
     if point is not None:
         assert run_dir is not None
         rewind_run_dir(run_dir, point)
-    elif run_dir is not None and run_dir.exists() and cfg.run.overwrite:
+    elif run_dir is not None and run_dir.exists() and any(run_dir.iterdir()):
+        if not cfg.run.overwrite:
+            raise ValueError(
+                f"run directory {run_dir} is not empty and run.overwrite=false: "
+                "resume it with --resume, or choose another run.name"
+            )
         shutil.rmtree(run_dir)
     return Program(cfg, backend, task.stream, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks, resume=point)
