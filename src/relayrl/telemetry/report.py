@@ -291,7 +291,7 @@ def key_figures(data: RunData) -> list[KeyFigure]:
     def samples() -> tuple[float | int | None, str]:
         seconds, source = wall()
         # trace.json of a resumed run covers only the steps since the resume
-        first = int(timeline.run_info(data.events).get("first_step", 0) or 0) if source == "trace.json" else 0  # type: ignore[call-overload]
+        first = int(timeline.run_info(data.events or []).get("first_step", 0) or 0) if source == "trace.json" else 0  # type: ignore[call-overload]
         trained = [n for n in (_num(r.get("num_trajectories")) for r in rows if (_num(r.get("step")) or 0) >= first) if n is not None]
         if seconds is None or seconds <= 0 or not trained:
             return None, ""
