@@ -81,7 +81,7 @@ def staging_dir(final: Path) -> Path:
 
 def state_dict(
     *, next_step: int, backend: str, source: PromptSource, in_flight: list[Prompt], ledger: dict[str, object],
-    evals: list[dict[str, object]], elapsed_s: float, reward_mean_first: float | None,
+    evals: list[dict[str, object]], elapsed_s: float,
 ) -> dict[str, object]:
     """`in_flight`: the ledger's unsettled prompts; the source's undispatched replays follow."""
     return {
@@ -92,7 +92,6 @@ def state_dict(
         "ledger": ledger,
         "evals": evals,
         "elapsed_s": elapsed_s,
-        "reward_mean_first": reward_mean_first,
     }
 
 

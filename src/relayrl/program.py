@@ -156,7 +156,7 @@ class Program:
 
     async def run(self) -> RunResult:
         cfg = self.cfg
-        self._started = started = time.perf_counter()
+        self._started = time.perf_counter()
         status, error = "failed", ""
         try:
             if cfg.orchestrator.release_memory:
@@ -296,7 +296,7 @@ class Program:
     def _checkpoint_state(self, next_step: int) -> dict[str, object]:
         return state_dict(
             next_step=next_step, backend=self.cfg.run.backend, source=self.prompts, in_flight=self.ledger.in_flight(), ledger=self.ledger.checkpoint(),
-            evals=[_eval_row(e) for e in self.evals], elapsed_s=self._elapsed(), reward_mean_first=None,
+            evals=[_eval_row(e) for e in self.evals], elapsed_s=self._elapsed(),
         )
 
     def _reward_mean_first(self) -> float | None:
@@ -309,7 +309,7 @@ class Program:
     async def _checkpoint(self, step: int, state: dict[str, object]) -> None:
         assert self.run_dir is not None
         start = self.tracer.now()
-        state["reward_mean_first"] = self._reward_mean_first()  # step 0's result exists by now
+        state = {**state, "reward_mean_first": self._reward_mean_first()}  # step 0's result exists by now
         final = checkpoint_dir(self.run_dir, step)
         staging = staging_dir(final)
         keep = self.cfg.orchestrator.keep_checkpoints
