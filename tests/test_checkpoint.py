@@ -301,3 +301,25 @@ def test_local_run_resumes_with_its_trainer_state_and_evals(tmp_path: Path) -> N
     evals = [json.loads(line)["version"] for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     assert evals == [0, 2, 4]
     assert result.summary["steps_completed"] == 4 and result.summary["accuracy_before"] is not None
+
+
+def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM cancels the run like Ctrl-C: exit 130, summary "cancelled", a
+    closed trace that passes the checker, and the line to resume with; the resume completes."""
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=t"]]
+    run_dir = tmp_path / "t"
+    proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / CHECKPOINTS / "step-000003").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert f"with: relayrl train --resume {run_dir}" in stderr and "Traceback" not in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled" and summary["steps_completed"] < STEPS
+    assert check_run_dir(run_dir).ok
+    resumed = subprocess.run(_cli("--resume", str(run_dir)), env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == STEPS

@@ -1,7 +1,8 @@
-"""Command line: `relayrl train | check-trace | bench boundary | bench control-plane`.
+"""Command line: `relayrl train | check-trace | report | runs | bench ...`.
 
 Invariant: bad input (config key, file, value) prints one line naming what and where and exits 2;
-a failed check exits 1; nothing else is printed as an error.
+a failed check exits 1; a run stopped by Ctrl-C or SIGTERM is cancelled cleanly (summary
+"cancelled") and exits 130 naming the checkpoint to resume from; nothing else is printed as an error.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import sys
 from importlib import resources
 from pathlib import Path
 from collections.abc import Callable
-from typing import Annotated, NoReturn, Optional, TypeVar
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional, TypeVar
 
 import typer
 from rich.console import Console
 
 from relayrl.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from relayrl.program import Program, RunResult
 
 T = TypeVar("T")
 
@@ -73,9 +77,12 @@ def train(
     start = f"from step {program.start_step} " if program.start_step else ""
     out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
     try:
-        result = asyncio.run(program.run())
+        result = asyncio.run(_run_until_terminated(program))
     except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
         _fail(str(exc))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (a scheduler's preemption)
+        progress.close()
+        _stopped(run_dir)
     finally:
         progress.close()
     s = result.summary
@@ -86,6 +93,34 @@ def train(
         f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
         f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
     )
+
+
+async def _run_until_terminated(program: Program) -> RunResult:
+    """The run, cancelled cleanly on SIGTERM as on Ctrl-C: its summary says "cancelled", its trace
+    is closed and no task or worker thread is left."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await program.run()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _stopped(run_dir: Path) -> NoReturn:
+    from relayrl.checkpoint import CHECKPOINTS, complete_checkpoints
+
+    newest = complete_checkpoints(run_dir / CHECKPOINTS)
+    hint = (
+        f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
+        if newest else " (no checkpoint: orchestrator.checkpoint_every is 0)"
+    )
+    print(f"stopped{hint}", file=sys.stderr)
+    raise typer.Exit(130)
 
 
 @app.command("check-trace")
