@@ -167,6 +167,31 @@ def test_chunked_scoring_equals_one_chunk(microbatch: MicroBatch, chunk_tokens: 
         torch.testing.assert_close(a, b)
 
 
+def test_vocabulary_projection_runs_on_loss_positions_only(microbatch: MicroBatch, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a plain-head model (Qwen2) the output projection sees only the T predicting positions,
+    and the result equals the all-logits path's (values and gradients)."""
+    from relayrl.backends.local import logprobs as lp_module
+
+    model = tiny_qwen2("sdpa")
+    batch = TorchCollator(PAD).collate(microbatch)
+    rows: list[int] = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    results = []
+    for types in (lp_module.PLAIN_HEAD_MODEL_TYPES, frozenset()):
+        monkeypatch.setattr(lp_module, "PLAIN_HEAD_MODEL_TYPES", types)
+        model.zero_grad()
+        logp, ent = token_logprobs(model, batch)
+        (logp * batch.advantages).sum().backward()
+        results.append((logp.detach(), ent, [p.grad.clone() for p in model.parameters()]))  # type: ignore[union-attr]
+    handle.remove()
+    assert rows == [batch.num_loss_tokens, batch.shape[0]]  # 2D hidden (T rows) vs (B, L, H)
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    torch.testing.assert_close(lp_a, lp_b)
+    torch.testing.assert_close(ent_a, ent_b)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(a, b)
+
+
 def test_eager_with_bool_mask_is_refused(microbatch: MicroBatch) -> None:
     model = tiny_qwen2("eager")
     batch = TorchCollator(PAD, mask_kind="bool").collate(microbatch)
@@ -309,7 +334,7 @@ def test_float_mask_follows_model_dtype(microbatch: MicroBatch) -> None:
         assert isinstance(mask, torch.Tensor)
         seen.append(mask.dtype)
 
-    handle = model.register_forward_pre_hook(spy, with_kwargs=True)
+    handle = model.base_model.register_forward_pre_hook(spy, with_kwargs=True)  # both paths call it
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch)
     handle.remove()

@@ -6,8 +6,9 @@ its log π(token | its sequence's earlier tokens) and the entropy of that next-t
 Invariant: packed results equal what one unpacked forward pass per sequence gives (to float
 round-off), because the collator's 4D prefix-tree mask and positions isolate the sequences (see
 `collate`). The log-probs carry gradient; the entropy is always detached (a statistic).
-Memory: only the logits of the positions that predict a loss token are scored (one
-`index_select`); the log-prob is `gather(logits, target) - logsumexp(logits)`, so backward keeps
+Memory: only the positions that predict a loss token get logits — for Qwen2/Qwen3/Llama/Mistral
+the vocabulary projection itself runs on those hidden states only (a prompt's other positions
+never get a full-vocabulary row); other models compute all logits and select. The log-prob is `gather(logits, target) - logsumexp(logits)`, so backward keeps
 no second full-vocabulary tensor as `log_softmax` would. The entropy is computed under `no_grad`
 a chunk of tokens at a time so its softmax temporaries stay small. Exceptions: non-float32
 logits or a temperature ≠ 1 make a float32 / scaled copy per chunk, which backward keeps.
@@ -110,15 +111,34 @@ def token_logprobs(
         # sdpa wants the additive mask in the query dtype; rebuild it so "blocked" is that
         # dtype's own minimum rather than a rounded float32 minimum.
         mask = to_additive_mask(mask == 0, model_dtype)
-    logits = _logits(
-        model,
-        input_ids=batch.input_ids,
-        attention_mask=mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
-    predicting = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.source_index)
+    inputs = {"input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.position_ids, "use_cache": False}
+    split = _plain_head(model)
+    if split is not None:  # the vocabulary projection only where a loss token is predicted
+        base, head = split
+        hidden = base(**inputs).last_hidden_state
+        predicting = head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.source_index))
+    else:
+        logits = _logits(model, **inputs)
+        predicting = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.source_index)
     return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_tokens)
+
+
+# Causal LMs whose logits are exactly lm_head(base_model(...).last_hidden_state): no soft-capping,
+# scaling or bias added in the head (checked against their transformers `forward`).
+PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+
+def _plain_head(model: CausalLM) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(base model, output projection) when logits may be computed for chosen positions only."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    base = getattr(model, "base_model", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(base, torch.nn.Module) or base is model or not isinstance(head, torch.nn.Module):
+        return None
+    return base, head
 
 
 def unpacked_token_logprobs(
