@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from relayrl.config import Config
 from relayrl.types import Prompt
@@ -36,6 +37,7 @@ def build_task(cfg: Config) -> TaskData:
     from relayrl.tasks.jsonl import JsonlTask, JsonlTaskConfig
 
     assert t.path is not None  # the config validator requires it for jsonl
-    jtask = JsonlTask(JsonlTaskConfig(path=t.path, heldout_path=t.heldout_path, heldout_last=t.heldout_last, seed=cfg.run.seed))
+    heldout_path = Path(t.heldout_path) if t.heldout_path else None
+    jtask = JsonlTask(JsonlTaskConfig(path=Path(t.path), heldout_path=heldout_path, heldout_last=t.heldout_last, seed=cfg.run.seed))
     heldout = jtask.heldout(min(t.heldout_size, len(jtask.heldout_prompts)))
     return TaskData(jtask.stream(), heldout)

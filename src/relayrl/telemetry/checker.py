@@ -53,7 +53,10 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
     overlap = bool(info.get("overlap_bookkeeping", True))
     max_staleness = int(info.get("max_staleness", 0))  # type: ignore[call-overload]
     loop_thread = str(info.get("loop_thread", "MainThread"))
-    completed = any(e.get("ph") == "i" and e.get("name") == "run_end" and (e.get("args") or {}).get("status") == "completed" for e in events)  # type: ignore[union-attr]
+    completed = any(
+        e.get("ph") == "i" and e.get("name") == "run_end" and isinstance(args := e.get("args"), dict) and args.get("status") == "completed"
+        for e in events
+    )
     all_spans = spans(events)
     report = CheckReport(completed=completed)
     v = report.violations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from relayrl.callbacks import Callback
 from relayrl.evaluation import EvalResult
@@ -31,7 +31,7 @@ class ProgressPrinter(Callback):
         self._accuracy: float | None = None
         self._live = self._console.is_terminal if live is None else live
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     def _bar(self) -> Progress:
         if self._progress is None:

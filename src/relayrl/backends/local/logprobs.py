@@ -111,7 +111,9 @@ def token_logprobs(
         # sdpa wants the additive mask in the query dtype; rebuild it so "blocked" is that
         # dtype's own minimum rather than a rounded float32 minimum.
         mask = to_additive_mask(mask == 0, model_dtype)
-    inputs = {"input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.position_ids, "use_cache": False}
+    inputs: dict[str, torch.Tensor | bool] = {
+        "input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.position_ids, "use_cache": False,
+    }
     split = _plain_head(model)
     if split is not None:  # the vocabulary projection only where a loss token is predicted
         base, head = split

@@ -17,6 +17,7 @@ that step's figures and returns the new policy version (= number of updates so f
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -100,8 +101,7 @@ class LocalTrainer:
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="relayrl-trainer",
-            initializer=torch.set_num_threads if threads else None,
-            initargs=(threads,) if threads else (),
+            initializer=functools.partial(torch.set_num_threads, threads) if threads else None,
         )
         self._abort = threading.Event()
         self._closed = False
@@ -222,7 +222,7 @@ class LocalTrainer:
             "step": float(self.version),
             "loss": st.loss,
             "grad_norm": grad_norm,
-            "learning_rate": lr,
+            "learning_rate": float(lr),
             "tokens": float(st.tokens),
             "completion_tokens": float(st.loss_tokens),
             "microbatches": float(st.microbatches),
