@@ -119,6 +119,55 @@ def test_several_sampler_replicas_all_contribute(tmp_path: Path) -> None:
     assert {"sampler/0", "sampler/1", "sampler/2"} <= lanes
 
 
+class _DiesOnCall(SimSampler):
+    """A replica whose `fail_on` call (generate, or load_weights) raises."""
+
+    def __init__(self, cfg: object, max_new_tokens: int, seed: int, replica: int, fail_on: str, after: int) -> None:
+        super().__init__(cfg, max_new_tokens, seed, replica)  # type: ignore[arg-type]
+        self.fail_on, self.after, self.loads = fail_on, after, 0
+
+    async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        if self.fail_on == "generate" and self.generate_calls >= self.after:
+            raise ConnectionError(f"replica {self.replica} lost its device")
+        return await super().generate(requests)
+
+    async def load_weights(self, weights: object) -> None:
+        self.loads += 1
+        if self.fail_on == "load_weights" and self.loads > self.after:
+            raise MemoryError(f"replica {self.replica} out of memory loading weights")
+        await super().load_weights(weights)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fail_on", ["generate", "load_weights"])
+def test_a_failed_sampler_replica_is_retired_and_nothing_is_lost(tmp_path: Path, fail_on: str) -> None:
+    cfg = sim_config("rollout.num_samplers=3", "sim.generate_per_request=0.01", "run.steps=6")
+    program = make_program(cfg, tmp_path)
+    program.backend.samplers[1] = _DiesOnCall(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, 1, fail_on, after=2)
+    with pytest.warns(Warning, match="sampler replica 1 retired after " + fail_on):
+        result = run_checked(program)
+    summary = result.summary
+    assert summary["status"] == "completed"
+    assert [r["replica"] for r in summary["samplers_retired"]] == [1]  # type: ignore[index]
+    assert summary["ledger"]["groups_trained"] == 6 * cfg.rollout.groups_per_step  # type: ignore[index]
+    trajs = _trajectories(tmp_path / "run")
+    assert len({r["group_id"] for r in trajs}) == len(trajs) // cfg.rollout.num_generations  # no group sampled twice
+    spans = trace_spans(result)
+    if fail_on == "generate":
+        failed = [s for s in spans if s.name == "generate_failed"]
+        assert [s.lane for s in failed] == ["sampler/1"]
+        assert not [s for s in spans if s.lane == "sampler/1" and s.name == "generate" and s.start > failed[0].end]
+
+
+def test_without_failover_or_replicas_left_a_sampler_failure_fails_the_run(tmp_path: Path) -> None:
+    cfg = sim_config("rollout.num_samplers=2", "rollout.sampler_failover=false", "run.steps=6")
+    program = make_program(cfg, tmp_path)
+    program.backend.samplers[0] = _DiesOnCall(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, 0, "generate", after=1)
+    with pytest.raises(ConnectionError, match="replica 0 lost its device"):
+        asyncio.run(asyncio.wait_for(program.run(), 30))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["samplers_retired"][0]["replica"] == 0
+
+
 def test_configured_sinks_receive_metrics_and_a_failing_sink_does_not_stop_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from relayrl.telemetry import sinks
 

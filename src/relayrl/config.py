@@ -54,6 +54,9 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
     num_samplers: int = Field(1, ge=1)
+    # a replica whose generate / load_weights raises is retired and its requests go to the others;
+    # the run fails only when none is left (false: the first failure fails the run)
+    sampler_failover: bool = True
     sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = auto (see train.torch_threads)
     sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
     max_new_tokens: int = Field(8, ge=1)

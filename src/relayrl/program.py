@@ -36,6 +36,7 @@ from relayrl.checkpoint import (
 from relayrl.config import Config, config_to_toml
 from relayrl.evaluation import EvalResult
 from relayrl.ledger import Ledger
+from relayrl.replicas import ReplicaPool
 from relayrl.stages.advantage import advantage_stage
 from relayrl.stages.collect import collect_stage
 from relayrl.stages.dispatch import dispatch_stage
@@ -119,6 +120,7 @@ class Program:
         self.workers = workers
         self.callbacks = list(callbacks)
         self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
+        self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover)
         run_info: dict[str, object] = {
             "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
             "max_staleness": cfg.rollout.max_staleness,
@@ -188,6 +190,7 @@ class Program:
         scored: asyncio.Queue[list[Group]] = asyncio.Queue(size)
         ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
         start = self.start_step
+        self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover)
         window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps, start)
         committed = VersionSignal(start)
         sync_times = SyncTimes()
@@ -206,7 +209,7 @@ class Program:
                         name="dispatch",
                     ),
                     *[
-                        tg.create_task(sampler_stage(s, requests, generated, self.tracer), name=f"sampler/{s.replica}")
+                        tg.create_task(sampler_stage(s, requests, generated, self.tracer, self.replicas), name=f"sampler/{s.replica}")
                         for s in backend.samplers
                     ],
                     tg.create_task(collect_stage(generated, collected), name="collect"),
@@ -216,7 +219,7 @@ class Program:
                         name="advantages",
                     ),
                     tg.create_task(
-                        sync_stage(backend.trainer, backend.samplers, committed, window, self.tracer, sync_times, start),
+                        sync_stage(backend.trainer, self.replicas, committed, window, self.tracer, sync_times, start),
                         name="weight-sync",
                     ),
                 ]
@@ -359,4 +362,5 @@ class Program:
             "reward_mean_first": self._reward_mean_first(),
             "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
             "ledger": self.ledger.as_dict(),
+            "samplers_retired": self.replicas.retired,
         }

@@ -1,7 +1,9 @@
 """Sample: one task per sampler replica pulls request batches and generates them.
 
 Invariant: each generate call is traced on its replica's lane with the version that sampled it;
-results leave in the order the call returned them.
+results leave in the order the call returned them. A replica whose `generate` raises is retired
+(see `relayrl.replicas`) and its requests go back to the queue for the other replicas: no group
+is lost or sampled twice.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from relayrl.backends.protocols import Sampler
+from relayrl.replicas import ReplicaPool
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest
 
@@ -18,12 +21,22 @@ async def sampler_stage(
     inbox: asyncio.Queue[list[SampleRequest]],
     outbox: asyncio.Queue[list[GenerateResult]],
     tracer: Tracer,
+    pool: ReplicaPool,
 ) -> None:
     lane = f"sampler/{sampler.replica}"
-    while True:
+    while sampler in pool.alive:
         requests = await inbox.get()
+        if sampler not in pool.alive:  # retired by a failed weight load while it waited
+            await inbox.put(requests)
+            return
         start = tracer.now()
-        results = await sampler.generate(requests)
+        try:
+            results = await sampler.generate(requests)
+        except Exception as exc:
+            tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
+            pool.retire(sampler, exc, "generate")
+            await inbox.put(requests)  # another replica samples them
+            return
         version = results[0].policy_version if results else sampler.version
         tracer.complete(lane, "generate", start, tracer.now(), n=len(requests), version=version)
         await outbox.put(results)

@@ -2,15 +2,15 @@
 
 Invariant: rounds never overlap (one task runs them one after another); a round that starts
 after several commits pushes only the newest version; the window learns a version only after
-every sampler has loaded it.
+every sampler in service has loaded it (one that fails to is retired, see `sample.ReplicaPool`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
-from relayrl.backends.protocols import Sampler, Trainer
+from relayrl.backends.protocols import Trainer
+from relayrl.replicas import ReplicaPool
 from relayrl.telemetry.tracer import Tracer
 from relayrl.window import DispatchWindow
 
@@ -49,7 +49,7 @@ class SyncTimes:
 
 async def sync_stage(
     trainer: Trainer,
-    samplers: Sequence[Sampler],
+    pool: ReplicaPool,
     committed: VersionSignal,
     window: DispatchWindow,
     tracer: Tracer,
@@ -60,9 +60,13 @@ async def sync_stage(
         await committed.newer_than(synced)
         start = tracer.now()
         weights = await trainer.export_weights()
-        async with asyncio.TaskGroup() as tg:
-            for sampler in samplers:
-                tg.create_task(sampler.load_weights(weights))
+        samplers = list(pool.alive)
+        outcomes = await asyncio.gather(*(s.load_weights(weights) for s in samplers), return_exceptions=True)
+        for sampler, outcome in zip(samplers, outcomes):
+            if isinstance(outcome, Exception):
+                pool.retire(sampler, outcome, "load_weights")  # re-raises unless another replica serves
+            elif isinstance(outcome, BaseException):
+                raise outcome
         end = tracer.now()
         tracer.complete("orchestrator", "weight_sync", start, end, version=weights.version)
         times.add(end - start)
