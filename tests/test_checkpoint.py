@@ -315,7 +315,7 @@ def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 143, stderr
     assert f"with: relayrl train --resume {run_dir}" in stderr and "Traceback" not in stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "cancelled" and summary["steps_completed"] < STEPS

@@ -195,3 +195,33 @@ def test_configured_sinks_receive_metrics_and_a_failing_sink_does_not_stop_the_r
     history = client.get_metric_history(mlrun.info.run_id, "reward_mean")
     assert [m.step for m in history] == [0, 1, 2, 3]
     assert [m.value for m in history] == pytest.approx([r.metrics["reward_mean"] for r in result.results])
+
+
+def test_requests_that_fail_on_two_replicas_fail_the_run_instead_of_retiring_them_all(tmp_path: Path) -> None:
+    class PoisonGroup(SimSampler):
+        async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+            if any(r.group_id == 5 for r in requests):
+                raise ValueError("token id out of range")
+            return await super().generate(requests)
+
+    cfg = sim_config("rollout.num_samplers=3", "run.steps=4")
+    program = make_program(cfg, tmp_path)
+    program.backend.samplers[:] = [PoisonGroup(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=i) for i in range(3)]
+    with pytest.warns(Warning, match="retired after generate"):
+        with pytest.raises(RuntimeError, match=r"failed on group\(s\) \[(\d+, )*5(, \d+)*\], which already failed on another replica"):
+            asyncio.run(asyncio.wait_for(program.run(), 30))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert len(summary["samplers_retired"]) == 2  # the second failure stopped the run, not a third retirement
+
+
+def test_a_replica_is_retired_once_however_often_it_fails() -> None:
+    from relayrl.replicas import ReplicaPool
+
+    a, b = (SimSampler(sim_config().sim, 4, 0, replica=i) for i in range(2))
+    pool = ReplicaPool.of([a, b], failover=True)
+    with pytest.warns(Warning):
+        pool.retire(a, MemoryError("load"), "load_weights")
+    pool.retire(a, ConnectionError("gen"), "generate", [1])  # already retired: no second record or warning
+    assert [r["replica"] for r in pool.retired] == [0] and pool.alive == [b]
+    with pytest.raises(ConnectionError):
+        pool.retire(b, ConnectionError("last"), "generate", [2])

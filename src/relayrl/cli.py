@@ -1,8 +1,9 @@
 """Command line: `relayrl train | check-trace | report | runs | bench ...`.
 
 Invariant: bad input (config key, file, value) prints one line naming what and where and exits 2;
-a failed check exits 1; a run stopped by Ctrl-C or SIGTERM is cancelled cleanly (summary
-"cancelled") and exits 130 naming the checkpoint to resume from; nothing else is printed as an error.
+a failed check exits 1; a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled
+cleanly (summary "cancelled") and names the checkpoint to resume from; nothing else is printed as
+an error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional, TypeVar
 import typer
 from rich.console import Console
 
-from relayrl.config import ConfigError, load_config
+from relayrl.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
     from relayrl.program import Program, RunResult
@@ -80,9 +81,12 @@ def train(
         result = asyncio.run(_run_until_terminated(program))
     except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
         _fail(str(exc))
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (a scheduler's preemption)
+    except KeyboardInterrupt:  # Ctrl-C
         progress.close()
-        _stopped(run_dir)
+        _stopped(run_dir, cfg, 130)
+    except _Terminated:  # SIGTERM (e.g. a scheduler preempting the job)
+        progress.close()
+        _stopped(run_dir, cfg, 143)
     finally:
         progress.close()
     s = result.summary
@@ -95,32 +99,54 @@ def train(
     )
 
 
+class _Terminated(Exception):
+    """The run was cancelled because the process received SIGTERM."""
+
+
 async def _run_until_terminated(program: Program) -> RunResult:
     """The run, cancelled cleanly on SIGTERM as on Ctrl-C: its summary says "cancelled", its trace
-    is closed and no task or worker thread is left."""
+    is closed and no task or worker thread is left. Only the first SIGTERM cancels; a
+    CancelledError that no signal caused propagates as the bug it is."""
     import asyncio
     import signal
 
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        if not terminated:
+            terminated = True
+            task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    except (NotImplementedError, RuntimeError):  # no signal handlers on this platform / thread
+        return await program.run()
     try:
         return await program.run()
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated() from None
+        raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def _stopped(run_dir: Path) -> NoReturn:
+def _stopped(run_dir: Path, cfg: Config, code: int) -> NoReturn:
     from relayrl.checkpoint import CHECKPOINTS, complete_checkpoints
 
     newest = complete_checkpoints(run_dir / CHECKPOINTS)
-    hint = (
-        f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
-        if newest else " (no checkpoint: orchestrator.checkpoint_every is 0)"
-    )
+    if newest:
+        hint = f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
+    elif cfg.orchestrator.checkpoint_every:
+        hint = " before its first checkpoint"
+    else:
+        hint = " (no checkpoints: orchestrator.checkpoint_every is 0)"
     print(f"stopped{hint}", file=sys.stderr)
-    raise typer.Exit(130)
+    raise typer.Exit(code)
 
 
 @app.command("check-trace")

@@ -1,9 +1,11 @@
 """Sampler replicas in service: failover when one fails.
 
 Invariant: with failover on, a replica whose `generate` or `load_weights` raised is taken out of
-service, the failure is recorded and warned about once, and the run goes on with the others;
-only the failure of the last replica (or any failure, with failover off) fails the run — with
-that replica's own exception.
+service once (one record, one warning) and the run goes on with the others. The run fails with
+the failing replica's own exception when the last replica fails or failover is off, and with a
+RuntimeError naming the groups when requests that already failed on one replica fail on another
+(then the requests, not the replicas, are the likely cause; retiring every replica in turn would
+only hide that).
 """
 
 from __future__ import annotations
@@ -26,21 +28,34 @@ class ReplicaPool:
     alive: list[Sampler]
     failover: bool = True
     retired: list[dict[str, object]] = field(default_factory=list)
+    _failed_groups: set[int] = field(default_factory=set)  # group ids of requests a replica failed on
 
     @classmethod
     def of(cls, samplers: Sequence[Sampler], failover: bool) -> ReplicaPool:
         return cls(list(samplers), failover)
 
-    def retire(self, sampler: Sampler, exc: Exception, during: str) -> None:
-        """Take `sampler` out of service; re-raise `exc` when failover is off or none is left."""
-        if sampler in self.alive:
-            self.alive.remove(sampler)
-        self.retired.append({"replica": sampler.replica, "during": during, "error": f"{type(exc).__name__}: {exc}"})
+    def serves(self, sampler: Sampler) -> bool:
+        return any(s is sampler for s in self.alive)
+
+    def retire(self, sampler: Sampler, exc: Exception, during: str, group_ids: Sequence[int] = ()) -> None:
+        """Take `sampler` out of service; raise when the run cannot go on (see module)."""
+        newly = self.serves(sampler)
+        if newly:
+            self.alive = [s for s in self.alive if s is not sampler]
+            self.retired.append({"replica": sampler.replica, "during": during, "error": f"{type(exc).__name__}: {exc}"})
+        retried = sorted(self._failed_groups.intersection(group_ids))
+        self._failed_groups.update(group_ids)
+        if retried:
+            raise RuntimeError(
+                f"sampler replica {sampler.replica}: {during} failed on group(s) {retried}, which already failed on "
+                f"another replica: the requests, not the replicas, look at fault ({type(exc).__name__}: {exc})"
+            ) from exc
         if not self.failover or not self.alive:
             raise exc
-        warnings.warn(
-            f"sampler replica {sampler.replica} retired after {during} raised {type(exc).__name__}: {exc}; "
-            f"its requests go to the {len(self.alive)} other replica(s)",
-            SamplerRetiredWarning,
-            stacklevel=2,
-        )
+        if newly:
+            warnings.warn(
+                f"sampler replica {sampler.replica} retired after {during} raised {type(exc).__name__}: {exc}; "
+                f"its requests go to the {len(self.alive)} other replica(s)",
+                SamplerRetiredWarning,
+                stacklevel=2,
+            )

@@ -24,11 +24,20 @@ class Backend:
     evaluator: HeldoutEvaluator | None = None
 
     async def close(self) -> None:
-        for sampler in self.samplers:
-            await sampler.close()
+        """Close every worker, even when some fail to close (a retired replica may be broken);
+        the first error is raised after all were tried."""
+        closers = [s.close for s in self.samplers]
         if self.evaluator is not None:
-            await self.evaluator.close()
-        await self.trainer.close()
+            closers.append(self.evaluator.close)
+        closers.append(self.trainer.close)
+        first: Exception | None = None
+        for close in closers:
+            try:
+                await close()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def build_sim_backend(cfg: Config, abort: threading.Event) -> Backend:

@@ -24,9 +24,9 @@ async def sampler_stage(
     pool: ReplicaPool,
 ) -> None:
     lane = f"sampler/{sampler.replica}"
-    while sampler in pool.alive:
+    while pool.serves(sampler):
         requests = await inbox.get()
-        if sampler not in pool.alive:  # retired by a failed weight load while it waited
+        if not pool.serves(sampler):  # retired by a failed weight load while it waited
             await inbox.put(requests)
             return
         start = tracer.now()
@@ -34,7 +34,7 @@ async def sampler_stage(
             results = await sampler.generate(requests)
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
-            pool.retire(sampler, exc, "generate")
+            pool.retire(sampler, exc, "generate", [r.group_id for r in requests])
             await inbox.put(requests)  # another replica samples them
             return
         version = results[0].policy_version if results else sampler.version

@@ -2,7 +2,7 @@
 
 Invariant: rounds never overlap (one task runs them one after another); a round that starts
 after several commits pushes only the newest version; the window learns a version only after
-every sampler in service has loaded it (one that fails to is retired, see `sample.ReplicaPool`).
+every sampler in service has loaded it (one that fails to is retired, see `relayrl.replicas`).
 """
 
 from __future__ import annotations
@@ -63,8 +63,15 @@ async def sync_stage(
         samplers = list(pool.alive)
         outcomes = await asyncio.gather(*(s.load_weights(weights) for s in samplers), return_exceptions=True)
         for sampler, outcome in zip(samplers, outcomes):
+            if isinstance(outcome, asyncio.CancelledError):
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise outcome  # this stage is being cancelled
+                outcome = RuntimeError(f"load_weights was cancelled by the sampler: {outcome!r}")
             if isinstance(outcome, Exception):
-                pool.retire(sampler, outcome, "load_weights")  # re-raises unless another replica serves
+                error = f"{type(outcome).__name__}: {outcome}"
+                tracer.complete(f"sampler/{sampler.replica}", "load_weights_failed", start, tracer.now(), version=weights.version, error=error)
+                pool.retire(sampler, outcome, "load_weights")  # raises unless another replica serves
             elif isinstance(outcome, BaseException):
                 raise outcome
         end = tracer.now()

@@ -117,7 +117,7 @@ def token_logprobs(
     split = _plain_head(model)
     if split is not None:  # the vocabulary projection only where a loss token is predicted
         base, head = split
-        hidden = base(**inputs).last_hidden_state
+        hidden = base(**inputs, return_dict=True).last_hidden_state
         predicting = head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.source_index))
     else:
         logits = _logits(model, **inputs)
