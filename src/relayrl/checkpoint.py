@@ -3,12 +3,13 @@
 `checkpoints/step-NNNNNN/` holds, for the moment step N committed: the trainer's state
 (`Trainer.save_state`: weights of version N+1, optimizer, LR schedule) and `state.json` — the
 next step, how many prompts the task stream has handed out, the prompts of the groups still in
-flight (dispatched, not yet trained or filtered), the settled ledger, the held-out evaluations
-and the wall time so far. A checkpoint is written into a hidden temporary directory and renamed
+flight (dispatched, not yet trained or filtered), the settled ledger, the held-out evaluations,
+the wall time so far and the metrics.jsonl rows written since the previous checkpoint. A checkpoint is written into a hidden temporary directory and renamed
 into place only when complete, so a kill at any moment leaves either the whole checkpoint or none.
 
 Resuming (`relayrl train --resume RUN_DIR`) rewinds the run directory to the newest complete
-checkpoint — metrics, evaluations and trajectory files of later steps are removed, the old trace
+checkpoint — metrics, evaluations and trajectory files of later steps are removed (a metrics row
+of an earlier step that was lost is restored from the checkpoint, or the resume is refused), the old trace
 is kept as `trace.part-K.json` — and the run goes on from its next step: the in-flight prompts are
 dispatched again first, then the stream continues where it was. Invariant: every prompt the
 stream handed out before the checkpoint is trained, filtered or in flight exactly once in the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -47,6 +48,7 @@ class ResumePoint:
     evals: list[dict[str, object]]  # evals.jsonl rows so far
     elapsed_s: float  # wall time of the run up to the checkpoint
     reward_mean_first: float | None
+    metrics_rows: list[dict[str, object]]  # metrics.jsonl rows of the steps since the previous checkpoint
 
 
 class PromptSource(Iterator[Prompt]):
@@ -145,6 +147,7 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
             evals=list(raw["evals"]),
             elapsed_s=float(raw["elapsed_s"]),
             reward_mean_first=raw.get("reward_mean_first"),
+            metrics_rows=list(raw.get("metrics_rows", [])),
         )
     except CheckpointError:
         raise
@@ -158,9 +161,7 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
     keep the old trace as `trace.part-K.json`. Each file is replaced atomically. `point.evals`
     becomes every evaluation of a version ≤ next_step (those that landed after the checkpoint
     was taken included). Idempotent: a kill during the rewind leaves it to be done again."""
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        _rewrite_jsonl(metrics, lambda row: int(row["step"]) < point.next_step)  # type: ignore[call-overload]
+    _rewind_metrics(run_dir / "metrics.jsonl", point)
     evals = run_dir / "evals.jsonl"
     by_version = {int(e["version"]): e for e in point.evals}  # type: ignore[call-overload]
     if evals.exists():
@@ -183,8 +184,33 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
         os.replace(trace, run_dir / f"trace.part-{part}.json")
 
 
+def _rewind_metrics(path: Path, point: ResumePoint) -> None:
+    """metrics.jsonl keeps one row for each step before `point.next_step`, in step order. A row
+    that was lost or torn after it was written (a truncated file) is restored from the rows the
+    checkpoint carries; a loss the checkpoint cannot repair is refused, never dropped silently."""
+    rows = {int(row["step"]): row for row in (_read_jsonl(path) if path.exists() else [])}  # type: ignore[call-overload]
+    rows = {step: row for step, row in rows.items() if step < point.next_step}
+    missing = [step for step in range(point.next_step) if step not in rows]
+    saved = {int(row["step"]): row for row in point.metrics_rows}  # type: ignore[call-overload]
+    lost = [step for step in missing if step not in saved]
+    if lost:
+        shown = ", ".join(str(s) for s in lost[:5]) + (" ..." if len(lost) > 5 else "")
+        raise CheckpointError(
+            f"{path}: the rows of step(s) {shown} are missing or torn and {point.directory.name} cannot restore them; "
+            "the file was damaged after it was written: restore it from a backup before resuming"
+        )
+    for step in missing:
+        rows[step] = saved[step]
+    _write_jsonl(path, [rows[step] for step in sorted(rows)])
+
+
 def _read_jsonl(path: Path) -> list[dict[str, object]]:
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {exc.start}); cannot rewind the run directory") from None
+    if lines and not lines[-1]:
+        lines.pop()  # the file ends with a newline
     rows: list[dict[str, object]] = []
     for number, line in enumerate(lines, 1):
         try:
@@ -194,10 +220,6 @@ def _read_jsonl(path: Path) -> list[dict[str, object]]:
                 break
             raise CheckpointError(f"{path}:{number}: not a JSON line; cannot rewind the run directory") from None
     return rows
-
-
-def _rewrite_jsonl(path: Path, keep: Callable[[dict[str, object]], bool]) -> None:
-    _write_jsonl(path, [row for row in _read_jsonl(path) if keep(row)])
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:

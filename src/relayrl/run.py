@@ -1,20 +1,24 @@
 """Build a run from a config: run directory, backend, prompts, reward functions.
 
 Invariant: everything that can be rejected (config, task data, model path, the checkpoint to
-resume) is checked here, before the run directory is written.
+resume, a config change a resumed run cannot take) is checked here, before the run directory is
+written; the run directory is locked (rundir.py) before anything in it is changed, and only a
+directory proven to be a relayrl run directory is ever cleared.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend, build_sim_backend
 from relayrl.callbacks import Callback
 from relayrl.checkpoint import CheckpointError, load_resume_point, rewind_run_dir
-from relayrl.config import Config
+from relayrl.config import Config, ConfigError, load_config
 from relayrl.program import Program
+from relayrl.rundir import MARKER, RunDirLock
+from relayrl.sizing import check_fits
 from relayrl.tasks import rewards
 from relayrl.tasks.build import build_task
 from relayrl.threads import Workers
@@ -30,38 +34,88 @@ def build_program(
 ) -> Program:
     """A program for `cfg`; with `resume`, one that continues `run_dir` from its newest checkpoint
     (CheckpointError, a ValueError, if there is none or the run already did `run.steps`)."""
-    point = None
-    if resume:
-        if run_dir is None:
-            raise ValueError("resume needs a run directory")
-        point = load_resume_point(run_dir)
-        if point.backend != cfg.run.backend:
-            raise CheckpointError(
-                f"{point.directory}: written by the {point.backend!r} backend, cannot resume on {cfg.run.backend!r} (run.backend)"
-            )
-        if point.next_step >= cfg.run.steps:
-            raise CheckpointError(
-                f"{point.directory}: the run already trained {point.next_step} steps of run.steps={cfg.run.steps}; "
-                "raise run.steps (--set run.steps=N) to train further"
-            )
-    reward_fns = rewards.resolve(cfg.task.reward_functions)
-    task = build_task(cfg)
-    workers = Workers()
-    if backend is None:
-        if cfg.run.backend == "local":
-            from relayrl.backends.local.build import build_local_backend
+    lock = RunDirLock(run_dir) if run_dir is not None else None
+    try:
+        point = None
+        changes: list[dict[str, object]] = []
+        if resume:
+            if run_dir is None or lock is None:
+                raise ValueError("resume needs a run directory")
+            load_resume_point(run_dir)  # a run directory with a checkpoint, before it is adopted and locked
+            lock.acquire(adopt=True)
+            point = load_resume_point(run_dir)  # read again under the lock
+            if point.backend != cfg.run.backend:
+                raise CheckpointError(
+                    f"{point.directory}: written by the {point.backend!r} backend, cannot resume on {cfg.run.backend!r} (run.backend)"
+                )
+            if point.next_step >= cfg.run.steps:
+                raise CheckpointError(
+                    f"{point.directory}: the run already trained {point.next_step} steps of run.steps={cfg.run.steps}; "
+                    "raise run.steps (--set run.steps=N) to train further"
+                )
+            changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.next_step)
+        check_fits(cfg)
+        reward_fns = rewards.resolve(cfg.task.reward_functions)
+        task = build_task(cfg)
+        workers = Workers()
+        if backend is None:
+            if cfg.run.backend == "local":
+                from relayrl.backends.local.build import build_local_backend
 
-            backend = build_local_backend(cfg, workers.abort, task.heldout)
-        else:
-            backend = build_sim_backend(cfg, workers.abort)
-    if point is not None:
-        assert run_dir is not None
-        rewind_run_dir(run_dir, point)
-    elif run_dir is not None and run_dir.exists() and any(run_dir.iterdir()):
-        if not cfg.run.overwrite:
-            raise ValueError(
-                f"run directory {run_dir} is not empty and run.overwrite=false: "
-                "resume it with --resume, or choose another run.name"
+                backend = build_local_backend(cfg, workers.abort, task.heldout)
+            else:
+                backend = build_sim_backend(cfg, workers.abort)
+        if point is not None:
+            assert run_dir is not None
+            rewind_run_dir(run_dir, point)
+            if changes:
+                with open(run_dir / CONFIG_CHANGES, "a", encoding="utf-8") as fh:
+                    fh.writelines(json.dumps(row) + "\n" for row in changes)
+        elif run_dir is not None and lock is not None:
+            lock.acquire()
+            if any(p.name != MARKER for p in run_dir.iterdir()):
+                if not cfg.run.overwrite:
+                    raise ValueError(
+                        f"run directory {run_dir} is not empty and run.overwrite=false: "
+                        "resume it with --resume, or choose another run.name"
+                    )
+                lock.clear()
+        return Program(
+            cfg, backend, task.stream, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks, resume=point, lock=lock,
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+CONFIG_CHANGES = "config_changes.jsonl"  # one row per key a resume changed: from_step, key, old, new
+
+# Keys a resume may change: they decide how the run is hosted, logged, checkpointed, evaluated or
+# how long it goes on, never what a step computes. Everything else is fixed by the steps already
+# trained (a different group size, learning rate or task would make one run of two experiments).
+RESUMABLE_KEYS = ("run.steps", "run.overwrite", "orchestrator.", "eval.", "telemetry.", "rollout.sampler_threads",
+                  "rollout.sampler_nice", "rollout.sampler_failover", "train.torch_threads", "sim.generate", "sim.train_step",
+                  "sim.optim_step", "sim.get_metrics", "sim.weight_sync", "sim.pack_per_microbatch", "sim.reduce_metrics",
+                  "sim.log_metrics", "sim.log_trajectories", "sim.on_step_end", "sim.release_memory")
+
+
+def _flat(cfg: Config) -> dict[str, object]:
+    return {f"{section}.{key}": value for section, values in cfg.model_dump().items() for key, value in values.items()}
+
+
+def resume_changes(before: Config, after: Config, next_step: int) -> list[dict[str, object]]:
+    """The keys `after` changes from the run's recorded config, each as a row to record; a
+    ConfigError names the first change a resumed run cannot take."""
+    old, new = _flat(before), _flat(after)
+    rows: list[dict[str, object]] = []
+    for key in new:
+        if old.get(key) == new[key]:
+            continue
+        if not key.startswith(RESUMABLE_KEYS):
+            raise ConfigError(
+                f"--resume cannot change {key} ({old.get(key)!r} → {new[key]!r}): steps 0–{next_step - 1} "
+                "were trained with the recorded value; start a new run to change it"
             )
-        shutil.rmtree(run_dir)
-    return Program(cfg, backend, task.stream, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks, resume=point)
+        rows.append({"from_step": next_step, "key": key, "old": old.get(key), "new": new[key]})
+    return rows

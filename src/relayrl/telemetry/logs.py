@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import IO
 
+from relayrl.rundir import writing
+
 
 class JsonlWriter:
     def __init__(self, path: Path) -> None:
@@ -18,8 +20,10 @@ class JsonlWriter:
 
     def write_many(self, rows: list[dict[str, object]]) -> None:
         if rows:
-            self._fh.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
-            self._fh.flush()
+            with writing(self.path):
+                self._fh.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+                self._fh.flush()
 
     def close(self) -> None:
-        self._fh.close()
+        with writing(self.path):
+            self._fh.close()

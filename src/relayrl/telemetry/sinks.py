@@ -98,6 +98,13 @@ def _missing_extra(sink: str, exc: ImportError) -> ImportError:
     )
 
 
+def metrics_row(step: int, metrics: Metrics) -> dict[str, object]:
+    """One step's metrics.jsonl row: `step` first, then the metrics."""
+    row: dict[str, object] = {"step": step}
+    row.update((k, v) for k, v in metrics.items() if k != "step")
+    return row
+
+
 class JsonlSink:
     """metrics.jsonl: one JSON object per step (`step` first), each a whole line followed by a
     flush, so a crash loses at most the line being written. Errors propagate."""
@@ -109,9 +116,7 @@ class JsonlSink:
         self._writer = JsonlWriter(path)
 
     def log(self, step: int, metrics: Metrics) -> None:
-        row: dict[str, object] = {"step": step}
-        row.update((k, v) for k, v in metrics.items() if k != "step")
-        self._writer.write_many([row])
+        self._writer.write_many([metrics_row(step, metrics)])
 
     def close(self) -> None:
         self._writer.close()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from relayrl.rundir import writing
 from relayrl.types import FilteredGroup, Trajectory
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class ParquetTrajectoryLog:
         final = step_file(self.directory, step)
         tmp = final.with_name(f".{final.name}.tmp")
         try:
-            with open(tmp, "wb") as fh:
+            with writing(final), open(tmp, "wb") as fh:
                 pq.write_table(table, fh, compression=self.compression)
                 if self.fsync:
                     fh.flush()
