@@ -1,28 +1,28 @@
 """Command line: `relayrl train | check-trace | report | runs | bench ...`.
 
-Invariant: bad input (config key, file, value) prints one line naming what and where and exits 2;
-a failed check exits 1; a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled
-cleanly (summary "cancelled") and names the checkpoint to resume from; nothing else is printed as
-an error.
+Invariant: bad input (config key, file, value, run directory) prints one line naming what and
+where and exits 2; a failed check, or a run stopped by a file-system error (disk full: path and
+errno), exits 1; a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly
+(summary "cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s;
+either way the checkpoint to resume from is named; nothing else is printed as an error.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 from importlib import resources
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, NoReturn, Optional, TypeVar
+from typing import Annotated, NoReturn, Optional, TypeVar
 
 import typer
 from rich.console import Console
 
 from relayrl.config import Config, ConfigError, load_config
-
-if TYPE_CHECKING:
-    from relayrl.program import Program, RunResult
+from relayrl.signals import exit_on_signals
 
 T = TypeVar("T")
 
@@ -57,6 +57,7 @@ def train(
     from relayrl.checkpoint import CheckpointError
     from relayrl.packing import PackingError
     from relayrl.run import build_program, run_dir_for
+    from relayrl.signals import Stopped, run_until_stopped
     from relayrl.telemetry.progress import ProgressPrinter
 
     overrides = list(set_)
@@ -73,20 +74,21 @@ def train(
             run_dir = run_dir_for(cfg)
         progress = ProgressPrinter(cfg.run.steps, out)
         program = build_program(cfg, [progress], run_dir, resume=resume is not None)
-    except (ValueError, FileNotFoundError) as exc:  # config, task data, reward names, model path
-        _fail(str(exc))
+    except (ValueError, OSError) as exc:  # config, task data, reward names, model path, run directory
+        _fail(_one_line(exc))
     start = f"from step {program.start_step} " if program.start_step else ""
     out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
     try:
-        result = asyncio.run(_run_until_terminated(program))
+        result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
     except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
         _fail(str(exc))
-    except KeyboardInterrupt:  # Ctrl-C
+    except OSError as exc:  # disk full, a file-size limit, a run directory removed under the run
         progress.close()
-        _stopped(run_dir, cfg, 130)
-    except _Terminated:  # SIGTERM (e.g. a scheduler preempting the job)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        _stopped(run_dir, cfg, 1)
+    except Stopped as stop:  # Ctrl-C (130) or SIGTERM (143), e.g. a scheduler preempting the job
         progress.close()
-        _stopped(run_dir, cfg, 143)
+        _stopped(run_dir, cfg, stop.code)
     finally:
         progress.close()
     s = result.summary
@@ -99,53 +101,27 @@ def train(
     )
 
 
-class _Terminated(Exception):
-    """The run was cancelled because the process received SIGTERM."""
+def _one_line(exc: BaseException) -> str:
+    """An error as one line; an OSError names its path and errno first."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror} (errno {exc.errno}, {errno.errorcode.get(exc.errno or 0, '?')})"
+    return " ".join(str(exc).split("\n"))
 
 
-async def _run_until_terminated(program: Program) -> RunResult:
-    """The run, cancelled cleanly on SIGTERM as on Ctrl-C: its summary says "cancelled", its trace
-    is closed and no task or worker thread is left. Only the first SIGTERM cancels; a
-    CancelledError that no signal caused propagates as the bug it is."""
-    import asyncio
-    import signal
-
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    terminated = False
-
-    def on_sigterm() -> None:
-        nonlocal terminated
-        if not terminated:
-            terminated = True
-            task.cancel()
-
-    try:
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    except (NotImplementedError, RuntimeError):  # no signal handlers on this platform / thread
-        return await program.run()
-    try:
-        return await program.run()
-    except asyncio.CancelledError:
-        if terminated:
-            raise _Terminated() from None
-        raise
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-
-
-def _stopped(run_dir: Path, cfg: Config, code: int) -> NoReturn:
+def _resume_hint(run_dir: Path, cfg: Config) -> str:
     from relayrl.checkpoint import CHECKPOINTS, complete_checkpoints
 
     newest = complete_checkpoints(run_dir / CHECKPOINTS)
     if newest:
-        hint = f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
-    elif cfg.orchestrator.checkpoint_every:
-        hint = " before its first checkpoint"
-    else:
-        hint = " (no checkpoints: orchestrator.checkpoint_every is 0)"
-    print(f"stopped{hint}", file=sys.stderr)
+        return f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
+    if cfg.orchestrator.checkpoint_every:
+        return " before its first checkpoint"
+    return " (no checkpoints: orchestrator.checkpoint_every is 0)"
+
+
+def _stopped(run_dir: Path, cfg: Config, code: int) -> NoReturn:
+    print(f"stopped{_resume_hint(run_dir, cfg)}", file=sys.stderr)
     raise typer.Exit(code)
 
 
@@ -156,8 +132,8 @@ def check_trace(run_dir: Annotated[Path, typer.Argument(help="Run directory (or 
 
     try:
         report = check_run_dir(run_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+    except (OSError, ValueError) as exc:  # no trace, an unreadable one, or one that is not a trace
+        _fail(_one_line(exc))
     if not report.ok:
         more = f" (+{len(report.violations) - 1} more)" if len(report.violations) > 1 else ""
         print(f"violation: {report.violations[0]}{more}", file=sys.stderr)
@@ -173,8 +149,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory (finished
 
     try:
         path = write_report(run_dir)
-    except FileNotFoundError as exc:
-        _fail(str(exc))
+    except (OSError, ValueError) as exc:  # not a run directory, a trace.json that is not a trace, a write error
+        _fail(_one_line(exc))
     out.print(f"wrote {path}")
 
 
@@ -267,12 +243,45 @@ def bench_e2e(
     out.print(f"completions/s ratio C/A: {figures['C']['samples_per_s'] / figures['A']['samples_per_s']:.2f}")
 
 
+@bench_app.command("soak")
+def bench_soak(
+    steps: int = typer.Option(2000, help="Steps of the long sim run (at least 20)."),
+    time_scale: float = typer.Option(0.01, help="Multiply the boundary profile's simulated costs."),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override, e.g. orchestrator.release_memory=false.")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """A long sim run (release_memory on): do memory, threads, fds, tasks, step time or memory
+    release time grow with the number of steps?"""
+    from relayrl.bench import SOAK_TARGETS, run_soak
+
+    f = _bench(lambda: run_soak(steps=steps, time_scale=time_scale, extra=list(set_ or [])), as_json)
+
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "OVER TARGET"
+
+    drift, step_ratio, rel_ratio = float(f["rss_drift_fraction"]), float(f["step_time_ratio"]), float(f["release_time_ratio"])  # type: ignore[arg-type]
+    out.print(f"{f['steps']} steps in {float(f['wall_s']):.1f} s (warm-up {f['warmup_steps']} steps; first/last = median of the first/last 10% after it)")  # type: ignore[arg-type]
+    out.print(
+        f"step time      {float(f['step_time_first_s']) * 1e3:8.2f} ms -> {float(f['step_time_last_s']) * 1e3:8.2f} ms   "  # type: ignore[arg-type]
+        f"ratio {step_ratio:.3f} (target <= {SOAK_TARGETS['step_time_ratio']})  {mark(step_ratio <= SOAK_TARGETS['step_time_ratio'])}"
+    )
+    out.print(
+        f"release_memory {float(f['release_time_first_s']) * 1e3:8.2f} ms -> {float(f['release_time_last_s']) * 1e3:8.2f} ms   "  # type: ignore[arg-type]
+        f"ratio {rel_ratio:.3f} (target <= {SOAK_TARGETS['release_time_ratio']})  {mark(rel_ratio <= SOAK_TARGETS['release_time_ratio'])}"
+    )
+    out.print(
+        f"RSS            {float(f['rss_start_mb']):8.1f} MB -> {float(f['rss_end_mb']):8.1f} MB   "  # type: ignore[arg-type]
+        f"drift {drift:+.1%} (target <= {SOAK_TARGETS['rss_drift_fraction']:.0%})  {mark(drift <= SOAK_TARGETS['rss_drift_fraction'])}"
+    )
+    for label, key in (("threads", "threads"), ("open fds", "fds"), ("asyncio tasks", "tasks")):
+        a, b = f[f"{key}_start"], f[f"{key}_end"]
+        out.print(f"{label:<14} {a!s:>8}    -> {b!s:>8}      (target: constant)  {mark(a == b)}")
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+    exit_on_signals()  # until a run starts: exit at once, never a traceback from an import
+    app()
 
 
 if __name__ == "__main__":

@@ -1,16 +1,29 @@
 """Run configuration: pydantic models, TOML loading and `--set key=value` overrides.
 
-Invariant: a config either validates completely or fails with one `ConfigError` naming the key
-(dotted path) and what is wrong; unknown keys are errors, never silently ignored.
+Invariant: a config either validates completely or fails with one `ConfigError` (one line) naming
+the key (dotted path), the --set item or the file, and what is wrong; unknown keys are errors,
+never silently ignored; every float is finite. A `--set KEY=VALUE` key is a TOML key (parts may
+be quoted: `"a.b".c`); its value is one TOML value, or a bare string when it does not start like
+TOML (`[`, `{`, `"`, `'`).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import string
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -18,7 +31,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # every float must be finite: an inf or nan cost, rate or bound is always a mistake (an inf
+    # sim cost sleeps forever, an inf learning rate trains nonsense)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -27,7 +42,19 @@ class RunConfig(_Section):
     seed: int = 0
     steps: int = Field(20, ge=1)
     backend: Literal["sim", "local"] = "sim"
-    overwrite: bool = True  # a fresh run replaces a non-empty run directory; false = refuse
+    overwrite: bool = True  # a fresh run replaces a non-empty run directory (relayrl's own only); false = refuse
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        """A run name is one plain path component: the run directory is output_dir/name, and
+        relayrl may clear it, so it must never point at output_dir itself, a parent or elsewhere."""
+        if name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable() or name != name.strip():
+            raise ValueError(
+                "must be a plain name (not empty, not '.' or '..', no path separators, control characters "
+                "or surrounding spaces)"
+            )
+        return name
 
 
 class TaskConfig(_Section):
@@ -38,14 +65,25 @@ class TaskConfig(_Section):
     digits: int = Field(2, ge=1, le=6)
     operators: str = "+-"
     heldout_size: int = Field(200, ge=0)
-    reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"])
+    reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
     prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
 
-    @model_validator(mode="after")
-    def _check_template(self) -> TaskConfig:
-        if "{text}" not in self.prompt_template:
-            raise ValueError("task.prompt_template must contain {text}")
-        return self
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, template: str) -> str:
+        """A `str.format` template whose only field is a plain `{text}` (at least once); literal
+        braces are written `{{` and `}}`. Checked here so that no backend fails at its first prompt."""
+        try:
+            fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+        except ValueError as exc:  # "Single '{' encountered", "expected '}' before end of string"
+            raise ValueError(f"must be a format string with a {{text}} field ({exc}; write a literal brace as {{{{ or }}}})") from None
+        for name, spec, conv in fields:
+            if name != "text" or spec or conv:
+                field = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+                raise ValueError(f"unknown field {field}: the only field allowed is {{text}} (write a literal brace as {{{{ or }}}})")
+        if not fields:
+            raise ValueError("must contain the field {text} (the task's prompt text)")
+        return template
 
 
 class RolloutConfig(_Section):
@@ -118,6 +156,12 @@ class OrchestratorConfig(_Section):
     # --resume RUN_DIR` continues from the newest
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(2, ge=1)  # the newest K checkpoints are kept
+    # after Ctrl-C / SIGTERM the run is cancelled cleanly; if it has not wound down after this
+    # many seconds (e.g. the event loop is stuck in one long call) the process exits at once
+    stop_grace_s: float = Field(10.0, gt=0.0)
+    # a run whose trajectories are estimated to need more host memory than this is refused up
+    # front (sizing.py); 0 = half of this machine's memory
+    max_host_memory_gb: float = Field(0.0, ge=0.0)
 
 
 class SimConfig(_Section):
@@ -172,43 +216,121 @@ class Config(_Section):
         return self
 
 
-def _format_error(err: ValidationError, source: str, overridden: set[str]) -> str:
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+_LOOKS_LIKE_TOML = ("[", "{", '"', "'")  # a --set value starting so was meant as TOML, not as a bare string
+KeyPath = tuple[str, ...]
+
+
+def format_key(path: tuple[str | int, ...] | list[str]) -> str:
+    """A key path as a user writes it: `a.b`, quoting parts that are not bare TOML keys
+    (`"a.b".c`) and writing list positions as `[i]`."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + (part if _BARE_KEY.fullmatch(part) else json.dumps(part))
+    return out
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _format_error(err: ValidationError, source: str, overridden: set[KeyPath]) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    if loc in overridden:
+    loc = tuple(first["loc"])
+    key = format_key(loc)
+    # a --set names this key, a section holding it, or a key inside it (`x.y=1` → unknown 'x')
+    if loc and any(loc[: len(o)] == o or o[: len(loc)] == loc for o in overridden):
         source = "--set"
     where = f" (from {source})" if source else ""
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{loc}'{where}"
+        return f"unknown config key '{key}'{where}"
     if not loc:
-        return f"invalid config{where}: {first['msg'].removeprefix('Value error, ')}"
-    return f"invalid config key '{loc}'{where}: {first['msg']} (got {first.get('input')!r})"
+        return f"invalid config{where}: {msg}"
+    return f"invalid config key '{key}'{where}: {msg} (got {_shorten(repr(first.get('input')))})"
+
+
+def _toml_message(exc: Exception, offset: int = 0) -> str:
+    """tomllib's message with its position shifted by `offset` columns on line 1 (the text that
+    was parsed had a prefix the user did not write)."""
+
+    def shift(m: re.Match[str]) -> str:
+        line, col = int(m.group(1)), int(m.group(2))
+        return f"(at column {col - offset})" if line == 1 and offset else m.group(0)
+
+    return _TOML_POSITION.sub(shift, str(exc))
+
+
+def _parse_key(text: str) -> KeyPath | None:
+    """A TOML key (`a.b`, `"a.b".c`, `rollout."num_generations"`) as its parts; None if `text` is
+    not exactly one key. Parsed by tomllib itself, as `KEY = 0`."""
+    if not text.strip() or "\n" in text or "\r" in text:
+        return None
+    try:
+        node: object = tomllib.loads(f"{text} = 0")
+    except (ValueError, RecursionError):  # TOMLDecodeError is a ValueError
+        return None
+    path: list[str] = []
+    while isinstance(node, dict):
+        if len(node) != 1:
+            return None
+        ((part, node),) = node.items()
+        path.append(part)
+    return tuple(path) if type(node) is int and node == 0 else None
 
 
 def parse_override(item: str) -> tuple[list[str], object]:
-    """`a.b=VALUE` → (["a", "b"], value). VALUE is read as a TOML value, else as a bare string."""
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--set expects key=value, got {item!r}")
+    """`KEY=VALUE` → (key parts, value). KEY is a TOML key: dotted, parts may be quoted
+    (`"a.b".c=1`). VALUE is read as one TOML value, else taken as a bare string (`run.name=abc`);
+    a VALUE that starts like TOML (`[`, `{`, `"`, `'`) must be valid TOML. Raises ConfigError
+    naming the item."""
+    shown = _shorten(repr(item))
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {shown}")
+    path: KeyPath | None = None
+    at = -1
+    for at in (i for i, c in enumerate(item) if c == "="):  # a quoted key part may hold '='
+        path = _parse_key(item[:at])
+        if path is not None:
+            break
+    if path is None:
+        key = item[: item.index("=")]
+        reason = "a key is missing" if not key.strip() else f"{key.strip()!r} is not a key (quote a part holding spaces, dots or other characters: \"a b\")"
+        raise ConfigError(f"--set {shown}: {reason}")
+    raw = item[at + 1 :]
     try:
-        value: object = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return key.split("."), value
+        doc = tomllib.loads(f"v = {raw}")
+    except tomllib.TOMLDecodeError as exc:
+        if raw.lstrip().startswith(_LOOKS_LIKE_TOML):
+            hint = " (a string starting with [, {, \" or ' must be written as a TOML string: KEY=\"...\")"
+            raise ConfigError(f"--set {shown}: invalid TOML value: {_toml_message(exc, len('v = '))}{hint}") from None
+        return list(path), raw.strip()
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ConfigError(f"--set {shown}: invalid TOML value: {_shorten(str(exc), 80)}") from None
+    except RecursionError:
+        raise ConfigError(f"--set {shown}: the value is nested too deeply") from None
+    if list(doc) != ["v"]:
+        raise ConfigError(f"--set {shown}: the value must be a single TOML value")
+    return list(path), doc["v"]
 
 
 def _apply(data: dict[str, object], path: list[str], value: object, item: str) -> None:
     node = data
-    for part in path[:-1]:
+    for i, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {item}: '{part}' is not a section")
+            raise ConfigError(f"--set {_shorten(repr(item))}: '{format_key(path[: i + 1])}' is not a section")
         node = child
     node[path[-1]] = value
 
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> Config:
+    """The validated config of a recipe file (None: the defaults) with `--set` overrides applied.
+    Any problem raises one ConfigError naming the key or the --set item and the file."""
     data: dict[str, object] = {}
     source = ""
     if path is not None:
@@ -218,13 +340,19 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    overridden: set[str] = set()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        except ValueError as exc:  # TOMLDecodeError; an integer of more digits than Python converts
+            raise ConfigError(f"{path}: invalid TOML: {_shorten(str(exc), 160)}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
+    overridden: set[KeyPath] = set()
     for item in overrides or []:
         keys, value = parse_override(item)
         _apply(data, keys, value, item)
-        overridden.add(".".join(keys))
+        overridden.add(tuple(keys))
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
@@ -249,8 +377,8 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # a TOML basic string: JSON's escapes are TOML's, DEL aside
+        return json.dumps(value).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

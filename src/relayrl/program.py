@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from relayrl.config import Config, config_to_toml
 from relayrl.evaluation import EvalResult
 from relayrl.ledger import Ledger
 from relayrl.replicas import ReplicaPool
+from relayrl.rundir import RunDirLock, writing
 from relayrl.stages.advantage import advantage_stage
 from relayrl.stages.collect import collect_stage
 from relayrl.stages.dispatch import dispatch_stage
@@ -48,7 +51,7 @@ from relayrl.tasks.rewards import RewardFunction
 from relayrl.telemetry import timeline
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
-from relayrl.telemetry.sinks import build_sinks
+from relayrl.telemetry.sinks import build_sinks, metrics_row
 from relayrl.telemetry.stepbook import StepBookkeeper
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
@@ -65,9 +68,14 @@ from relayrl.types import (
 
 @dataclass(slots=True)
 class RunResult:
+    """What a run returns. Nothing in it grows with the number of steps when the run has a run
+    directory: `results` keeps the first and last step in memory and reads the others back from
+    metrics.jsonl; `records` is the last step's record only; `tracer.events` reads trace.json back.
+    An in-memory run (run_dir None) keeps every result and trace event instead."""
+
     run_dir: Path | None
-    results: list[StepResult]
-    records: list[StepRecord]
+    results: Sequence[StepResult]
+    records: Sequence[StepRecord]
     summary: dict[str, object]
     tracer: Tracer
     ledger: Ledger
@@ -76,6 +84,16 @@ class RunResult:
 def _append_line(path: Path, row: dict[str, object]) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with writing(tmp):
+            tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _eval_row(result: EvalResult) -> dict[str, object]:
@@ -97,6 +115,41 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return errors[0] if errors else group
 
 
+class _LoggedSteps(Callback):
+    """What the run knows of its logged steps (a step is logged once its metrics and trajectories
+    are written: its `on_step_end`). Keeps the metrics.jsonl rows since the last checkpoint (at
+    most `keep`; none without checkpoints), from which a resume repairs a torn metrics.jsonl, and
+    the ledger as it was at the commit of the last logged step: a run that stops between a
+    commit and that step's logs reports the ledger of the steps it logged, never one that counts
+    a step its records lack."""
+
+    def __init__(self, keep: int, ledger: dict[str, object]) -> None:
+        self._keep = keep
+        self._rows: deque[dict[str, object]] = deque(maxlen=max(keep, 1))
+        self._ledger_at: dict[int, dict[str, object]] = {}  # committed, not yet logged (at most two)
+        self.ledger = ledger
+
+    def committed(self, step: int, ledger: dict[str, object]) -> None:
+        self._ledger_at[step] = ledger
+
+    @property
+    def unlogged(self) -> int:
+        """Committed steps whose logs were not written."""
+        return len(self._ledger_at)
+
+    def on_step_end(self, step: int, result: StepResult) -> None:
+        self.ledger = self._ledger_at.pop(step, self.ledger)
+        if self._keep:
+            self._rows.append(metrics_row(step, result.metrics))
+
+    def take(self, through: int) -> list[dict[str, object]]:
+        """The rows of steps ≤ `through`, handed over and forgotten."""
+        taken: list[dict[str, object]] = []
+        while self._rows and int(self._rows[0]["step"]) <= through:  # type: ignore[call-overload]
+            taken.append(self._rows.popleft())
+        return taken
+
+
 class Program:
     def __init__(
         self,
@@ -109,8 +162,10 @@ class Program:
         workers: Workers,
         callbacks: Sequence[Callback] = (),
         resume: ResumePoint | None = None,
+        lock: RunDirLock | None = None,
     ) -> None:
         self.cfg = cfg
+        self.lock = lock  # the run directory's lock (run.build_program took it); released when the run ends
         self.backend = backend
         self.resume = resume
         self.start_step = resume.next_step if resume else 0
@@ -120,6 +175,7 @@ class Program:
         self.workers = workers
         self.callbacks = list(callbacks)
         self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
+        self._logged = _LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, self.ledger.as_dict())
         self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover)
         run_info: dict[str, object] = {
             "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
@@ -132,12 +188,12 @@ class Program:
         }
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(config_to_toml(cfg), encoding="utf-8")
+            _write_atomic(run_dir / "config.toml", config_to_toml(cfg))
         self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
         self.bookkeeper = StepBookkeeper(
             tracer=self.tracer,
             run_dir=run_dir,
-            callbacks=self.callbacks,
+            callbacks=[self._logged, *self.callbacks],
             host_costs=backend.host_costs,
             abort=workers.abort,
             log_trajectories=cfg.orchestrator.log_trajectories,
@@ -173,13 +229,35 @@ class Program:
             raise
         finally:
             self.workers.shutdown()
-            self.bookkeeper.close()
-            self.tracer.close(status)
-            summary = self._summary(status, error, self._elapsed())
-            self._result = RunResult(self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger)
-            if self.run_dir is not None:
-                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+            closing = self._finish(status, error)
+        if closing:  # the run completed but its files could not be closed (e.g. disk full)
+            raise closing[0]
         return self._result
+
+    def _finish(self, status: str, error: str) -> list[OSError]:
+        """Close the run's files, write summary.json (atomically) and release the run directory.
+        Every step is tried even when one fails (a full disk must not leave the lock held or the
+        trace open); the failures are returned, so they never hide the run's own error."""
+        failures: list[OSError] = []
+        try:
+            self.bookkeeper.close()
+        except OSError as exc:
+            failures.append(exc)
+        try:
+            self.tracer.close(status)
+        except OSError as exc:
+            failures.append(exc)
+        summary = self._summary(status, error, self._elapsed())
+        self._result = RunResult(self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger)
+        try:
+            if self.run_dir is not None:
+                _write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        except OSError as exc:
+            failures.append(exc)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        return failures
 
     async def _supervise(self) -> None:
         cfg, backend = self.cfg, self.backend
@@ -231,6 +309,7 @@ class Program:
 
                 def on_commit(record: StepRecord) -> None:
                     committed.set(record.policy_version)
+                    self._logged.committed(record.step, self.ledger.as_dict())
                     record.weight_sync_time = sync_times.drain()
                     record.loop_lag_max_ms = lag.take_max_ms()
                     step, done = record.step, record.step + 1
@@ -312,7 +391,8 @@ class Program:
     async def _checkpoint(self, step: int, state: dict[str, object]) -> None:
         assert self.run_dir is not None
         start = self.tracer.now()
-        state = {**state, "reward_mean_first": self._reward_mean_first()}  # step 0's result exists by now
+        # step 0's result exists by now, and so do the rows of every step up to this one
+        state = {**state, "reward_mean_first": self._reward_mean_first(), "metrics_rows": self._logged.take(step)}
         final = checkpoint_dir(self.run_dir, step)
         staging = staging_dir(final)
         keep = self.cfg.orchestrator.keep_checkpoints
@@ -343,14 +423,23 @@ class Program:
             cb.on_eval(result)
 
     def _summary(self, status: str, error: str, wall: float) -> dict[str, object]:
-        all_spans = timeline.spans(self.tracer.events)
+        # The tracer keeps no flushed events (its memory must not grow with the steps): with a
+        # run directory this reads trace.json back, once, at the end of the run. A trace that
+        # cannot be read leaves these figures empty rather than hide the run's own outcome.
+        try:
+            all_spans = timeline.spans(self.tracer.events)
+        except (OSError, ValueError):
+            all_spans = []
         gaps = timeline.boundary_gaps(all_spans)
         results = self.bookkeeper.results
-        trained = self.ledger.trajectories_trained
+        # a run stopped between a commit and its logs: the ledger of the steps it logged
+        ledger = self._logged.ledger if self._logged.unlogged else self.ledger.as_dict()
+        trained = int(ledger["trajectories_trained"])  # type: ignore[call-overload]
         return {
             "status": status,
             "error": error,
-            "steps_completed": self.start_step + len(results),
+            "steps_completed": self.start_step + len(results),  # committed and logged
+            "steps_unlogged": self._logged.unlogged,  # committed, then stopped before their logs were written
             "resumed_from_step": self.start_step if self.resume else None,
             "wall_time_s": wall,
             "samples_per_s": trained / wall if wall > 0 else 0.0,
@@ -361,6 +450,6 @@ class Program:
             "evals": [{"version": e.version, "accuracy": e.accuracy} for e in self.evals],
             "reward_mean_first": self._reward_mean_first(),
             "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
-            "ledger": self.ledger.as_dict(),
+            "ledger": ledger,
             "samplers_retired": self.replicas.retired,
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 import random
 import threading
 from collections.abc import Sequence
@@ -24,6 +25,9 @@ from relayrl.backends.protocols import Weights
 from relayrl.config import Config, SimConfig
 from relayrl.threads import burn_cpu
 from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest
+
+
+YIELD_EVERY = 4096  # completions the sim sampler makes between two turns of the event loop
 
 
 async def _sleep(seconds: float) -> None:
@@ -57,7 +61,9 @@ class SimSampler:
             rng = random.Random(self._seed * 1_000_003 + req.group_id * 7919 + version)
             wrong = str(int(req.prompt.answer) + 1) if req.prompt.answer.lstrip("-").isdigit() else "?"
             completions: list[Completion] = []
-            for _ in range(req.num_samples):
+            for i in range(req.num_samples):
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # a huge request must not hold the event loop for seconds
                 text = req.prompt.answer if rng.random() < p else wrong
                 n = rng.randint(1, self._max_new_tokens)
                 tokens = [rng.randrange(2, 64) for _ in range(n)]
@@ -86,7 +92,9 @@ class SimTrainer:
         self.version = 0
         self._accum = _Accum()
         self._slot: dict[str, float] = {}
-        self.calls: list[tuple[str, int]] = []  # (method, version at call): lets tests check order
+        # (method, version at call) of the most recent calls: lets tests check order (bounded: a
+        # long run keeps nothing that grows with its steps)
+        self.calls: deque[tuple[str, int]] = deque(maxlen=256)
 
     async def train_step(self, mb: MicroBatch) -> None:
         self.calls.append(("train_step", self.version))
