@@ -1,4 +1,5 @@
-"""Benchmarks that print figures: the step boundary (inline vs overlapped) and the control plane.
+"""Benchmarks that print figures: the step boundary (inline vs overlapped), the control plane,
+the default recipe end to end, and a soak (a long run: does anything grow with the steps?).
 
 Invariant: each benchmark runs its configurations one after the other in this process on the
 same workload and reports their ratio; nothing here asserts a time (machines are noisy).
@@ -13,10 +14,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.config import Config, load_config
+from relayrl.callbacks import Callback
+from relayrl.config import Config, ConfigError, load_config
 from relayrl.program import RunResult
 from relayrl.run import build_program
 from relayrl.telemetry import timeline
+from relayrl.telemetry.tracer import load_trace
 
 # The seed's large-model profile (seconds): host-side costs burn CPU holding the GIL.
 BOUNDARY_PROFILE: dict[str, float] = {
@@ -76,12 +79,13 @@ def _summary_float(result: RunResult, key: str) -> float:
 
 
 def _figures(result: RunResult) -> BoundaryFigures:
-    lags = [float(r.metrics.get("loop_lag_max_ms") or 0.0) for r in result.results]
+    results = list(result.results)  # read back from metrics.jsonl once
+    lags = [float(r.metrics.get("loop_lag_max_ms") or 0.0) for r in results]
     return BoundaryFigures(
         gap_median_s=_summary_float(result, "boundary_gap_median_s"),
         busy_fraction=_summary_float(result, "trainer_busy_fraction"),
         loop_lag_max_ms=max(lags, default=0.0),
-        step_time_median_s=statistics.median(rec.step_time_sec for rec in result.records),
+        step_time_median_s=statistics.median(float(r.metrics["step_time_sec"] or 0.0) for r in results),
         wall_s=_summary_float(result, "wall_time_s"),
     )
 
@@ -147,7 +151,7 @@ def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None 
             for label, overrides in E2E_CONFIGS.items():
                 cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
                 result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
-                all_spans = timeline.spans(result.tracer.events)
+                all_spans = timeline.spans(result.tracer.events)  # read back from trace.json
                 runs[label].append({
                     "samples_per_s": _summary_float(result, "samples_per_s"),
                     "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
@@ -157,3 +161,129 @@ def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None 
                     "wall_s": _summary_float(result, "wall_time_s"),
                 })
     return {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}
+
+
+# -- soak: a long sim run that samples what a run keeps --------------------------------------
+
+SOAK_TIME_SCALE = 0.01  # the boundary profile ÷ 100: 2000 steps take ~75 s on 2 cores
+SOAK_SAMPLE_EVERY = 100
+SOAK_TARGETS: dict[str, float] = {"rss_drift_fraction": 0.05, "step_time_ratio": 1.2, "release_time_ratio": 1.2}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # a peak, not the current size
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))  # native threads too (torch, glibc)
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def _fd_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1  # not Linux: unknown
+
+
+@dataclass(slots=True)
+class SoakSample:
+    step: int
+    rss_bytes: int
+    threads: int
+    fds: int
+    tasks: int
+
+
+class SoakSampler(Callback):
+    """Samples RSS, threads, open fds and asyncio tasks at the start of every `every`-th step (and
+    of `extra` steps), on the event loop. Per-step figures are read from the run's files after it."""
+
+    def __init__(self, every: int = SOAK_SAMPLE_EVERY, extra: tuple[int, ...] = ()) -> None:
+        self.every = every
+        self.extra = set(extra)
+        self.samples: list[SoakSample] = []
+
+    def on_step_begin(self, step: int) -> None:
+        if step % self.every == 0 or step in self.extra:
+            self.samples.append(SoakSample(step, _rss_bytes(), _thread_count(), _fd_count(), len(asyncio.all_tasks())))
+
+
+def _span_durations(trace: Path, name: str) -> dict[int, float]:
+    """step -> duration (s) of the bookkeeping span `name`, read back from the run's trace file."""
+    out: dict[int, float] = {}
+    for s in timeline.spans(load_trace(trace)):
+        if s.lane == "bookkeeping" and s.name == name:
+            out[s.step] = s.dur
+    return out
+
+
+def _window_ratio(values: dict[int, float], warmup: int, total: int) -> tuple[float, float, float]:
+    """(median of the first 10% of steps after `warmup`, median of the last 10%, last / first)."""
+    width = max(1, (total - warmup) // 10)
+    first = [values[s] for s in range(warmup, warmup + width) if s in values]
+    last = [values[s] for s in range(total - width, total) if s in values]
+    if not first or not last:
+        return float("nan"), float("nan"), float("nan")
+    a, b = statistics.median(first), statistics.median(last)
+    return a, b, (b / a if a > 0 else float("nan"))
+
+
+def soak_config(steps: int, time_scale: float = SOAK_TIME_SCALE, extra: list[str] | None = None) -> Config:
+    return boundary_config(
+        True, steps, time_scale,
+        ["run.name=bench-soak", "orchestrator.release_memory=true", "orchestrator.checkpoint_every=0", *(extra or [])],
+    )
+
+
+def run_soak(steps: int = 2000, time_scale: float = SOAK_TIME_SCALE, extra: list[str] | None = None) -> dict[str, object]:
+    """A long overlapped sim run with `release_memory` on (the case that degraded): does what the
+    run keeps, its step time or its memory release time grow with the number of steps?"""
+    if steps < 20:
+        raise ConfigError(f"bench soak needs at least 20 steps, got {steps}")
+    warmup = min(SOAK_SAMPLE_EVERY, steps // 10)  # caches, lazily started threads, the first freeze
+    sampler = SoakSampler(extra=(warmup, steps - 1))
+    with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
+        run_dir = Path(tmp) / "soak"
+        program = build_program(soak_config(steps, time_scale, extra), [sampler], run_dir=run_dir)
+        result = asyncio.run(program.run())
+        release = _span_durations(run_dir / "trace.json", "release_memory")
+        step_times = {r.step: float(r.metrics.get("step_time_sec") or 0.0) for r in result.results}  # metrics.jsonl
+    step_first, step_last, step_ratio = _window_ratio(step_times, warmup, steps)
+    rel_first, rel_last, rel_ratio = _window_ratio(release, warmup, steps)
+    start = next(s for s in sampler.samples if s.step == warmup)
+    end = sampler.samples[-1]
+    return {
+        "rss_drift_fraction": (end.rss_bytes - start.rss_bytes) / start.rss_bytes,
+        "step_time_ratio": step_ratio,
+        "release_time_ratio": rel_ratio,
+        "threads_start": start.threads,
+        "threads_end": end.threads,
+        "fds_start": start.fds,
+        "fds_end": end.fds,
+        "tasks_start": start.tasks,
+        "tasks_end": end.tasks,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "step_time_first_s": step_first,
+        "step_time_last_s": step_last,
+        "release_time_first_s": rel_first,
+        "release_time_last_s": rel_last,
+        "rss_start_mb": start.rss_bytes / 2**20,
+        "rss_end_mb": end.rss_bytes / 2**20,
+        "wall_s": _summary_float(result, "wall_time_s"),
+        "samples": [
+            {"step": s.step, "rss_mb": round(s.rss_bytes / 2**20, 2), "threads": s.threads, "fds": s.fds, "tasks": s.tasks}
+            for s in sampler.samples
+        ],
+    }

@@ -4,6 +4,10 @@ Invariant: every dispatched group reaches exactly one of trained, filtered (by r
 (still in flight when the run ended). Settling a group twice, or one never dispatched, raises.
 The prompts of the groups in flight are kept, so a checkpoint can hand them to the resumed run;
 a resumed ledger starts from the settled counts of the checkpoint it resumes.
+
+Memory: the ledger holds counts and the groups in flight (bounded by the dispatch window), never a
+per-group record of settled groups: group ids are allocated in order, so an id below the next one
+that is no longer in flight is one that was settled already.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class Ledger:
     trajectories_trained: int = 0
     trajectories_failed: int = 0
     reward_errors: Counter[str] = field(default_factory=Counter)
-    _outcome: dict[int, str] = field(default_factory=dict)
+    _outcomes: Counter[str] = field(default_factory=Counter)  # settled in this run, by outcome
     _pending_filtered: list[FilteredGroup] = field(default_factory=list)
     _in_flight: dict[int, tuple[Prompt, int]] = field(default_factory=dict)  # id -> (prompt, group size)
     _settled_before: Counter[str] = field(default_factory=Counter)  # outcomes restored from a checkpoint
@@ -51,7 +55,7 @@ class Ledger:
         unsettled = sum(size for _, size in self._in_flight.values())
         return {
             "next_group_id": self._next_id,
-            "outcomes": dict(self._settled_before + Counter(self._outcome.values())),
+            "outcomes": dict(self._settled_before + self._outcomes),
             "trajectories_dispatched": self.trajectories_dispatched - unsettled,
             "trajectories_trained": self.trajectories_trained,
             "trajectories_failed": self.trajectories_failed,
@@ -76,11 +80,9 @@ class Ledger:
     def _settle(self, group_id: int, outcome: str) -> None:
         if group_id >= self._next_id or group_id < self._base_ids:
             raise LedgerError(f"group {group_id} settled as {outcome} but was never dispatched")
-        previous = self._outcome.get(group_id)
-        if previous is not None:
-            raise LedgerError(f"group {group_id} settled twice: {previous}, then {outcome}")
-        self._outcome[group_id] = outcome
-        self._in_flight.pop(group_id, None)
+        if self._in_flight.pop(group_id, None) is None:
+            raise LedgerError(f"group {group_id} settled twice: it was settled before, then {outcome}")
+        self._outcomes[outcome] += 1
 
     def trained(self, group_id: int, num_trajectories: int) -> None:
         self._settle(group_id, "trained")
@@ -96,7 +98,7 @@ class Ledger:
         return items
 
     def as_dict(self) -> dict[str, object]:
-        counts = self._settled_before + Counter(self._outcome.values())
+        counts = self._settled_before + self._outcomes
         filtered = {k.removeprefix("filtered:"): v for k, v in counts.items() if k.startswith("filtered:")}
         return {
             "groups_dispatched": self.groups_dispatched,

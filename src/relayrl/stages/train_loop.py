@@ -15,12 +15,14 @@ bookkeeping run right after the commit, on the event loop, and N+1 is packed onl
 
 Invariant: optim_step(N+1) is never issued before fetch(N) and bookkeeping(N) finished; the run
 does not return before every deferred job finished; every task this loop starts belongs to the
-run's TaskGroup.
+run's TaskGroup. A step's record lives until its bookkeeping is done; the loop itself keeps only
+the last one (`records`), so its memory does not grow with the number of steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -133,7 +135,8 @@ class TrainLoop:
         self._on_commit = on_commit  # fills the record's cheap commit-time fields (sync times, lag)
         self._bookkeep = bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
         self._after = after_bookkeeping  # e.g. a checkpoint, which must not precede the step's logs
-        self.records: list[StepRecord] = []
+        # the last committed step's record (metrics.jsonl has every step's figures)
+        self.records: deque[StepRecord] = deque(maxlen=1)
 
     # -- packing ---------------------------------------------------------------------------
     async def _pack(self, step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> tuple[MicroBatch, float]:
@@ -201,7 +204,7 @@ class TrainLoop:
         await self._jobs.reach(commit(step))
 
     # -- the loop --------------------------------------------------------------------------
-    async def run(self) -> list[StepRecord]:
+    async def run(self) -> None:
         tracer = self._tracer
         pending: asyncio.Task[_Prepared] | None = None
         last_commit: float | None = None
@@ -256,4 +259,3 @@ class TrainLoop:
             self.records.append(record)
             await self._end_of_step(record)
         await self._jobs.reach(RUN_END)
-        return self.records
