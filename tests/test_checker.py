@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.telemetry.checker import check_events
-from relayrl.telemetry.tracer import TraceEvent, load_trace
+from relayrl.telemetry.tracer import TraceError, TraceEvent, load_trace
 from simutil import make_program, run_checked, sim_config
 
 
@@ -127,3 +127,66 @@ def test_cli_check_trace_exit_codes(good_trace: list[TraceEvent], tmp_path: Path
     assert res.returncode == 1 and res.stderr.startswith("violation: rule 3")
     missing = subprocess.run([sys.executable, "-m", "relayrl.cli", "check-trace", str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2 and "no trace" in missing.stderr
+
+
+# -- reading traces: what a crash leaves is accepted, garbage is rejected naming file and event ------
+
+
+def _as_written(events: list[TraceEvent]) -> tuple[str, list[int]]:
+    """The file `Tracer` writes for these events (closing bracket aside) and where each event ends."""
+    text, ends = "[", []
+    for i, e in enumerate(events):
+        text += ("\n" if i == 0 else ",\n") + json.dumps(e, separators=(",", ":"))
+        ends.append(len(text))
+    return text, ends
+
+
+def test_load_trace_accepts_every_prefix_a_crash_leaves(good_trace: list[TraceEvent], tmp_path: Path) -> None:
+    text, ends = _as_written(good_trace)
+    path = tmp_path / "trace.json"
+    cuts = sorted({*range(1, len(text) + 1, 101), *(e + d for e in ends for d in (-2, -1, 0, 1, 2) if 1 <= e + d <= len(text))})
+    for cut in cuts:
+        path.write_text(text[:cut])
+        events = load_trace(path)
+        assert events == good_trace[: sum(1 for e in ends if e <= cut)], cut  # the torn event is dropped
+        check_events(events)  # and the checker reads what is left
+    path.write_text(text + "\n]\n")
+    assert load_trace(path) == good_trace
+    path.write_text(json.dumps({"traceEvents": good_trace}))
+    assert load_trace(path) == good_trace
+
+
+GARBAGE_TRACES: list[tuple[str, bytes, str]] = [
+    ("not_objects", b'[1,"x",null]', "event 1: not an object (got 1)"),
+    ("ts_text", b'[{"ph":"M","name":"a"},{"ph":"X","name":"s","ts":"abc","dur":1}]', "event 2: 'ts' is not a number (got \"abc\")"),
+    ("ts_missing", b'[{"ph":"X","name":"s","dur":1}]', "event 1: a complete event (ph X) without 'ts'"),
+    ("ts_infinite", b'[{"ph":"X","name":"s","ts":1e999,"dur":1}]', "event 1: 'ts' is not a finite number"),
+    ("dur_negative", b'[{"ph":"X","name":"s","ts":1,"dur":-5}]', "event 1: 'dur' is negative"),
+    ("dur_null", b'[{"ph":"X","name":"s","ts":1,"dur":null}]', "event 1: 'dur' is not a number (got null)"),
+    ("name_number", b'[{"ph":"X","name":3,"ts":1,"dur":1}]', "event 1: 'name' is not a string (got 3)"),
+    ("ph_missing", b'[{"name":"s","ts":1}]', "event 1: has no 'ph'"),
+    ("args_list", b'[{"ph":"X","name":"s","ts":1,"dur":1,"args":[1]}]', "event 1: 'args' is not an object"),
+    ("step_text", b'[{"ph":"X","name":"s","ts":1,"dur":1,"args":{"step":"2"}}]', "event 1: 'args.step' is not an integer"),
+    ("staleness_null", b'[{"ph":"M","name":"relayrl_run","args":{"max_staleness":null}}]', "'args.max_staleness' is not an integer"),
+    ("random_bytes", bytes(range(256)) * 3, "not UTF-8 text"),
+    ("empty", b"", "the file is empty"),
+    ("blank", b" \n\n", "the file is empty"),
+    ("object", b'{"ph":"X"}', "not an array of events"),
+    ("text", b"hello", "does not start with '['"),
+    ("broken_middle", b'[\n{"ph":"M","name":"a"},\n{"ph":"M",name},\n{"ph":"M","name":"b"}', "event 2 (line 3): invalid JSON"),
+    ("garbage_last_line", b'[\n{"ph":"M","name":"a"},\nnot an event', "event 2 (line 3): invalid JSON"),
+    ("torn_not_json", b'[\n{"ph":"M","name":"a"},\n{"ph":"M"]', "event 2 (line 3): invalid JSON"),
+    ("missing_comma", b'[\n{"ph":"M","name":"a"}\n{"ph":"M","name":"b"}', "event 2 (line 3): expected ',' or ']'"),
+    ("after_bracket", b'[{"ph":"M","name":"a"}]\nmore', "text after the closing ']' (line 2)"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "fragment"), GARBAGE_TRACES, ids=[g[0] for g in GARBAGE_TRACES])
+def test_load_trace_rejects_garbage_naming_file_and_event(tmp_path: Path, name: str, content: bytes, fragment: str) -> None:
+    path = tmp_path / f"{name}.json"
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and fragment in message and "\n" not in message, message
+    assert isinstance(info.value, ValueError)

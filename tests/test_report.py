@@ -4,10 +4,13 @@ and the same on a run still going, a crashed run and a run missing columns; `lis
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from relayrl.callbacks import Callback
 from relayrl.config import load_config
 from relayrl.run import build_program
 from relayrl.telemetry import timeline
-from relayrl.telemetry.report import PLOTS, SPAN_COLOURS, list_runs, load_run, read_trajectories, timeline_window, write_report
+from relayrl.telemetry.report import PLOTS, SPAN_COLOURS, list_runs, load_run, read_jsonl, read_trajectories, timeline_window, write_report
 from relayrl.telemetry.tracer import load_trace
 from relayrl.types import StepResult
 
@@ -163,6 +166,19 @@ def test_timeline_shows_the_last_steps_with_bookkeeping_over_training(finished: 
     assert pixels(*(SPAN_COLOURS[n] for n in ("reduce_metrics", "log_metrics", "log_trajectories", "on_step_end", "release_memory"))) > 200
 
 
+@contextmanager
+def _live(run_dir: Path) -> Iterator[None]:
+    """As while the run's process is alive: it holds the lock on the run directory's marker
+    (when the run wrote one)."""
+    marker = run_dir / ".relayrl-run"
+    if not marker.exists():
+        yield
+        return
+    with open(marker, "rb") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        yield
+
+
 def test_report_of_a_run_still_going(finished: Path, tmp_path: Path) -> None:
     run_dir = _copy(finished, tmp_path / "live")
     full_summary = json.loads((run_dir / "summary.json").read_text())
@@ -174,7 +190,8 @@ def test_report_of_a_run_still_going(finished: Path, tmp_path: Path) -> None:
     trace.write_text(text)
     with open(run_dir / "metrics.jsonl", "a") as fh:
         fh.write('{"step":6,"policy_version":7,"step_time_sec":0.3,"reward_me')  # a line being written
-    out = write_report(run_dir)
+    with _live(run_dir):
+        out = write_report(run_dir)
     tables = _parse(out)
     _assert_pngs(run_dir, PNG_NAMES, tables)
 
@@ -290,3 +307,36 @@ def test_list_runs(finished: Path, tmp_path: Path) -> None:
     assert b["trainer_busy_fraction"] == pytest.approx(summary["trainer_busy_fraction"])
     assert list_runs(done) == [dict(a)]  # a run directory itself
     assert list_runs(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("content", [None, "notes.txt"], ids=["empty", "other-files"])
+def test_report_refuses_a_directory_that_is_not_a_run(tmp_path: Path, content: str | None) -> None:
+    run_dir = tmp_path / "not-a-run"
+    run_dir.mkdir()
+    if content:
+        (run_dir / content).write_text("hello")
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(FileNotFoundError, match=rf"^{run_dir}: not a run directory \(no metrics.jsonl, summary.json, trace.json\)$"):
+        write_report(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing written
+
+
+def test_report_rejects_a_trace_that_is_not_a_trace(finished: Path, tmp_path: Path) -> None:
+    run_dir = _copy(finished, tmp_path / "garbage")
+    (run_dir / "trace.json").write_text('[1,"x",null]')
+    with pytest.raises(ValueError, match=rf"^{run_dir / 'trace.json'}: event 1: not an object \(got 1\)$"):
+        write_report(run_dir)
+    assert not (run_dir / "report.html").exists() and not (run_dir / "report").exists()
+    # a listing goes on past it: the trace is left out with a note
+    (run_dir / "summary.json").unlink()
+    data = load_run(run_dir)
+    assert data.events is None and any(n.startswith("trace.json: not read (") for n in data.notes)
+    assert [r["name"] for r in list_runs(run_dir.parent)] == ["garbage"]
+
+
+def test_read_jsonl_splits_rows_at_newline_only(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "note": "a\u2028b\u2029c\x85d"}, {"step": 1, "note": "e"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")  # written raw, as a JSON writer may
+    assert read_jsonl(path) == (rows, 0)

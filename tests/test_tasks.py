@@ -234,3 +234,52 @@ def test_jsonl_heldout_file_and_bad_splits(tmp_path: Path) -> None:
         JsonlTask(JsonlTaskConfig(path=train, heldout_last=4))
     with pytest.raises(ValueError, match="not both"):
         JsonlTaskConfig(path=train, heldout_path=held, heldout_last=1)
+
+
+# Characters str.splitlines() takes for line breaks, besides "\n". JSON allows U+2028, U+2029 and
+# U+0085 raw inside a string; the loader also takes raw control characters there (JSON's strict
+# mode would not), since a row ends at "\n" only.
+SPLITLINES_BREAKS = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\r", "\t"]
+
+
+@pytest.mark.parametrize("char", SPLITLINES_BREAKS, ids=[f"U+{ord(c):04X}" for c in SPLITLINES_BREAKS])
+def test_jsonl_rows_end_at_newline_only(tmp_path: Path, char: str) -> None:
+    path = tmp_path / "p.jsonl"
+    rows = ['{"prompt": "a' + char + 'b=", "answer": "x' + char + '"}', '{"prompt": "2+2=", "answer": "4"}', '{"prompt": "3+3="}']
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    with pytest.raises(TaskDataError, match=r"p\.jsonl, row 3: missing field 'answer'"):  # rows still counted right
+        load_jsonl_prompts(path)
+    path.write_text("\n".join(rows[:2]) + "\n", encoding="utf-8")
+    assert load_jsonl_prompts(path) == [Prompt("p-1", f"a{char}b=", f"x{char}"), Prompt("p-2", "2+2=", "4")]
+
+
+def test_jsonl_crlf_bom_and_odd_rows(tmp_path: Path) -> None:
+    path = tmp_path / "crlf.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": 1}\r\n\r\n{"prompt": "b", "answer": 2}\r\n')
+    assert load_jsonl_prompts(path) == [Prompt("crlf-1", "a", "1"), Prompt("crlf-3", "b", "2")]
+
+
+ODD_FILES: list[tuple[str, bytes, str]] = [
+    ("not_utf8", b'{"prompt": "a", "answer": "b"}\n\xff\xfe\n', r"row 2: not valid UTF-8"),
+    ("empty", b"", r": no prompts"),
+    ("whitespace_only", b" \n\t\n\r\n", r": no prompts"),
+    ("number_row", b'{"prompt": "a", "answer": "b"}\n3\n', r"row 2: expected a JSON object, got int"),
+    ("string_row", b'"prompt"\n', r"row 1: expected a JSON object, got str"),
+    ("null_row", b"null\n", r"row 1: expected a JSON object, got NoneType"),
+    ("form_feed_row", b'{"prompt": "a", "answer": "b"}\n\x0c\n', r"row 2: invalid JSON"),
+    ("huge_integer", b'{"prompt": "a", "answer": ' + b"9" * 5000 + b"}\n", r"row 1: invalid JSON \(Exceeds the limit"),
+    ("deep_nesting", b'{"prompt": "a", "answer": "b", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", r"row 1: invalid JSON \(nested too deeply\)"),
+    ("lone_surrogate", b'{"prompt": "a\\ud800", "answer": "b"}\n', r"row 1: field 'prompt' holds an unpaired surrogate"),
+    ("surrogate_id", b'{"prompt": "a", "answer": "b", "id": "\\udfff"}\n', r"row 1: field 'id' holds an unpaired surrogate"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "fragment"), ODD_FILES, ids=[f[0] for f in ODD_FILES])
+def test_jsonl_odd_files_give_one_error_naming_file_and_row(tmp_path: Path, name: str, content: bytes, fragment: str) -> None:
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(TaskDataError) as info:
+        JsonlTask(JsonlTaskConfig(path=path))
+    message = str(info.value)
+    assert message.startswith(f"{path}") and re.search(fragment, message), message
+    assert "\n" not in message

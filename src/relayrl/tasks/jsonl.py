@@ -5,9 +5,10 @@ cycles over the rows (shuffled per epoch with a seed, or in file order) and a he
 last k rows, or a separate file).
 
 Invariants:
-- Bad input never half-loads: any problem (unreadable file, invalid JSON, a row that is not an
-  object, a missing field, a wrong type, a duplicate id, no rows) raises one `TaskDataError`
-  whose message names the file and the 1-based row (the line number) and what is wrong.
+- Bad input never half-loads: any problem (unreadable file, not UTF-8, invalid JSON, a row that
+  is not an object, a missing field, a wrong type, an unpaired surrogate, a duplicate id, no
+  rows) raises one `TaskDataError` whose message names the file and the 1-based row (the line
+  number; lines end at "\\n" only) and what is wrong.
 - Training item ``i`` is a pure function of (rows, seed, i): each epoch visits every training row
   exactly once, so the stream resumes from a cursor.
 - Training and held-out rows never overlap when the split takes the last k rows.
@@ -15,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -50,6 +52,21 @@ class JsonlTaskConfig:
             raise ValueError("jsonl: set heldout_path or heldout_last, not both")
 
 
+_JSON_WHITESPACE = " \t\r"  # what may surround a JSON value on a row besides the "\n" that ends it
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _answer_text(value: object, where: str) -> str:
     if isinstance(value, str):
         return value
@@ -63,7 +80,8 @@ def _answer_text(value: object, where: str) -> str:
 def load_jsonl_prompts(path: str | os.PathLike[str], id_prefix: str | None = None) -> list[Prompt]:
     """Read and validate every row of a JSONL prompt file.
 
-    Blank lines are skipped; rows are numbered by their 1-based line number. ``prompt`` must be a
+    Rows end at ``"\\n"`` only; blank ones are skipped; rows are numbered by their 1-based line
+    number. A UTF-8 byte-order mark is ignored. ``prompt`` must be a
     non-empty string; ``answer`` a string or a number (numbers become ``str(value)``); ``id``, if
     present, a string or an integer, unique in the file. Rows without ``id`` get
     ``"<id_prefix>-<row>"`` (``id_prefix`` defaults to the file's stem).
@@ -74,22 +92,29 @@ def load_jsonl_prompts(path: str | os.PathLike[str], id_prefix: str | None = Non
         raw = p.read_bytes()
     except OSError as e:
         raise TaskDataError(f"{p}: cannot read prompt file: {e.strerror or e}") from e
+    raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark some editors write
     try:
         content = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         row = raw[: e.start].count(b"\n") + 1
-        raise TaskDataError(f"{p}, row {row}: not valid UTF-8 ({e.reason})") from e
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise TaskDataError(f"{p}, row {row}: not valid UTF-8 (byte {col} of the row: {e.reason})") from e
 
     prompts: list[Prompt] = []
     first_row_of_id: dict[str, int] = {}
-    for row, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
+    # Rows end at "\n" only (a "\r" before it is JSON whitespace): JSON strings may hold raw
+    # U+2028, U+2029, U+0085, which str.splitlines() would take for line breaks, and since "\n"
+    # alone ends a row, raw control characters (\t, \x0c, ...) are taken inside strings too.
+    for row, line in enumerate(content.split("\n"), start=1):
+        if not line.strip(_JSON_WHITESPACE):
             continue
         where = f"{p}, row {row}"
         try:
-            obj: object = json.loads(line)
+            obj: object = json.loads(line, strict=False)
         except json.JSONDecodeError as e:
             raise TaskDataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+        except (ValueError, RecursionError) as e:  # an integer too long to convert; nesting too deep
+            raise TaskDataError(f"{where}: invalid JSON ({_one_line(e) if isinstance(e, ValueError) else 'nested too deeply'})") from e
         if not isinstance(obj, dict):
             raise TaskDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         for key in ("prompt", "answer"):
@@ -101,6 +126,9 @@ def load_jsonl_prompts(path: str | os.PathLike[str], id_prefix: str | None = Non
         if not text:
             raise TaskDataError(f"{where}: field 'prompt' is empty")
         answer = _answer_text(obj["answer"], where)
+        for key, value in (("prompt", text), ("answer", answer), ("id", obj.get("id"))):
+            if isinstance(value, str) and not _encodable(value):
+                raise TaskDataError(f"{where}: field {key!r} holds an unpaired surrogate escape (\\ud800-\\udfff), not text")
         raw_id = obj.get("id")
         if raw_id is None:
             prompt_id = f"{prefix}-{row}"

@@ -154,6 +154,9 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
 
 
 def check_run_dir(run_dir: Path) -> CheckReport:
+    """Check `run_dir/trace.json` (or the trace file `run_dir`). A crashed run's cut-off trace is
+    checked as far as it goes; FileNotFoundError without a trace, and `load_trace`'s ValueError
+    naming the file and event when it is not a trace."""
     path = run_dir / "trace.json" if run_dir.is_dir() else run_dir
     if not path.exists():
         raise FileNotFoundError(f"no trace at {path}")

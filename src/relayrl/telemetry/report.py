@@ -6,8 +6,10 @@ trajectories.jsonl), trace.json, evals.jsonl, summary.json — and writes `repor
 plots as PNGs under `report/`; `list_runs(root)` gives every run directory's key figures.
 
 Invariant: never writes the run's logs, and tolerates a run still going or one that crashed (no
-summary.json, a trace without its closing bracket, a partial last line): a missing file or column
-skips that plot with a note in the HTML instead of failing. Every number shown comes from the
+summary.json, a trace cut off mid-event, a partial last line): a missing file or column skips
+that plot with a note in the HTML instead of failing. What is not a run is refused before
+anything is written: a directory without any run file, a trace.json that is not a trace
+(`tracer.load_trace`, the one trace reader, names the file and event). Every number shown comes from the
 run's files — summary.json where it has the figure, else computed from metrics.jsonl, the trace
 or evals.jsonl, and the table names which — so the HTML agrees with metrics.jsonl. The HTML opens
 offline: no script, no remote resource; each plot is embedded as a data URI and links to its PNG
@@ -30,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from relayrl.rundir import is_live
 from relayrl.telemetry import timeline
 from relayrl.telemetry import trajlog
 from relayrl.telemetry.tracer import TraceEvent, load_trace
@@ -105,7 +108,8 @@ def read_jsonl(path: Path) -> tuple[list[Row], int]:
     (a writer mid-line, or a crash) is dropped silently; other bad lines are skipped and counted."""
     if not path.exists():
         return [], 0
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    # rows end at "\n" only: str.splitlines() would also split a JSON string at a raw U+2028 or \x0c
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
     rows: list[Row] = []
@@ -127,30 +131,6 @@ def read_jsonl(path: Path) -> tuple[list[Row], int]:
     return rows, bad
 
 
-def read_trace(path: Path) -> list[TraceEvent]:
-    """Trace events of `path`: `load_trace`, and where even that fails (a run killed in the middle
-    of writing an event), event by event, dropping what does not parse."""
-    try:
-        return load_trace(path)
-    except ValueError:
-        pass
-    events: list[TraceEvent] = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        text = line.strip()
-        if text.startswith("["):
-            text = text[1:].strip()
-        text = text.rstrip(",").strip()
-        if not text or text == "]":
-            continue
-        try:
-            value: object = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            events.append(value)
-    return events
-
-
 def read_trajectories(run_dir: Path, columns: Sequence[str] = TRAJECTORY_COLUMNS) -> tuple[list[Row], str] | None:
     """The trajectory log's rows (only `columns`) and where they came from; None without a log.
     Step files are written whole (temp file + rename), so a live or crashed run reads cleanly."""
@@ -161,8 +141,10 @@ def read_trajectories(run_dir: Path, columns: Sequence[str] = TRAJECTORY_COLUMNS
     return table.to_pylist(), f"trajectories/ ({len(files)} step files)"
 
 
-def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True) -> RunData:
-    """Read a run directory; `trace`/`trajectories` False skips those (larger) files."""
+def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True, strict: bool = False) -> RunData:
+    """Read a run directory; `trace`/`trajectories` False skips those (larger) files. A trace.json
+    that is not a trace (`load_trace` raises: garbage, not a crash's cut-off prefix) raises with
+    `strict` (the report), else it is left out with a note (listings)."""
     data = RunData(run_dir=run_dir)
     data.metrics, bad = read_jsonl(run_dir / "metrics.jsonl")
     if bad:
@@ -180,11 +162,19 @@ def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True) ->
     trace_path = run_dir / "trace.json"
     if trace and trace_path.exists():
         try:
-            data.events = read_trace(trace_path)
-        except OSError as exc:
-            data.notes.append(f"trace.json: unreadable ({exc})")
+            data.events = load_trace(trace_path)
+        except FileNotFoundError:  # removed since: as if there were none
+            pass
+        except ValueError as exc:
+            if strict:
+                raise
+            data.notes.append(f"trace.json: not read ({exc})")
     if trajectories:
-        found = read_trajectories(run_dir)
+        try:
+            found = read_trajectories(run_dir)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # pyarrow's errors derive from these
+            found = None
+            data.notes.append(f"trajectory log: not read ({' '.join(str(exc).split())})")
         if found is not None:
             data.trajectories, data.trajectory_source = found
     return data
@@ -238,8 +228,11 @@ def _status(data: RunData) -> tuple[str, str]:
         status = _run_end_status(data.events)
         if status is not None:
             return status, "trace.json"
+    live = is_live(data.run_dir)
+    if live is not None:  # the run directory's lock says whether its process is still there
+        return ("running", "lock held") if live else ("incomplete", "no summary.json, its process is gone")
     mtimes = [p.stat().st_mtime for p in (data.run_dir / "metrics.jsonl", data.run_dir / "trace.json") if p.exists()]
-    if mtimes and time.time() - max(mtimes) < RUNNING_WINDOW_S:
+    if mtimes and time.time() - max(mtimes) < RUNNING_WINDOW_S:  # written before run directories had a lock
         return "running", "file times"
     return "incomplete", "no summary.json"
 
@@ -679,12 +672,15 @@ def render_html(data: RunData, figures: Sequence[KeyFigure], plots: Sequence[Plo
 
 def write_report(run_dir: Path) -> Path:
     """Write `run_dir/report.html` and its PNGs under `run_dir/report/`; returns the HTML's path.
-    Works on a finished, a crashed and a still running run; raises FileNotFoundError naming the
-    directory when it does not exist."""
+    Works on a finished, a crashed and a still running run. Writes nothing and raises
+    FileNotFoundError naming the directory when it does not exist or holds none of `RUN_FILES`,
+    and ValueError naming the file and event when its trace.json is not a trace."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
-    data = load_run(run_dir)
+    if not is_run_dir(run_dir):  # checked before anything is written into it
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no {', '.join(RUN_FILES)})")
+    data = load_run(run_dir, strict=True)
     figures = key_figures(data)
     plots = render_plots(data, run_dir / REPORT_DIR)
     out = run_dir / REPORT_HTML
@@ -706,11 +702,9 @@ def is_run_dir(path: Path) -> bool:
 def run_figures(run_dir: Path) -> dict[str, object]:
     """One run's row for a runs table: name, path, status, steps, wall_time_s, samples_per_s,
     trainer_busy_fraction, accuracy_before, accuracy_after, reward_last (None where unknown)."""
-    summary_exists = (run_dir / "summary.json").exists()
-    data = load_run(run_dir, trace=not summary_exists, trajectories=False)
-    if data.summary is None and summary_exists:  # unreadable summary: compute from the trace
-        trace_path = run_dir / "trace.json"
-        data.events = read_trace(trace_path) if trace_path.exists() else None
+    data = load_run(run_dir, trace=False, trajectories=False)
+    if data.summary is None:  # no summary, or an unreadable one: compute from the trace (if it reads)
+        data = load_run(run_dir, trajectories=False)
     values = {f.key: f.value for f in key_figures(data)}
     row: dict[str, object] = {"name": run_dir.name, "path": str(run_dir)}
     for key in ("status", "steps", "wall_time_s", "samples_per_s", "trainer_busy_fraction", "accuracy_before", "accuracy_after", "reward_last"):
