@@ -180,7 +180,7 @@ def run_relayrl(w: Workload, heldout: list[Prompt], workdir: Path) -> Outcome:
 
     from transformers import PreTrainedModel
 
-    from relayrl.cli import default_recipe
+    from relayrl.recipes import default_recipe
     from relayrl.config import load_config
     from relayrl.run import build_program
 

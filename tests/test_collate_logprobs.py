@@ -16,12 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelutil import random_qwen2
 from relayrl.backends.local.collate import PackedBatch, TorchCollator, prefix_tree_mask
 from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logprobs
 from relayrl.packing import layout_tokens
 from relayrl.types import MicroBatch, PaddingStats, Prompt, Trajectory
-
-from modelutil import random_qwen2
 
 torch.set_num_threads(1)
 
@@ -38,8 +37,13 @@ MODEL_FACTORIES: dict[str, ModelFactory] = {"qwen2-random": tiny_qwen2}
 
 
 def make_trajectory(
-    rng: random.Random, i: int, n_prompt: int, n_comp: int, vocab: int = VOCAB,
-    group_id: int | None = None, prompt_tokens: list[int] | None = None,
+    rng: random.Random,
+    i: int,
+    n_prompt: int,
+    n_comp: int,
+    vocab: int = VOCAB,
+    group_id: int | None = None,
+    prompt_tokens: list[int] | None = None,
 ) -> Trajectory:
     completion = [rng.randrange(1, vocab) for _ in range(n_comp)]
     return Trajectory(
@@ -144,8 +148,16 @@ def test_microbatch_without_completion_tokens_still_backpropagates() -> None:
     assert batch.num_loss_tokens == 0
     logp, ent = token_logprobs(model, batch)
     assert logp.shape == ent.shape == (0,)
-    out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.seq_index, LossConfig(),
-                      num_tokens_in_step=1.0, num_seqs_in_step=1.0)
+    out = policy_loss(
+        logp,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        batch.seq_index,
+        LossConfig(),
+        num_tokens_in_step=1.0,
+        num_seqs_in_step=1.0,
+    )
     out.loss.backward()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
@@ -239,9 +251,7 @@ def test_layout(microbatch: MicroBatch) -> None:
 
     for i, t in enumerate(trajs):
         assert batch.split_by_sequence(batch.target_ids)[i].tolist() == t.completion_tokens
-        torch.testing.assert_close(
-            batch.split_by_sequence(batch.old_logprobs)[i], torch.tensor(t.sampler_logprobs, dtype=torch.float32)
-        )
+        torch.testing.assert_close(batch.split_by_sequence(batch.old_logprobs)[i], torch.tensor(t.sampler_logprobs, dtype=torch.float32))
         adv = batch.split_by_sequence(batch.advantages)[i]
         assert torch.allclose(adv, torch.full_like(adv, t.advantage))
         # token j is predicted by the last prompt position (j = 0) or by completion token j - 1
@@ -361,8 +371,19 @@ def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> 
         for s in range(4):
             answer = prompt.answer if s % 2 else str(rng.randrange(200))
             completion = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            trajectories.append(Trajectory(group_id=g, sample_index=s, prompt=prompt, prompt_tokens=ids, completion_tokens=completion,
-                                           sampler_logprobs=[0.0] * len(completion), completion_text="", policy_version=0, replica=0))
+            trajectories.append(
+                Trajectory(
+                    group_id=g,
+                    sample_index=s,
+                    prompt=prompt,
+                    prompt_tokens=ids,
+                    completion_tokens=completion,
+                    sampler_logprobs=[0.0] * len(completion),
+                    completion_text="",
+                    policy_version=0,
+                    replica=0,
+                )
+            )
     mb = build_microbatch(0, 0, trajectories, plan(trajectories, 40, 8, share_prompt=True))
     assert max(len({mb.trajectories[i].group_id for i in row}) for row in mb.rows) >= 2  # really packed
     assert mb.num_tokens < sum(t.num_tokens for t in trajectories)  # really shared

@@ -16,12 +16,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
+from modelutil import random_qwen2
 from relayrl.backends.local.generation import SampledSequence, SamplingParams, sample
 from relayrl.backends.local.sampler import LocalSampler
-from relayrl.backends.protocols import Weights
-from relayrl.types import Prompt, SampleRequest
-
-from modelutil import random_qwen2
+from relayrl.types import Prompt, SampleRequest, Weights
 
 torch.set_num_threads(1)
 
@@ -69,9 +67,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return out
 
 
-def teacher_forced(
-    model: Qwen2ForCausalLM, prompt: list[int], seq: SampledSequence, temperature: float, top_p: float
-) -> torch.Tensor:
+def teacher_forced(model: Qwen2ForCausalLM, prompt: list[int], seq: SampledSequence, temperature: float, top_p: float) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + seq.tokens])).logits[0]
     ref = sampling_logprobs(logits[len(prompt) - 1 : -1], temperature, top_p)
@@ -90,9 +86,7 @@ def test_shared_prefill_matches_repeated_prefill(model: Qwen2ForCausalLM) -> Non
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
-def test_logprobs_match_teacher_forced_forward(
-    model: Qwen2ForCausalLM, temperature: float, top_p: float
-) -> None:
+def test_logprobs_match_teacher_forced_forward(model: Qwen2ForCausalLM, temperature: float, top_p: float) -> None:
     # Many EOS ids: rows finish at different steps, so the batch is pruned mid-generation.
     eos = (EOS, 2, 3, 4)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10, eos_token_ids=eos)
@@ -146,12 +140,7 @@ def test_left_padding_matches_batch_of_one(model: Qwen2ForCausalLM) -> None:
 
 
 def requests(n: int = 2, g: int = 3) -> list[SampleRequest]:
-    return [
-        SampleRequest(
-            group_id=i, prompt=Prompt(f"p{i}", "", ""), prompt_tokens=PROMPTS[i], num_samples=g
-        )
-        for i in range(n)
-    ]
+    return [SampleRequest(group_id=i, prompt=Prompt(f"p{i}", "", ""), prompt_tokens=PROMPTS[i], num_samples=g) for i in range(n)]
 
 
 def test_local_sampler_generates_off_the_loop_and_loads_weights() -> None:
@@ -173,7 +162,7 @@ def test_local_sampler_generates_off_the_loop_and_loads_weights() -> None:
             old = await before
             await load
             assert threads == {"relayrl-sampler-3_0"}
-            assert sampler.version == 5
+            assert sampler.compute.version == 5
             assert [r.policy_version for r in old] == [0, 0]
             assert [r.replica for r in old] == [3, 3]
             for i, result in enumerate(old):
@@ -184,9 +173,7 @@ def test_local_sampler_generates_off_the_loop_and_loads_weights() -> None:
                     assert "<eos>" not in c.text
             # Same seed and replica: same samples.
             same = await twin.generate(requests())
-            assert [c.tokens for r in same for c in r.completions] == [
-                c.tokens for r in old for c in r.completions
-            ]
+            assert [c.tokens for r in same for c in r.completions] == [c.tokens for r in old for c in r.completions]
             new = await sampler.generate(requests())
             assert [r.policy_version for r in new] == [5, 5]
             # Greedy evaluation now follows the loaded weights.
@@ -199,7 +186,7 @@ def test_local_sampler_generates_off_the_loop_and_loads_weights() -> None:
             bad["model.norm.weight"] = torch.ones(3)
             with pytest.raises(ValueError, match="wrong shape"):
                 await sampler.load_weights(Weights(version=6, payload=bad))
-            assert sampler.version == 5
+            assert sampler.compute.version == 5
             assert await sampler.greedy(PROMPTS, 6) == want
         finally:
             await sampler.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,9 @@ import torch
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings, lr_multiplier
-from relayrl.cli import default_recipe
 from relayrl.config import load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+from relayrl.recipes import default_recipe
 from relayrl.run import build_program
 from simutil import run_checked
 
@@ -42,8 +41,18 @@ def test_short_local_run_trains_and_reports(short_run: tuple[Path, object]) -> N
     run_dir, result = short_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("train/loss", "train/grad_norm", "train/learning_rate", "train/clip_frac_low", "train/clip_frac_high",
-                "train/entropy_mean", "train/logprob_diff_mean", "train/logprob_diff_max", "train/ratio_mean", "train/tokens"):
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/learning_rate",
+        "train/clip_frac_low",
+        "train/clip_frac_high",
+        "train/entropy_mean",
+        "train/logprob_diff_mean",
+        "train/logprob_diff_max",
+        "train/ratio_mean",
+        "train/tokens",
+    ):
         assert key in rows[0], key
     assert any(r["train/grad_norm"] > 0 for r in rows)  # a step whose groups all tie has no gradient
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -67,8 +76,18 @@ def test_kl_reference_and_truncated_is_in_a_real_run(tmp_path: Path) -> None:
     """KL to a frozen reference and truncated IS, end to end on the local backend: the first
     step's policy is the reference (KL 0), later steps have moved away from it (KL > 0); the IS
     weights are reported, capped, and 1 where sampler and trainer agree."""
-    cfg = load_config(None, [*QUICK, "run.steps=4", "train.learning_rate=5e-3", "rollout.max_staleness=1",
-                             "algorithm.kl_beta=0.1", "algorithm.tis_cap=1.5", "eval.enabled=false"])
+    cfg = load_config(
+        None,
+        [
+            *QUICK,
+            "run.steps=4",
+            "train.learning_rate=5e-3",
+            "rollout.max_staleness=1",
+            "algorithm.kl_beta=0.1",
+            "algorithm.tis_cap=1.5",
+            "eval.enabled=false",
+        ],
+    )
     run_checked(build_program(cfg, run_dir=tmp_path / "run"), timeout=120)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["train/completion_tokens"] > 0]
@@ -92,9 +111,18 @@ def test_trainer_update_changes_weights_and_fills_the_slot() -> None:
     trainer = LocalTrainer(model, settings)
     prompt_ids = tok("12+7=", add_special_tokens=False)["input_ids"]
     trajs = [
-        Trajectory(group_id=0, sample_index=i, prompt=Prompt("p", "12+7=", "19"), prompt_tokens=prompt_ids,
-                   completion_tokens=tok(c, add_special_tokens=False)["input_ids"], sampler_logprobs=[-1.0] * len(c),
-                   completion_text=c, policy_version=0, replica=0, advantage=a)
+        Trajectory(
+            group_id=0,
+            sample_index=i,
+            prompt=Prompt("p", "12+7=", "19"),
+            prompt_tokens=prompt_ids,
+            completion_tokens=tok(c, add_special_tokens=False)["input_ids"],
+            sampler_logprobs=[-1.0] * len(c),
+            completion_text=c,
+            policy_version=0,
+            replica=0,
+            advantage=a,
+        )
         for i, (c, a) in enumerate([("19", 1.0), ("18", -1.0)])
     ]
     p = plan(trajs, 64, 4)
@@ -103,7 +131,7 @@ def test_trainer_update_changes_weights_and_fills_the_slot() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     async def main() -> tuple[int, dict[str, float], int]:
-        await trainer.train_step(mb)
+        await trainer.train_step(mb.train_batch())
         version = await trainer.optim_step()
         metrics = await trainer.get_metrics()
         weights = await trainer.export_weights()
@@ -146,17 +174,19 @@ def test_threads_are_split_between_trainer_and_samplers(
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        backend = build_local_backend(cfg, threading.Event(), [])
+        backend = build_local_backend(cfg, [])
     finally:
         torch.set_num_threads(before)
     try:
         assert backend.trainer.settings.torch_threads == trainer_threads  # type: ignore[attr-defined]
         assert [s.torch_threads for s in backend.samplers] == [sampler_threads] * cfg.rollout.num_samplers  # type: ignore[attr-defined]
     finally:
+
         async def close() -> None:
             await backend.trainer.close()
             for s in backend.samplers:
                 await s.close()
+
         asyncio.run(close())
 
 

@@ -32,9 +32,23 @@ def test_run_writes_run_directory_with_required_metrics(tmp_path: Path) -> None:
         assert (run / name).exists(), name
     rows = _lines(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    required = {"step", "policy_version", "step_time_sec", "metrics_fetch_time", "boundary_gap_sec",
-                "exposed_generation_time", "weight_sync_time", "packing_time", "reward_mean", "reward_std",
-                "num_trajectories", "filtered_groups", "staleness_mean", "staleness_max", "loop_lag_max_ms"}
+    required = {
+        "step",
+        "policy_version",
+        "step_time_sec",
+        "metrics_fetch_time",
+        "boundary_gap_sec",
+        "exposed_generation_time",
+        "weight_sync_time",
+        "packing_time",
+        "reward_mean",
+        "reward_std",
+        "num_trajectories",
+        "filtered_groups",
+        "staleness_mean",
+        "staleness_max",
+        "loop_lag_max_ms",
+    }
     assert required <= rows[0].keys()
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["num_trajectories"] == 16 for r in rows)
@@ -124,17 +138,17 @@ class _DiesOnCall(SimSampler):
 
     def __init__(self, cfg: object, max_new_tokens: int, seed: int, replica: int, fail_on: str, after: int) -> None:
         super().__init__(cfg, max_new_tokens, seed, replica)  # type: ignore[arg-type]
-        self.fail_on, self.after, self.loads = fail_on, after, 0
+        self.name, self.fail_on, self.after, self.loads = replica, fail_on, after, 0
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         if self.fail_on == "generate" and self.generate_calls >= self.after:
-            raise ConnectionError(f"replica {self.replica} lost its device")
+            raise ConnectionError(f"replica {self.name} lost its device")
         return await super().generate(requests)
 
     async def load_weights(self, weights: object) -> None:
         self.loads += 1
         if self.fail_on == "load_weights" and self.loads > self.after:
-            raise MemoryError(f"replica {self.replica} out of memory loading weights")
+            raise MemoryError(f"replica {self.name} out of memory loading weights")
         await super().load_weights(weights)  # type: ignore[arg-type]
 
 
@@ -217,8 +231,9 @@ def test_requests_that_fail_on_two_replicas_fail_the_run_instead_of_retiring_the
 def test_a_replica_is_retired_once_however_often_it_fails() -> None:
     from relayrl.replicas import ReplicaPool
 
-    a, b = (SimSampler(sim_config().sim, 4, 0, replica=i) for i in range(2))
-    pool = ReplicaPool.of([a, b], failover=True)
+    pool = ReplicaPool.of([SimSampler(sim_config().sim, 4, 0, replica=i) for i in range(2)], failover=True)
+    a, b = pool.slots
+    assert (a.replica, b.replica) == (0, 1)
     with pytest.warns(Warning):
         pool.retire(a, MemoryError("load"), "load_weights")
     pool.retire(a, ConnectionError("gen"), "generate", [1])  # already retired: no second record or warning

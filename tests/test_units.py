@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relayrl.algorithms.advantages import group_advantages
-from relayrl.bookkeeping import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.config import ConfigError, load_config
+from relayrl.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, layout_tokens, plan
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Prompt, Trajectory
@@ -87,9 +87,17 @@ def test_schedule_rejects_impossible_points() -> None:
 
 # -- packing ---------------------------------------------------------------------------------
 def _traj(n_prompt: int, n_completion: int, i: int = 0) -> Trajectory:
-    return Trajectory(group_id=i, sample_index=0, prompt=Prompt(str(i), "p", "a"), prompt_tokens=[1] * n_prompt,
-                      completion_tokens=[2] * n_completion, sampler_logprobs=[0.0] * n_completion,
-                      completion_text="", policy_version=0, replica=0)
+    return Trajectory(
+        group_id=i,
+        sample_index=0,
+        prompt=Prompt(str(i), "p", "a"),
+        prompt_tokens=[1] * n_prompt,
+        completion_tokens=[2] * n_completion,
+        sampler_logprobs=[0.0] * n_completion,
+        completion_text="",
+        policy_version=0,
+        replica=0,
+    )
 
 
 @settings(max_examples=200, deadline=None)

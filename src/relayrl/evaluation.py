@@ -4,7 +4,8 @@ A completion is correct when every configured reward function gives it a positiv
 same functions that score training rollouts).
 
 Invariant: an evaluation reports the version whose weights it measured (the engine loads those
-weights first), on the same fixed prompts every time, so accuracies are comparable across a run.
+weights first; the evaluator remembers the version it last loaded, and does not ask the engine),
+on the same fixed prompts every time, so accuracies are comparable across a run.
 """
 
 from __future__ import annotations
@@ -12,22 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from relayrl.backends.protocols import Weights
 from relayrl.tasks.rewards import RewardFunction, exact_match
-from relayrl.types import Prompt, Trajectory
+from relayrl.types import Prompt, Trajectory, Weights
 
-
-class GreedyEngine(Protocol):
-    @property
-    def version(self) -> int: ...
-
-    async def load_weights(self, weights: Weights) -> None: ...
-
-    async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
-
-    async def close(self) -> None: ...
+if TYPE_CHECKING:
+    from relayrl.backends.protocols import GreedyEngine
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +39,9 @@ class HeldoutEvaluator:
         decode: Callable[[list[int]], str],
         max_new_tokens: int,
         reward_fns: Sequence[RewardFunction] = (exact_match,),
+        version: int = 0,
     ) -> None:
+        """`version`: the policy version the engine holds when built."""
         if not prompts:
             raise ValueError("held-out evaluation needs at least one prompt (task.heldout_size)")
         self._engine = engine
@@ -56,20 +50,32 @@ class HeldoutEvaluator:
         self._decode = decode
         self._max_new_tokens = max_new_tokens
         self._reward_fns = list(reward_fns)
+        self._version = version  # what the engine holds: the version last loaded into it
 
     async def evaluate(self, weights: Weights | None) -> EvalResult:
         """Accuracy of `weights` (None: of the weights the engine holds now)."""
         start = time.perf_counter()
         if weights is not None:
             await self._engine.load_weights(weights)
+            self._version = weights.version
+        version = self._version
         outputs = await self._engine.greedy(self._tokens, self._max_new_tokens)
-        correct = sum(self._correct(p, toks, out) for p, toks, out in zip(self._prompts, self._tokens, outputs, strict=True))
-        return EvalResult(self._engine.version, correct / len(self._prompts), len(self._prompts), time.perf_counter() - start)
+        correct = sum(self._correct(p, toks, out, version) for p, toks, out in zip(self._prompts, self._tokens, outputs, strict=True))
+        return EvalResult(version, correct / len(self._prompts), len(self._prompts), time.perf_counter() - start)
 
-    def _correct(self, prompt: Prompt, prompt_tokens: list[int], output: list[int]) -> bool:
+    def _correct(self, prompt: Prompt, prompt_tokens: list[int], output: list[int], version: int) -> bool:
         """Correct = every reward function gives a positive reward to the greedy completion."""
-        traj = Trajectory(group_id=-1, sample_index=0, prompt=prompt, prompt_tokens=prompt_tokens, completion_tokens=output,
-                          sampler_logprobs=[], completion_text=self._decode(output), policy_version=self._engine.version, replica=-1)
+        traj = Trajectory(
+            group_id=-1,
+            sample_index=0,
+            prompt=prompt,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=output,
+            sampler_logprobs=[],
+            completion_text=self._decode(output),
+            policy_version=version,
+            replica=-1,
+        )
         try:
             return all(fn(traj) > 0 for fn in self._reward_fns)
         except Exception:  # a raising reward function scores the completion as wrong

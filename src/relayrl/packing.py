@@ -75,9 +75,7 @@ def _units(trajectories: Sequence[Trajectory], budget: int, share_prompt: bool) 
         prompt = len(trajectories[seg[0]].prompt_tokens)
         longest = max(len(trajectories[i].completion_tokens) for i in seg)
         if prompt + longest > budget:
-            raise PackingError(
-                f"a trajectory of {prompt + longest} tokens exceeds the row budget of {budget} tokens (train.row_tokens)"
-            )
+            raise PackingError(f"a trajectory of {prompt + longest} tokens exceeds the row budget of {budget} tokens (train.row_tokens)")
         lengths = [len(trajectories[i].completion_tokens) for i in seg]
         units.extend([seg[k] for k in sorted(chunk)] for chunk in first_fit_decreasing(lengths, budget - prompt))
     return units

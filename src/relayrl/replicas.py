@@ -1,4 +1,8 @@
-"""Sampler replicas in service: failover when one fails.
+"""Sampler replicas in service: their numbering, the version each holds, failover.
+
+The pool numbers the replicas itself (replica i is the i-th sampler of the backend) and keeps, on
+the orchestrator's side, the version each one holds (the one the sync stage last loaded into it):
+no stage reads either off a worker.
 
 Invariant: with failover on, a replica whose `generate` or `load_weights` raised is taken out of
 service once (one record, one warning) and the run goes on with the others. The run fails with
@@ -21,40 +25,55 @@ class SamplerRetiredWarning(RuntimeWarning):
     pass
 
 
+@dataclass(slots=True, eq=False)
+class SamplerSlot:
+    """A sampler replica as the orchestrator knows it."""
+
+    replica: int
+    worker: Sampler
+    version: int = 0  # the policy version last loaded into it (orchestrator-side knowledge)
+
+
 @dataclass(slots=True)
 class ReplicaPool:
     """The sampler replicas still in service, and why the others were retired."""
 
-    alive: list[Sampler]
+    alive: list[SamplerSlot]
     failover: bool = True
     retired: list[dict[str, object]] = field(default_factory=list)
     _failed_groups: set[int] = field(default_factory=set)  # group ids of requests a replica failed on
 
     @classmethod
-    def of(cls, samplers: Sequence[Sampler], failover: bool) -> ReplicaPool:
-        return cls(list(samplers), failover)
+    def of(cls, samplers: Sequence[Sampler], failover: bool, version: int = 0) -> ReplicaPool:
+        """Replica i is `samplers[i]`, holding `version` (a resumed run's samplers hold its start)."""
+        return cls([SamplerSlot(i, s, version) for i, s in enumerate(samplers)], failover)
 
-    def serves(self, sampler: Sampler) -> bool:
-        return any(s is sampler for s in self.alive)
+    @property
+    def slots(self) -> list[SamplerSlot]:
+        """The replicas in service (a copy)."""
+        return list(self.alive)
 
-    def retire(self, sampler: Sampler, exc: Exception, during: str, group_ids: Sequence[int] = ()) -> None:
-        """Take `sampler` out of service; raise when the run cannot go on (see module)."""
-        newly = self.serves(sampler)
+    def serves(self, slot: SamplerSlot) -> bool:
+        return any(s is slot for s in self.alive)
+
+    def retire(self, slot: SamplerSlot, exc: Exception, during: str, group_ids: Sequence[int] = ()) -> None:
+        """Take `slot` out of service; raise when the run cannot go on (see module)."""
+        newly = self.serves(slot)
         if newly:
-            self.alive = [s for s in self.alive if s is not sampler]
-            self.retired.append({"replica": sampler.replica, "during": during, "error": f"{type(exc).__name__}: {exc}"})
+            self.alive = [s for s in self.alive if s is not slot]
+            self.retired.append({"replica": slot.replica, "during": during, "error": f"{type(exc).__name__}: {exc}"})
         retried = sorted(self._failed_groups.intersection(group_ids))
         self._failed_groups.update(group_ids)
         if retried:
             raise RuntimeError(
-                f"sampler replica {sampler.replica}: {during} failed on group(s) {retried}, which already failed on "
+                f"sampler replica {slot.replica}: {during} failed on group(s) {retried}, which already failed on "
                 f"another replica: the requests, not the replicas, look at fault ({type(exc).__name__}: {exc})"
             ) from exc
         if not self.failover or not self.alive:
             raise exc
         if newly:
             warnings.warn(
-                f"sampler replica {sampler.replica} retired after {during} raised {type(exc).__name__}: {exc}; "
+                f"sampler replica {slot.replica} retired after {during} raised {type(exc).__name__}: {exc}; "
                 f"its requests go to the {len(self.alive)} other replica(s)",
                 SamplerRetiredWarning,
                 stacklevel=2,

@@ -1,8 +1,12 @@
 """Running blocking or GIL-heavy work off the event loop, in named worker threads.
 
-Invariant: a coroutine awaiting `run_in_thread` that gets cancelled does not return before its
-thread's work has stopped (it sets the abort flag, which cooperative work checks, and waits), so
-cancellation never leaves work running behind the caller's back.
+`ThreadHost` is the one way work is hosted in a thread: a named single-thread executor (calls run
+one at a time, in the order they were made) with an abort flag. The orchestrator's own threads
+(`Workers`) and the local backend's workers (a compute object hosted in a `ThreadHost`) use it.
+
+Invariant: a coroutine awaiting `run_in_thread` (or `ThreadHost.call`) that gets cancelled does
+not return before its thread's work has stopped (it sets the abort flag, which cooperative work
+checks, and waits), so cancellation never leaves work running behind the caller's back.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -32,23 +36,69 @@ async def run_in_thread(executor: Executor, fn: Callable[[], T], abort: threadin
         raise
 
 
+class ThreadHost:
+    """One named worker thread ("relayrl-<name>") running calls one at a time, in call order,
+    and an abort flag that cooperative work checks.
+
+    `abort` is the host's flag (pass one to share it between hosts); `call` may be given a
+    per-call flag instead, so that cancelling one call does not abort the calls after it.
+    `initializer(*initargs)` runs first in the thread (e.g. its torch threads, its priority)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        abort: threading.Event | None = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+    ) -> None:
+        self.name = name
+        self.abort = abort if abort is not None else threading.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"relayrl-{name}", initializer=initializer, initargs=initargs)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def call(self, fn: Callable[[], T], abort: threading.Event | None = None) -> T:
+        """Run `fn` in the thread after the calls made before it. If the caller is cancelled, set
+        `abort` (default: the host's flag) and wait for `fn` to stop before re-raising."""
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        return await run_in_thread(self._executor, fn, self.abort if abort is None else abort)
+
+    def close(self, abort: bool = True) -> None:
+        """Cancel queued calls and wait for the running one; with `abort`, set the host's flag
+        first so that cooperative work stops early. Idempotent; blocks (see `aclose`)."""
+        self._closed = True
+        if abort:
+            self.abort.set()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def aclose(self, abort: bool = True) -> None:
+        """`close` without blocking the event loop."""
+        if not self._closed:
+            self._closed = True
+            if abort:
+                self.abort.set()
+            await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+
+
 class Workers:
-    """The orchestrator's named single-thread executors and the shared abort flag."""
+    """The orchestrator's named thread hosts, sharing one abort flag."""
 
     def __init__(self, names: tuple[str, ...] = ("bookkeeping", "pack", "score")) -> None:
         self.abort = threading.Event()
-        self._executors = {
-            name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"relayrl-{name}")
-            for name in names
-        }
+        self._hosts = {name: ThreadHost(name, abort=self.abort) for name in names}
 
     async def run(self, name: str, fn: Callable[[], T]) -> T:
-        return await run_in_thread(self._executors[name], fn, self.abort)
+        return await self._hosts[name].call(fn)
 
     def shutdown(self) -> None:
         self.abort.set()
-        for executor in self._executors.values():
-            executor.shutdown(wait=True, cancel_futures=True)
+        for host in self._hosts.values():
+            host.close()
 
 
 def burn_cpu(seconds: float, abort: threading.Event | None = None) -> None:

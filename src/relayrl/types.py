@@ -1,7 +1,10 @@
-"""Data that flows between stages: prompts, trajectories, groups, micro-batches, step results.
+"""Data that flows between stages: prompts, trajectories, groups, micro-batches, step results,
+and what travels to workers (weights, train batches).
 
 Invariant: these are plain records. Stages exchange them through queues and never share mutable
 state beyond what a record carries; every trajectory records the policy version that sampled it.
+What a worker receives (`SampleRequest`, `Weights`, `TrainBatch`) holds only what it computes on,
+so it can be sent to a worker in another process.
 """
 
 from __future__ import annotations
@@ -133,6 +136,32 @@ class PackPlan:
     share_prompt: bool = False  # a group's completions share one copy of its prompt in a row
 
 
+@dataclass(slots=True, frozen=True)
+class Weights:
+    """A policy version's weights as they travel to samplers; `payload` is backend-specific."""
+
+    version: int
+    payload: object
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """What `Trainer.train_step` receives: the collated micro-batch and the counts the trainer
+    computes and reports with, never trajectories or texts (see `MicroBatch.train_batch`).
+
+    `payload` is what the backend's collator made (e.g. tensors of token ids, positions, masks,
+    sampler log-probs, advantages, loss-token indices); `advantages` holds one per sequence."""
+
+    step: int
+    index: int
+    payload: object
+    num_tokens: int  # laid-out tokens (a shared prompt once), no padding
+    num_sequences: int
+    advantages: list[float]
+    step_completion_tokens: int  # over the whole step: the loss normaliser for accumulation
+    step_sequences: int  # trajectories of the step with at least one completion token
+
+
 @dataclass(slots=True)
 class MicroBatch:
     """A packed chunk of one step's trajectories. `payload` is backend-specific (e.g. tensors)."""
@@ -153,10 +182,26 @@ class MicroBatch:
     def min_version(self) -> int:
         return min(t.policy_version for t in self.trajectories)
 
+    def train_batch(self) -> TrainBatch:
+        """What the trainer receives for this micro-batch (collated `payload` and counts only);
+        the orchestrator keeps the micro-batch, trajectories included, for its bookkeeping."""
+        return TrainBatch(
+            step=self.step,
+            index=self.index,
+            payload=self.payload,
+            num_tokens=self.num_tokens,
+            num_sequences=len(self.trajectories),
+            advantages=[t.advantage for t in self.trajectories],
+            step_completion_tokens=self.step_completion_tokens,
+            step_sequences=self.step_sequences,
+        )
+
 
 @dataclass(slots=True)
 class StepResult:
-    """Everything known about step N once its bookkeeping ran: reduced metrics and the ledger."""
+    """Everything known about step N once its bookkeeping ran: the policy version its commit produced
+    and its reduced metrics (its metrics.jsonl row). Ledger counts are not per step: the run's
+    `Ledger` holds them (RunResult.ledger, summary.json's "ledger")."""
 
     step: int
     policy_version: int

@@ -1,27 +1,26 @@
-"""The workers a run uses, built for the configured backend.
+"""The workers a run uses, built for the configured backend (`relayrl.backends.sim.build`,
+`relayrl.backends.local.build`).
 
-Invariant: the program only sees the protocols; which backend built them is invisible to it.
+Invariant: the program only sees the protocols; which backend built them, and where its workers
+run (threads of this process, other processes), is invisible to it. Samplers are numbered by
+their position in `samplers` (see `relayrl.replicas.ReplicaPool`), not by asking them.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from relayrl.backends.protocols import Collator, Sampler, Trainer
-from relayrl.config import Config
-from relayrl.evaluation import HeldoutEvaluator
+from relayrl.backends.protocols import Collator, Evaluator, HostWork, PromptEncoder, Sampler, Trainer
 
 
 @dataclass(slots=True)
 class Backend:
     trainer: Trainer
-    samplers: list[Sampler]
-    collator: Collator
-    tokenize: Callable[[str], list[int]]
-    host_costs: dict[str, float] = field(default_factory=dict)  # sim only: CPU per bookkeeping span
-    evaluator: HeldoutEvaluator | None = None
+    samplers: list[Sampler]  # replica i is samplers[i]
+    collator: Collator  # orchestrator-side, runs in the packing thread
+    tokenize: PromptEncoder  # orchestrator-side, runs on the event loop (dispatch)
+    host_work: HostWork | None = None  # the sim's simulated bookkeeping cost; None for real backends
+    evaluator: Evaluator | None = None
 
     async def close(self) -> None:
         """Close every worker, even when some fail to close (a retired replica may be broken);
@@ -38,15 +37,3 @@ class Backend:
                 first = first or exc
         if first is not None:
             raise first
-
-
-def build_sim_backend(cfg: Config, abort: threading.Event) -> Backend:
-    from relayrl.backends.sim import SimCollator, SimSampler, SimTokenizer, SimTrainer, host_costs
-
-    return Backend(
-        trainer=SimTrainer(cfg.sim),
-        samplers=[SimSampler(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=i) for i in range(cfg.rollout.num_samplers)],
-        collator=SimCollator(cfg.sim, abort),
-        tokenize=SimTokenizer(cfg.sim.prompt_tokens),
-        host_costs=host_costs(cfg),
-    )

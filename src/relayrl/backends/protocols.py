@@ -1,37 +1,38 @@
 """Worker interfaces every backend implements (sim, local torch, Ray).
 
-Invariant: every call a stage makes on a worker is awaitable, so an in-process object and a Ray
-actor handle look the same to the orchestrator. Heavy compute never runs on the event loop.
+Invariants:
+- every call a stage makes on a worker is awaitable, so an in-process object and a Ray actor
+  handle look the same to the orchestrator. Heavy compute never runs on the event loop;
+- the orchestrator reads no attribute off a worker: everything it learns comes from an awaitable
+  call's result or is a plain value fixed when the bundle was built and kept on the orchestrator
+  side (a sampler's replica number is its slot in `relayrl.replicas.ReplicaPool`; the version a
+  sampler holds is the one the sync stage last loaded into it; results carry their version);
+- what a worker receives holds only what it computes on (`SampleRequest`, `Weights`,
+  `TrainBatch`: token ids and numbers, no trajectories), so it can be sent to another process.
+
+Orchestrator-side pieces a backend also provides (`Collator`, `PromptEncoder`, `Evaluator`) are
+protocols too; they run in the orchestrator's process.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from relayrl.types import GenerateResult, MicroBatch, SampleRequest, Trajectory
+from relayrl.types import GenerateResult, MicroBatch, SampleRequest, TrainBatch, Weights
 
+if TYPE_CHECKING:
+    from relayrl.evaluation import EvalResult
 
-@dataclass(slots=True, frozen=True)
-class Weights:
-    """A policy version's weights as they travel to samplers; `payload` is backend-specific."""
-
-    version: int
-    payload: object
+__all__ = ["Collator", "Evaluator", "GreedyEngine", "PromptEncoder", "Sampler", "Trainer", "Weights"]
 
 
 class Sampler(Protocol):
-    replica: int
-
-    @property
-    def version(self) -> int:
-        """The policy version whose weights are loaded now."""
-        ...
-
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
-        """Sample every request with the weights loaded when the call starts."""
+        """Sample every request with the weights loaded when the call starts; each result carries
+        the version of those weights."""
         ...
 
     async def load_weights(self, weights: Weights) -> None:
@@ -41,9 +42,19 @@ class Sampler(Protocol):
     async def close(self) -> None: ...
 
 
+class GreedyEngine(Protocol):
+    """The worker a held-out evaluation runs on (e.g. a sampler replica kept out of rollouts)."""
+
+    async def load_weights(self, weights: Weights) -> None: ...
+
+    async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
+
+    async def close(self) -> None: ...
+
+
 class Trainer(Protocol):
-    async def train_step(self, mb: MicroBatch) -> None:
-        """Forward + backward on one packed micro-batch, accumulating gradients."""
+    async def train_step(self, batch: TrainBatch) -> None:
+        """Forward + backward on one collated micro-batch, accumulating gradients."""
         ...
 
     async def optim_step(self) -> int:
@@ -52,10 +63,13 @@ class Trainer(Protocol):
         ...
 
     async def get_metrics(self) -> dict[str, float]:
-        """Metrics of the last committed step (read from the slot `optim_step` filled)."""
+        """Metrics of the last committed step (read from the slot `optim_step` filled). Must not
+        wait behind a train step."""
         ...
 
-    async def export_weights(self) -> Weights: ...
+    async def export_weights(self) -> Weights:
+        """The weights of the last committed version. Should not wait behind a train step."""
+        ...
 
     async def save_state(self, directory: Path) -> None:
         """Write the committed state (weights, optimizer, schedule, version) into `directory`.
@@ -71,7 +85,8 @@ class Trainer(Protocol):
 
 
 class Collator(Protocol):
-    """Turns a planned micro-batch into what the trainer consumes. Runs in a packing thread.
+    """Turns a planned micro-batch into the `payload` of the trainer's `TrainBatch`. Runs in the
+    orchestrator's packing thread.
 
     Rows were sized by `relayrl.packing.layout_tokens`: with `mb.share_prompt` a collator must
     lay each row out as `relayrl.packing.segments` (one prompt copy per segment) or it may
@@ -80,9 +95,27 @@ class Collator(Protocol):
     def collate(self, mb: MicroBatch) -> object: ...
 
 
-class RewardFn(Protocol):
-    """Scores one trajectory. May raise: the trajectory is then marked failed with reward 0."""
+class HostWork(Protocol):
+    """Extra host-side work a backend simulates inside each bookkeeping span (the sim backend
+    burns CPU holding the GIL, as a large run's real bookkeeping does). Runs in the bookkeeping
+    thread; returns early once `abort` is set."""
 
-    __name__: str
+    def spend(self, part: str, abort: threading.Event) -> None: ...
 
-    def __call__(self, trajectory: Trajectory) -> float: ...
+
+class PromptEncoder(Protocol):
+    """Prompt text → prompt token ids (the task's template applied). Orchestrator-side: called
+    on the event loop by the dispatch stage, so it must be cheap (a tokenizer, not a model)."""
+
+    def __call__(self, text: str) -> list[int]: ...
+
+
+class Evaluator(Protocol):
+    """Held-out evaluation of a policy version (e.g. `relayrl.evaluation.HeldoutEvaluator`)."""
+
+    async def evaluate(self, weights: Weights | None) -> EvalResult:
+        """Accuracy of `weights` (None: of the weights the evaluator's engine holds now); the
+        result names the version it measured."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,15 +1,17 @@
 """Dispatch: prompts → sample requests, as fast as the dispatch window allows.
 
 Invariant: a group is dispatched only with a window credit, and each dispatched group gets a
-fresh ledger id, so every dispatched prompt is accounted for downstream.
+fresh ledger id, so every dispatched prompt is accounted for downstream. Prompts are encoded
+here, on the event loop, by the backend's `PromptEncoder` (a tokenizer: cheap, orchestrator-side).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import islice
 
+from relayrl.backends.protocols import PromptEncoder
 from relayrl.ledger import Ledger
 from relayrl.types import Prompt, SampleRequest
 from relayrl.window import DispatchWindow
@@ -17,7 +19,7 @@ from relayrl.window import DispatchWindow
 
 async def dispatch_stage(
     prompts: Iterator[Prompt],
-    tokenize: Callable[[str], list[int]],
+    tokenize: PromptEncoder,
     window: DispatchWindow,
     ledger: Ledger,
     outbox: asyncio.Queue[list[SampleRequest]],

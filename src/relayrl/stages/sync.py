@@ -2,7 +2,8 @@
 
 Invariant: rounds never overlap (one task runs them one after another); a round that starts
 after several commits pushes only the newest version; the window learns a version only after
-every sampler in service has loaded it (one that fails to is retired, see `relayrl.replicas`).
+every sampler in service has loaded it (one that fails to is retired, see `relayrl.replicas`);
+the version each replica holds is recorded on its orchestrator-side `SamplerSlot`.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ async def sync_stage(
         await committed.newer_than(synced)
         start = tracer.now()
         weights = await trainer.export_weights()
-        samplers = list(pool.alive)
-        outcomes = await asyncio.gather(*(s.load_weights(weights) for s in samplers), return_exceptions=True)
-        for sampler, outcome in zip(samplers, outcomes):
+        slots = pool.slots
+        outcomes = await asyncio.gather(*(s.worker.load_weights(weights) for s in slots), return_exceptions=True)
+        for slot, outcome in zip(slots, outcomes):
             if isinstance(outcome, asyncio.CancelledError):
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
@@ -70,10 +71,12 @@ async def sync_stage(
                 outcome = RuntimeError(f"load_weights was cancelled by the sampler: {outcome!r}")
             if isinstance(outcome, Exception):
                 error = f"{type(outcome).__name__}: {outcome}"
-                tracer.complete(f"sampler/{sampler.replica}", "load_weights_failed", start, tracer.now(), version=weights.version, error=error)
-                pool.retire(sampler, outcome, "load_weights")  # raises unless another replica serves
+                tracer.complete(f"sampler/{slot.replica}", "load_weights_failed", start, tracer.now(), version=weights.version, error=error)
+                pool.retire(slot, outcome, "load_weights")  # raises unless another replica serves
             elif isinstance(outcome, BaseException):
                 raise outcome
+            else:
+                slot.version = weights.version
         end = tracer.now()
         tracer.complete("orchestrator", "weight_sync", start, end, version=weights.version)
         times.add(end - start)

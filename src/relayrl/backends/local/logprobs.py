@@ -8,8 +8,9 @@ round-off), because the collator's 4D prefix-tree mask and positions isolate the
 `collate`). The log-probs carry gradient; the entropy is always detached (a statistic).
 Memory: only the positions that predict a loss token get logits — for Qwen2/Qwen3/Llama/Mistral
 the vocabulary projection itself runs on those hidden states only (a prompt's other positions
-never get a full-vocabulary row); other models compute all logits and select. The log-prob is `gather(logits, target) - logsumexp(logits)`, so backward keeps
-no second full-vocabulary tensor as `log_softmax` would. The entropy is computed under `no_grad`
+never get a full-vocabulary row); other models compute all logits and select. The log-prob is
+`gather(logits, target) - logsumexp(logits)`, so backward keeps no second full-vocabulary tensor
+as `log_softmax` would. The entropy is computed under `no_grad`
 a chunk of tokens at a time so its softmax temporaries stay small. Exceptions: non-float32
 logits or a temperature ≠ 1 make a float32 / scaled copy per chunk, which backward keeps.
 """
@@ -102,9 +103,7 @@ def token_logprobs(
     whole batch in one chunk).
     """
     if batch.attention_mask.dtype == torch.bool and _attn_implementation(model) == "eager":
-        raise ValueError(
-            "eager attention misreads a boolean 4D attention mask; collate with mask_kind='float'"
-        )
+        raise ValueError("eager attention misreads a boolean 4D attention mask; collate with mask_kind='float'")
     mask = batch.attention_mask
     model_dtype = getattr(model, "dtype", None)
     if mask.is_floating_point() and isinstance(model_dtype, torch.dtype) and mask.dtype != model_dtype:
@@ -112,7 +111,10 @@ def token_logprobs(
         # dtype's own minimum rather than a rounded float32 minimum.
         mask = to_additive_mask(mask == 0, model_dtype)
     inputs: dict[str, torch.Tensor | bool] = {
-        "input_ids": batch.input_ids, "attention_mask": mask, "position_ids": batch.position_ids, "use_cache": False,
+        "input_ids": batch.input_ids,
+        "attention_mask": mask,
+        "position_ids": batch.position_ids,
+        "use_cache": False,
     }
     split = _plain_head(model)
     if split is not None:  # the vocabulary projection only where a loss token is predicted

@@ -3,6 +3,10 @@
 Job: turn `SampleRequest`s into `GenerateResult`s with the weights of one policy version, and swap
 weights in place when the trainer publishes a new version.
 
+What computes and where it runs are separate: `SamplerCompute` is the synchronous compute (plain
+methods, torch, no threads or event loop), `LocalSampler` hosts one in a `ThreadHost` and
+implements the `Sampler` protocol. Another host (e.g. a Ray actor) wraps the same compute class.
+
 Invariants:
 - all compute (sampling, greedy evaluation, weight loads) runs in this replica's one named worker
   thread ("relayrl-sampler-<replica>"), never on the event loop; calls run in the order they were
@@ -17,12 +21,10 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -34,11 +36,10 @@ from relayrl.backends.local.generation import (
     SamplingParams,
     sample,
 )
-from relayrl.backends.protocols import Weights
-from relayrl.threads import run_in_thread
-from relayrl.types import Completion, GenerateResult, SampleRequest
+from relayrl.threads import ThreadHost
+from relayrl.types import Completion, GenerateResult, SampleRequest, Weights
 
-__all__ = ["LocalSampler", "SamplingAborted"]
+__all__ = ["LocalSampler", "SamplerCompute", "SamplingAborted"]
 
 T = TypeVar("T")
 
@@ -62,14 +63,108 @@ def _setup_worker_thread(torch_threads: int | None, nice: int) -> None:
         torch.set_num_threads(torch_threads)
 
 
-class LocalSampler:
-    """One sampler replica holding a model in this process (implements `Sampler`).
+class SamplerCompute:
+    """One sampler replica's model and its synchronous compute. Not thread-safe: its host calls
+    it from one thread at a time. `abort` (checked between decode steps) stops a call early.
 
     `params` sets temperature, top-p and the token budget of `generate`; when its
     `eos_token_ids` is empty, the tokenizer's and the model's generation-config EOS ids are used.
+    `replica` and `seed` seed the sampling RNG and name the replica in its results and errors.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        params: SamplingParams,
+        *,
+        replica: int = 0,
+        version: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        if not params.eos_token_ids:
+            params = dataclasses.replace(params, eos_token_ids=_eos_ids(model, tokenizer))
+        self.params = params
+        self.replica = replica
+        self.version = version  # the policy version whose weights are loaded now
+        self._generator = torch.Generator(device=model.device)
+        self._generator.manual_seed(seed * 1_000_003 + replica)
+        self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        state = model.state_dict()
+        self._shapes = {name: tuple(t.shape) for name, t in state.items()}
+        # Tied parameters (e.g. lm_head.weight = embed_tokens.weight) may be absent from a payload.
+        seen: set[int] = set()
+        self._aliases: set[str] = set()
+        for name, tensor in state.items():
+            ptr = tensor.data_ptr()
+            if ptr in seen:
+                self._aliases.add(name)
+            seen.add(ptr)
+
+    def generate(self, requests: Sequence[SampleRequest], abort: threading.Event | None = None) -> list[GenerateResult]:
+        """Sample every request with the weights loaded now; results carry their version."""
+        requests = list(requests)
+        if not requests:
+            return []
+        version = self.version
+        groups = sample(
+            self.model,
+            [r.prompt_tokens for r in requests],
+            [r.num_samples for r in requests],
+            self.params,
+            self._generator,
+            pad_token_id=self._pad_token_id,
+            abort=abort,
+        )
+        return [
+            GenerateResult(request=request, completions=self._completions(group), policy_version=version, replica=self.replica)
+            for request, group in zip(requests, groups)
+        ]
+
+    def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int, abort: threading.Event | None = None) -> list[list[int]]:
+        """Greedy completion tokens (EOS included when produced) of each prompt, for evaluation.
+        Does not draw from the sampling RNG."""
+        prompts = [list(p) for p in prompts_tokens]
+        if not prompts:
+            return []
+        params = dataclasses.replace(self.params, greedy=True, max_new_tokens=max_new_tokens)
+        out = sample(self.model, prompts, 1, params, None, pad_token_id=self._pad_token_id, abort=abort)
+        return [group[0].tokens for group in out]
+
+    def load_weights(self, weights: Weights, abort: threading.Event | None = None) -> None:
+        """Copy `weights.payload` (a state dict of tensors) into the model and take its version,
+        all or nothing (the payload is checked first). The sender may reuse its tensors after."""
+        if abort is not None and abort.is_set():
+            return
+        where = f"LocalSampler replica {self.replica}, weights version {weights.version}"
+        payload = weights.payload
+        if not isinstance(payload, dict) or not all(isinstance(t, torch.Tensor) for t in payload.values()):
+            raise TypeError(f"{where}: payload must be dict[str, torch.Tensor], got {type(payload).__name__}")
+        unexpected = sorted(set(payload) - set(self._shapes))
+        missing = sorted(set(self._shapes) - set(payload) - self._aliases)
+        wrong = sorted(n for n, t in payload.items() if n in self._shapes and tuple(t.shape) != self._shapes[n])
+        if unexpected or missing or wrong:
+            raise ValueError(
+                f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
+            )
+        with torch.no_grad():
+            self.model.load_state_dict(payload, strict=False)
+        self.version = weights.version
+
+    def _completions(self, group: list[SampledSequence]) -> list[Completion]:
+        texts = self.tokenizer.batch_decode([s.tokens for s in group], skip_special_tokens=True)
+        return [Completion(tokens=s.tokens, logprobs=s.logprobs, text=text, finish_reason=s.finish_reason) for s, text in zip(group, texts)]
+
+
+class LocalSampler:
+    """A `SamplerCompute` hosted in its own worker thread (implements `Sampler` and
+    `GreedyEngine`). Each call gets its own abort flag: cancelling one stops its compute (between
+    decode steps) and waits for it, without aborting the calls queued after it.
+
     `torch_threads` caps torch's intra-op threads in the worker thread only (the setting is
     per-thread), e.g. to leave the other cores to a trainer in the same process.
-    `max_batch_samples` caps the sample rows of one batched forward; requests are chunked whole.
     `nice` lowers the thread's scheduling priority, so that on a machine with few cores the trainer
     (usually the bottleneck) keeps its cores and the sampler runs on what is left.
     """
@@ -84,149 +179,38 @@ class LocalSampler:
         version: int = 0,
         seed: int = 0,
         torch_threads: int | None = None,
-        max_batch_samples: int | None = None,
         nice: int = 0,
     ) -> None:
-        if max_batch_samples is not None and max_batch_samples < 1:
-            raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        if not params.eos_token_ids:
-            params = dataclasses.replace(params, eos_token_ids=_eos_ids(model, tokenizer))
-        self.params = params
-        self.replica = replica
+        self.compute = SamplerCompute(model, tokenizer, params, replica=replica, version=version, seed=seed)
         self.torch_threads = torch_threads
-        self._version = version
-        self._max_batch_samples = max_batch_samples
-        self._generator = torch.Generator(device=model.device)
-        self._generator.manual_seed(seed * 1_000_003 + replica)
-        self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        state = model.state_dict()
-        self._shapes = {name: tuple(t.shape) for name, t in state.items()}
-        # Tied parameters (e.g. lm_head.weight = embed_tokens.weight) may be absent from a payload.
-        seen: set[int] = set()
-        self._aliases: set[str] = set()
-        for name, tensor in state.items():
-            ptr = tensor.data_ptr()
-            if ptr in seen:
-                self._aliases.add(name)
-            seen.add(ptr)
-        self._closed = False
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix=f"relayrl-sampler-{replica}",
-            initializer=_setup_worker_thread,
-            initargs=(torch_threads, nice),
-        )
+        self._host = ThreadHost(f"sampler-{replica}", initializer=_setup_worker_thread, initargs=(torch_threads, nice))
 
     @property
-    def version(self) -> int:
-        """The policy version whose weights are loaded now."""
-        return self._version
-
-    # -- async API -------------------------------------------------------------------------
+    def params(self) -> SamplingParams:
+        return self.compute.params
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         """Sample every request with the weights loaded when the call starts."""
         batch = list(requests)
         if not batch:
             return []
-        return await self._run(lambda abort: self._generate_sync(batch, abort))
+        return await self._call(lambda abort: self.compute.generate(batch, abort))
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy completion tokens (EOS included when produced) of each prompt, for evaluation.
-        Does not draw from the sampling RNG."""
         prompts = [list(p) for p in prompts_tokens]
         if not prompts:
             return []
-        params = dataclasses.replace(self.params, greedy=True, max_new_tokens=max_new_tokens)
-
-        def work(abort: threading.Event) -> list[list[int]]:
-            out = sample(self.model, prompts, 1, params, None, pad_token_id=self._pad_token_id, abort=abort)
-            return [group[0].tokens for group in out]
-
-        return await self._run(work)
+        return await self._call(lambda abort: self.compute.greedy(prompts, max_new_tokens, abort))
 
     async def load_weights(self, weights: Weights) -> None:
-        """Copy `weights.payload` (a state dict of tensors) into the model and take its version.
-        The payload is copied, so the sender may reuse its tensors afterwards."""
-        await self._run(lambda abort: self._load_sync(weights, abort))
+        await self._call(lambda abort: self.compute.load_weights(weights, abort))
 
     async def close(self) -> None:
         """Stop the worker thread; queued calls are cancelled. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        await self._host.aclose(abort=False)
 
-    # -- worker-thread side ----------------------------------------------------------------
-
-    async def _run(self, fn: Callable[[threading.Event], T]) -> T:
-        if self._closed:
-            raise RuntimeError(f"LocalSampler replica {self.replica} is closed")
+    async def _call(self, fn: Callable[[threading.Event], T]) -> T:
+        if self._host.closed:
+            raise RuntimeError(f"LocalSampler replica {self.compute.replica} is closed")
         abort = threading.Event()
-        return await run_in_thread(self._executor, lambda: fn(abort), abort)
-
-    def _generate_sync(self, requests: list[SampleRequest], abort: threading.Event) -> list[GenerateResult]:
-        version = self._version  # the weights this call samples with: loads run in this thread too
-        results: list[GenerateResult] = []
-        for chunk in self._chunks(requests):
-            groups = sample(
-                self.model,
-                [r.prompt_tokens for r in chunk],
-                [r.num_samples for r in chunk],
-                self.params,
-                self._generator,
-                pad_token_id=self._pad_token_id,
-                abort=abort,
-            )
-            for request, group in zip(chunk, groups):
-                results.append(
-                    GenerateResult(
-                        request=request,
-                        completions=self._completions(group),
-                        policy_version=version,
-                        replica=self.replica,
-                    )
-                )
-        return results
-
-    def _chunks(self, requests: list[SampleRequest]) -> list[list[SampleRequest]]:
-        limit = self._max_batch_samples
-        if limit is None:
-            return [requests]
-        chunks: list[list[SampleRequest]] = [[]]
-        rows = 0
-        for request in requests:
-            if chunks[-1] and rows + request.num_samples > limit:
-                chunks.append([])
-                rows = 0
-            chunks[-1].append(request)
-            rows += request.num_samples
-        return chunks
-
-    def _completions(self, group: list[SampledSequence]) -> list[Completion]:
-        texts = self.tokenizer.batch_decode([s.tokens for s in group], skip_special_tokens=True)
-        return [
-            Completion(tokens=s.tokens, logprobs=s.logprobs, text=text, finish_reason=s.finish_reason)
-            for s, text in zip(group, texts)
-        ]
-
-    def _load_sync(self, weights: Weights, abort: threading.Event) -> None:
-        if abort.is_set():
-            return
-        where = f"LocalSampler replica {self.replica}, weights version {weights.version}"
-        payload = weights.payload
-        if not isinstance(payload, dict) or not all(isinstance(t, torch.Tensor) for t in payload.values()):
-            raise TypeError(f"{where}: payload must be dict[str, torch.Tensor], got {type(payload).__name__}")
-        unexpected = sorted(set(payload) - set(self._shapes))
-        missing = sorted(set(self._shapes) - set(payload) - self._aliases)
-        wrong = sorted(n for n, t in payload.items() if n in self._shapes and tuple(t.shape) != self._shapes[n])
-        if unexpected or missing or wrong:
-            raise ValueError(
-                f"{where}: payload does not match the model: "
-                f"unexpected {unexpected[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
-            )
-        with torch.no_grad():
-            self.model.load_state_dict(payload, strict=False)
-        self._version = weights.version
+        return await self._host.call(lambda: fn(abort), abort)

@@ -1,9 +1,14 @@
 """In-process PyTorch trainer: clipped policy gradient on packed micro-batches, AdamW, gradient
 accumulation and clipping, warm-up + LR schedule, a metrics slot per committed step.
 
+What computes and where it runs are separate: `TrainerCompute` is the synchronous compute (plain
+methods), `LocalTrainer` hosts one in a `ThreadHost` and implements the `Trainer` protocol.
+
 All compute runs in one named worker thread ("relayrl-trainer"), in call order, so a
-`train_step`, `optim_step` or weight export never races another. `get_metrics` only copies the
-slot (under a lock) and so never waits behind a running train step.
+`train_step`, `optim_step` or weight export never races another. The compute methods marked
+thread-safe (`metrics`, `committed_weights`, `save_state`) only read what `optim_step` published
+under a lock, so the host calls them outside that thread and they never wait behind a running
+train step (a Ray actor would give them their own concurrency group).
 
 On-policy the sampler's log-probs serve as the old log-probs: no extra forward pass. With
 `tis_cap` set, the trainer's own log-probs (detached) become the proximal "old" policy and each
@@ -20,11 +25,8 @@ import asyncio
 import functools
 import math
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -32,11 +34,8 @@ from transformers import PreTrainedModel
 from relayrl.algorithms.losses import LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
-from relayrl.backends.protocols import Weights
-from relayrl.threads import run_in_thread
-from relayrl.types import MicroBatch
-
-T = TypeVar("T")
+from relayrl.threads import ThreadHost
+from relayrl.types import TrainBatch, Weights
 
 
 @dataclass(slots=True)
@@ -78,7 +77,10 @@ def lr_multiplier(step: int, settings: TrainerSettings) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class LocalTrainer:
+class TrainerCompute:
+    """The policy model, its optimizer and schedule, and the synchronous training compute. Not
+    thread-safe except where marked: its host runs the other methods one at a time."""
+
     def __init__(self, model: PreTrainedModel, settings: TrainerSettings, ref_model: PreTrainedModel | None = None) -> None:
         if settings.loss.kl_beta > 0 and ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
@@ -97,44 +99,22 @@ class LocalTrainer:
         self._slot: dict[str, float] = {}
         self._snapshot: Weights | None = None
         self._slot_lock = threading.Lock()
-        threads = settings.torch_threads
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="relayrl-trainer",
-            initializer=functools.partial(torch.set_num_threads, threads) if threads else None,
-        )
-        self._abort = threading.Event()
-        self._closed = False
 
-    async def _run(self, fn: Callable[[], T]) -> T:
-        if self._closed:
-            raise RuntimeError("trainer is closed")
-        return await run_in_thread(self._executor, fn, self._abort)
-
-    # -- protocol ------------------------------------------------------------------------------
-    async def train_step(self, mb: MicroBatch) -> None:
-        await self._run(lambda: self._train_step(mb))
-
-    async def optim_step(self) -> int:
-        return await self._run(self._optim_step)
-
-    async def get_metrics(self) -> dict[str, float]:
+    # -- thread-safe: read what optim_step published ------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Thread-safe. The metrics slot of the last committed step."""
         with self._slot_lock:
             return dict(self._slot)
 
-    async def export_weights(self) -> Weights:
-        """The weights of the last committed version. They are snapshotted inside `optim_step`, so
-        a sync never queues behind the next step's micro-batches on the trainer thread."""
+    def committed_weights(self) -> Weights | None:
+        """Thread-safe. The weights snapshotted at the last commit (None before any)."""
         with self._slot_lock:
-            snapshot = self._snapshot
-        return snapshot if snapshot is not None else await self._run(self._export)
+            return self._snapshot
 
-    async def save_state(self, directory: Path) -> None:
-        """Weights of the committed version (the snapshot taken at commit), the optimizer and LR
-        schedule, in `directory/trainer.pt`. Runs in its own thread: the optimizer state does not
-        change before the next `optim_step`, which waits for this, so training goes on."""
-        with self._slot_lock:
-            snapshot = self._snapshot
+    def save_state(self, directory: Path) -> None:
+        """Thread-safe between a commit and the next `optim_step` (which must wait for it): the
+        committed snapshot, the optimizer and LR schedule, in `directory/trainer.pt`."""
+        snapshot = self.committed_weights()
         if snapshot is None or snapshot.version != self.version:
             raise RuntimeError(f"save_state: no committed snapshot of version {self.version}")
         state = {
@@ -143,35 +123,26 @@ class LocalTrainer:
             "optimizer": self._optimizer.state_dict(),
             "scheduler": self._scheduler.state_dict(),
         }
-        await asyncio.to_thread(torch.save, state, directory / "trainer.pt")
+        torch.save(state, directory / "trainer.pt")
 
-    async def load_state(self, directory: Path) -> int:
-        def load() -> int:
-            state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=True)
-            self.model.load_state_dict(state["model"])
-            self._optimizer.load_state_dict(state["optimizer"])
-            self._scheduler.load_state_dict(state["scheduler"])
-            self.version = int(state["version"])
-            snapshot = self._export()
-            with self._slot_lock:
-                self._snapshot = snapshot
-            return self.version
+    # -- the worker thread's calls -------------------------------------------------------------
+    def load_state(self, directory: Path) -> int:
+        state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        snapshot = self.export()
+        with self._slot_lock:
+            self._snapshot = snapshot
+        return self.version
 
-        return await self._run(load)
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._abort.set()
-            self._executor.shutdown(wait=True, cancel_futures=True)
-
-    # -- compute (trainer thread) --------------------------------------------------------------
-    def _train_step(self, mb: MicroBatch) -> None:
-        if self._abort.is_set():
+    def train_step(self, tb: TrainBatch, abort: threading.Event | None = None) -> None:
+        if abort is not None and abort.is_set():
             return
-        batch = mb.payload
+        batch = tb.payload
         if not isinstance(batch, PackedBatch):
-            raise TypeError(f"micro-batch {mb.step}/{mb.index} was not collated by the TorchCollator")
+            raise TypeError(f"micro-batch {tb.step}/{tb.index} was not collated by the TorchCollator")
         cfg = self.settings.loss
         logp, entropy = token_logprobs(self.model, batch, self.settings.temperature)
         ref = None
@@ -183,9 +154,14 @@ class LocalTrainer:
         else:
             old, sampler = batch.old_logprobs, None
         out = policy_loss(
-            logp, old, batch.advantages, batch.loss_mask, batch.seq_index, cfg,
-            num_tokens_in_step=float(max(1, mb.step_completion_tokens)),
-            num_seqs_in_step=float(max(1, mb.step_sequences)),
+            logp,
+            old,
+            batch.advantages,
+            batch.loss_mask,
+            batch.seq_index,
+            cfg,
+            num_tokens_in_step=float(max(1, tb.step_completion_tokens)),
+            num_seqs_in_step=float(max(1, tb.step_sequences)),
             ref_logprobs=ref,
             sampler_logprobs=sampler,
             entropy=entropy,
@@ -207,7 +183,7 @@ class LocalTrainer:
             else:
                 st.sums[key] = st.sums.get(key, 0.0) + value * n
 
-    def _optim_step(self) -> int:
+    def optim_step(self) -> int:
         if self._stats.microbatches == 0:
             raise RuntimeError("optim_step with no accumulated train_step")
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -232,13 +208,59 @@ class LocalTrainer:
         slot.update(st.mins)
         self._stats = _StepStats()
         self.version += 1
-        snapshot = self._export()
+        snapshot = self.export()
         with self._slot_lock:
             self._slot = slot
             self._snapshot = snapshot
         return self.version
 
-    def _export(self) -> Weights:
+    def export(self) -> Weights:
+        """The model's weights now, as the version it holds."""
         with torch.no_grad():
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return Weights(version=self.version, payload=state)
+
+
+class LocalTrainer:
+    """A `TrainerCompute` hosted in one worker thread ("relayrl-trainer"; implements `Trainer`).
+    `get_metrics`, `export_weights` (after the first commit) and `save_state` call the compute's
+    thread-safe methods outside that thread, so they never wait behind a train step."""
+
+    def __init__(self, model: PreTrainedModel, settings: TrainerSettings, ref_model: PreTrainedModel | None = None) -> None:
+        self.compute = TrainerCompute(model, settings, ref_model)
+        threads = settings.torch_threads
+        self._host = ThreadHost("trainer", initializer=functools.partial(torch.set_num_threads, threads) if threads else None)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.compute.model
+
+    @property
+    def settings(self) -> TrainerSettings:
+        return self.compute.settings
+
+    async def train_step(self, batch: TrainBatch) -> None:
+        await self._host.call(lambda: self.compute.train_step(batch, self._host.abort))
+
+    async def optim_step(self) -> int:
+        return await self._host.call(self.compute.optim_step)
+
+    async def get_metrics(self) -> dict[str, float]:
+        return self.compute.metrics()
+
+    async def export_weights(self) -> Weights:
+        """The weights of the last committed version. They are snapshotted inside `optim_step`, so
+        a sync never queues behind the next step's micro-batches on the trainer thread."""
+        snapshot = self.compute.committed_weights()
+        return snapshot if snapshot is not None else await self._host.call(self.compute.export)
+
+    async def save_state(self, directory: Path) -> None:
+        """Runs in its own thread: the optimizer state does not change before the next
+        `optim_step`, which waits for this, so training goes on."""
+        await asyncio.to_thread(self.compute.save_state, directory)
+
+    async def load_state(self, directory: Path) -> int:
+        return await self._host.call(lambda: self.compute.load_state(directory))
+
+    async def close(self) -> None:
+        self._host.close()

@@ -1,4 +1,4 @@
-"""Deterministic latency-simulating sampler, trainer and collator.
+"""The sim backend's workers: deterministic latency-simulating sampler, trainer and collator.
 
 Device-side costs (generation, train/optim steps, metric fetch, weight export) are `asyncio.sleep`s:
 the simulated accelerator works while the orchestrator's thread is free. Host-side costs (packing;
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import deque
 import random
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.backends.protocols import Weights
 from relayrl.config import Config, SimConfig
 from relayrl.threads import burn_cpu
-from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest
-
+from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest, TrainBatch, Weights
 
 YIELD_EVERY = 4096  # completions the sim sampler makes between two turns of the event loop
 
@@ -36,17 +34,15 @@ async def _sleep(seconds: float) -> None:
 
 
 class SimSampler:
+    """Implements `Sampler`; `replica` only names the replica in its results."""
+
     def __init__(self, cfg: SimConfig, max_new_tokens: int, seed: int, replica: int = 0) -> None:
-        self.replica = replica
+        self._replica = replica
         self._cfg = cfg
         self._max_new_tokens = max_new_tokens
         self._seed = seed
         self._version = 0
         self.generate_calls = 0
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     def success_rate(self, version: int) -> float:
         return min(0.95, self._cfg.base_success + self._cfg.learn_rate * version)
@@ -68,7 +64,7 @@ class SimSampler:
                 n = rng.randint(1, self._max_new_tokens)
                 tokens = [rng.randrange(2, 64) for _ in range(n)]
                 completions.append(Completion(tokens=tokens, logprobs=[-rng.random()] * n, text=text))
-            results.append(GenerateResult(req, completions, version, self.replica))
+            results.append(GenerateResult(req, completions, version, self._replica))
         return results
 
     async def load_weights(self, weights: Weights) -> None:
@@ -96,12 +92,12 @@ class SimTrainer:
         # long run keeps nothing that grows with its steps)
         self.calls: deque[tuple[str, int]] = deque(maxlen=256)
 
-    async def train_step(self, mb: MicroBatch) -> None:
+    async def train_step(self, batch: TrainBatch) -> None:
         self.calls.append(("train_step", self.version))
         await _sleep(self._cfg.train_step)
-        self._accum.tokens += mb.num_tokens
-        self._accum.trajectories += len(mb.trajectories)
-        self._accum.adv_sum += sum(abs(t.advantage) for t in mb.trajectories)
+        self._accum.tokens += batch.num_tokens
+        self._accum.trajectories += batch.num_sequences
+        self._accum.adv_sum += sum(abs(a) for a in batch.advantages)
         self._accum.microbatches += 1
 
     async def optim_step(self) -> int:
@@ -156,7 +152,7 @@ class SimCollator:
 
 
 class SimTokenizer:
-    """Fixed-length prompt tokens derived from the text."""
+    """Fixed-length prompt tokens derived from the text (a `PromptEncoder`)."""
 
     def __init__(self, prompt_tokens: int) -> None:
         self._n = prompt_tokens
@@ -166,13 +162,18 @@ class SimTokenizer:
         return codes + [0] * (self._n - len(codes))
 
 
-def host_costs(cfg: Config) -> dict[str, float]:
-    """CPU burnt (GIL held) inside each bookkeeping span, per step."""
-    s = cfg.sim
-    return {
-        "reduce_metrics": s.reduce_metrics,
-        "log_metrics": s.log_metrics,
-        "log_trajectories": s.log_trajectories,
-        "on_step_end": s.on_step_end,
-        "release_memory": s.release_memory,
-    }
+class SimHostWork:
+    """CPU burnt (GIL held) inside each bookkeeping span, per step (implements `HostWork`)."""
+
+    def __init__(self, cfg: Config) -> None:
+        s = cfg.sim
+        self.costs = {
+            "reduce_metrics": s.reduce_metrics,
+            "log_metrics": s.log_metrics,
+            "log_trajectories": s.log_trajectories,
+            "on_step_end": s.on_step_end,
+            "release_memory": s.release_memory,
+        }
+
+    def spend(self, part: str, abort: threading.Event) -> None:
+        burn_cpu(self.costs.get(part, 0.0), abort)
