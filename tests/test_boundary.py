@@ -1,4 +1,4 @@
-"""The step-boundary rules (DESIGN.md rules 1–9), pinned on sim runs."""
+"""The step-boundary rules (docs/design.md rules 1–9), pinned on sim runs."""
 
 from __future__ import annotations
 
@@ -138,8 +138,11 @@ def test_next_step_is_packed_when_its_groups_arrive_during_the_final_microbatch(
     micro-batch is issued: N+1 is taken and packed the moment its groups land, inside N's
     training, so the boundary pays neither the wait nor the pack."""
     cfg = sim_config(
-        "run.steps=5", "train.rows_per_microbatch=100", "sim.train_step=0.2",
-        "sim.generate_per_request=0.025", "sim.pack_per_microbatch=0.03",
+        "run.steps=5",
+        "train.rows_per_microbatch=100",
+        "sim.train_step=0.2",
+        "sim.generate_per_request=0.025",
+        "sim.pack_per_microbatch=0.03",
     )
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)

@@ -25,7 +25,6 @@ from relayrl.ledger import Ledger
 from relayrl.run import build_program
 from relayrl.telemetry.checker import check_run_dir
 from relayrl.types import FilteredGroup, FilterReason, Group, Prompt
-
 from simutil import run_checked, sim_config
 
 STEPS = 30
@@ -136,7 +135,9 @@ def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2"]]
     assert subprocess.run(_cli(*sets), env=_env(), capture_output=True, timeout=60).returncode == 0
     (tmp_path / "r" / CHECKPOINTS / "step-000001" / "sim_trainer.json").unlink()
-    proc = subprocess.run(_cli("--resume", str(tmp_path / "r"), "--set=run.steps=3"), env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        _cli("--resume", str(tmp_path / "r"), "--set=run.steps=3"), env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "trainer state file(s) missing: sim_trainer.json" in proc.stderr
     assert (tmp_path / "r" / "trace.json").exists() and not (tmp_path / "r" / "trace.part-0.json").exists()
 
@@ -170,9 +171,16 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
     its checkpoint (staleness 4); the first resume has a slow sampler behind a one-request
     queue, so replayed prompts are still waiting to be dispatched when its checkpoint is taken."""
     sets = [
-        f"run.output_dir={tmp_path}", "run.name=r", "run.steps=10", "rollout.max_staleness=4", "orchestrator.queue_size=1",
-        "rollout.prompts_per_request=1", "algorithm.dynamic_sampling=true", "orchestrator.checkpoint_every=1",
-        "orchestrator.keep_checkpoints=1", "sim.learn_rate=0.0",
+        f"run.output_dir={tmp_path}",
+        "run.name=r",
+        "run.steps=10",
+        "rollout.max_staleness=4",
+        "orchestrator.queue_size=1",
+        "rollout.prompts_per_request=1",
+        "algorithm.dynamic_sampling=true",
+        "orchestrator.checkpoint_every=1",
+        "orchestrator.keep_checkpoints=1",
+        "sim.learn_rate=0.0",
     ]
     fast = sim_config(*sets, "sim.generate_per_request=0.001", "sim.train_step=0.05")
     slow = sim_config(*sets, "sim.generate_per_request=0.05", "sim.train_step=0.01")
@@ -248,15 +256,25 @@ def test_local_trainer_state_round_trips(tmp_path: Path) -> None:
     trainer, tok = make()
     ids = tok("12+7=", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
     trajs = [
-        Trajectory(group_id=0, sample_index=i, prompt=Prompt("p", "12+7=", "19"), prompt_tokens=ids, completion_tokens=c,
-                   sampler_logprobs=[-1.0] * len(c), completion_text="", policy_version=0, replica=0, advantage=a)
+        Trajectory(
+            group_id=0,
+            sample_index=i,
+            prompt=Prompt("p", "12+7=", "19"),
+            prompt_tokens=ids,
+            completion_tokens=c,
+            sampler_logprobs=[-1.0] * len(c),
+            completion_text="",
+            policy_version=0,
+            replica=0,
+            advantage=a,
+        )
         for i, (c, a) in enumerate([([5, 6, 1], 1.0), ([5, 7, 1], -1.0)])
     ]
     mb = build_microbatch(0, 0, trajs, plan(trajs, 64, 4, share_prompt=True))
     mb.payload = TorchCollator(pad_token_id=0).collate(mb)
 
     async def update(t: LocalTrainer) -> int:
-        await t.train_step(mb)
+        await t.train_step(mb.train_batch())
         return await t.optim_step()
 
     async def first_part() -> dict[str, torch.Tensor]:
@@ -287,8 +305,13 @@ def test_local_run_resumes_with_its_trainer_state_and_evals(tmp_path: Path) -> N
     """The local backend end to end: a 2-step run with a checkpoint per step, extended to 4 steps
     by a resume that restores the trainer (version 2) and keeps the held-out evaluations."""
     base = [
-        "run.backend=local", "task.kind=arithmetic", "rollout.num_generations=4", "rollout.groups_per_step=4",
-        "task.heldout_size=16", "orchestrator.release_memory=false", "orchestrator.checkpoint_every=1",
+        "run.backend=local",
+        "task.kind=arithmetic",
+        "rollout.num_generations=4",
+        "rollout.groups_per_step=4",
+        "task.heldout_size=16",
+        "orchestrator.release_memory=false",
+        "orchestrator.checkpoint_every=1",
         "eval.every_steps=2",
     ]
     first = load_config(None, [*base, "run.steps=2"])

@@ -14,7 +14,6 @@ from collections.abc import Sized
 from pathlib import Path
 
 import pytest
-from simutil import make_program, run_checked, sim_config
 
 from relayrl.callbacks import Callback
 from relayrl.ledger import Ledger, LedgerError
@@ -23,6 +22,7 @@ from relayrl.telemetry import timeline
 from relayrl.telemetry.stepbook import StepResults
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, StepResult
+from simutil import make_program, run_checked, sim_config
 
 LONG = ("run.steps=300", "rollout.groups_per_step=2", "rollout.num_generations=2", "orchestrator.log_trajectories=false")
 
@@ -128,8 +128,17 @@ def test_soak_bench_reports_every_figure() -> None:
         figures = run_soak(steps=200, time_scale=0.002)
     finally:
         gc.unfreeze()  # the soak runs with release_memory on, which freezes the heap
-    keys = {"rss_drift_fraction", "step_time_ratio", "release_time_ratio", "threads_start", "threads_end",
-            "fds_start", "fds_end", "tasks_start", "tasks_end"}
+    keys = {
+        "rss_drift_fraction",
+        "step_time_ratio",
+        "release_time_ratio",
+        "threads_start",
+        "threads_end",
+        "fds_start",
+        "fds_end",
+        "tasks_start",
+        "tasks_end",
+    }
     assert keys <= figures.keys()
     for key in ("rss_drift_fraction", "step_time_ratio", "release_time_ratio"):
         value = figures[key]
@@ -143,10 +152,24 @@ def test_soak_bench_reports_every_figure() -> None:
 
 
 def test_soak_bench_json_output() -> None:
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "bench", "soak", "--json", "--steps", "40", "--time-scale", "0.002"],
-                         capture_output=True, text=True, timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "bench", "soak", "--json", "--steps", "40", "--time-scale", "0.002"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert {"rss_drift_fraction", "step_time_ratio", "release_time_ratio", "threads_start", "threads_end",
-            "fds_start", "fds_end", "tasks_start", "tasks_end"} <= data.keys()
+    assert {
+        "rss_drift_fraction",
+        "step_time_ratio",
+        "release_time_ratio",
+        "threads_start",
+        "threads_end",
+        "fds_start",
+        "fds_end",
+        "tasks_start",
+        "tasks_end",
+    } <= data.keys()
     assert data["steps"] == 40

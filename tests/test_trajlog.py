@@ -72,7 +72,9 @@ def _step(step: int) -> tuple[int, list[Trajectory], list[FilteredGroup]]:
     a failed member, one zero-variance group and one stale group."""
     version = step - 1
     trained = [_traj(10 * step, i, version, reward=float(i % 2), failed=(i == 2)) for i in range(3)]
-    zero_var = FilteredGroup(Group(10 * step + 1, [_traj(10 * step + 1, i, version, reward=1.0) for i in range(2)]), FilterReason.ZERO_VARIANCE)
+    zero_var = FilteredGroup(
+        Group(10 * step + 1, [_traj(10 * step + 1, i, version, reward=1.0) for i in range(2)]), FilterReason.ZERO_VARIANCE
+    )
     stale = FilteredGroup(Group(10 * step + 2, [_traj(10 * step + 2, 0, version - 3)]), FilterReason.STALE)
     return version, trained, [zero_var, stale]
 

@@ -4,13 +4,14 @@
 (`Trainer.save_state`: weights of version N+1, optimizer, LR schedule) and `state.json` — the
 next step, how many prompts the task stream has handed out, the prompts of the groups still in
 flight (dispatched, not yet trained or filtered), the settled ledger, the held-out evaluations,
-the wall time so far and the metrics.jsonl rows written since the previous checkpoint. A checkpoint is written into a hidden temporary directory and renamed
-into place only when complete, so a kill at any moment leaves either the whole checkpoint or none.
+the wall time so far and the metrics.jsonl rows written since the previous checkpoint. A
+checkpoint is written into a hidden temporary directory and renamed into place only when
+complete, so a kill at any moment leaves either the whole checkpoint or none.
 
 Resuming (`relayrl train --resume RUN_DIR`) rewinds the run directory to the newest complete
-checkpoint — metrics, evaluations and trajectory files of later steps are removed (a metrics row
-of an earlier step that was lost is restored from the checkpoint, or the resume is refused), the old trace
-is kept as `trace.part-K.json` — and the run goes on from its next step: the in-flight prompts are
+checkpoint — metrics, evaluations and trajectory files of later steps are removed (a metrics
+row of an earlier step that was lost is restored from the checkpoint, or the resume is
+refused), the old trace is kept as `trace.part-K.json` — and the run goes on from its next step: the in-flight prompts are
 dispatched again first, then the stream continues where it was. Invariant: every prompt the
 stream handed out before the checkpoint is trained, filtered or in flight exactly once in the
 resumed run; no step is trained twice in the final record.
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 
+from relayrl.jsonl import JsonlError, read_rows, rewrite_rows
 from relayrl.types import Prompt
 
 CHECKPOINTS = "checkpoints"
@@ -81,11 +83,18 @@ def staging_dir(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial")
 
 
-def state_dict(
-    *, next_step: int, backend: str, source: PromptSource, in_flight: list[Prompt], ledger: dict[str, object],
-    evals: list[dict[str, object]], elapsed_s: float,
+def checkpoint_state(
+    *,
+    next_step: int,
+    backend: str,
+    source: PromptSource,
+    in_flight: list[Prompt],
+    ledger: dict[str, object],
+    evals: list[dict[str, object]],
+    elapsed_s: float,
 ) -> dict[str, object]:
-    """`in_flight`: the ledger's unsettled prompts; the source's undispatched replays follow."""
+    """The state.json fields known at a commit. `in_flight`: the ledger's unsettled prompts; the
+    source's undispatched replays follow."""
     return {
         "next_step": next_step,
         "backend": backend,
@@ -165,11 +174,11 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
     evals = run_dir / "evals.jsonl"
     by_version = {int(e["version"]): e for e in point.evals}  # type: ignore[call-overload]
     if evals.exists():
-        for row in _read_jsonl(evals):
+        for row in _read_rows(evals):
             if int(row["version"]) <= point.next_step:  # type: ignore[call-overload]
                 by_version.setdefault(int(row["version"]), row)  # type: ignore[call-overload]
     point.evals = [by_version[v] for v in sorted(by_version)]
-    _write_jsonl(evals, point.evals)
+    rewrite_rows(evals, point.evals)
     (run_dir / "summary.json").unlink(missing_ok=True)
     trajectories = run_dir / "trajectories"
     if trajectories.is_dir():
@@ -188,7 +197,7 @@ def _rewind_metrics(path: Path, point: ResumePoint) -> None:
     """metrics.jsonl keeps one row for each step before `point.next_step`, in step order. A row
     that was lost or torn after it was written (a truncated file) is restored from the rows the
     checkpoint carries; a loss the checkpoint cannot repair is refused, never dropped silently."""
-    rows = {int(row["step"]): row for row in (_read_jsonl(path) if path.exists() else [])}  # type: ignore[call-overload]
+    rows = {int(row["step"]): row for row in (_read_rows(path) if path.exists() else [])}  # type: ignore[call-overload]
     rows = {step: row for step, row in rows.items() if step < point.next_step}
     missing = [step for step in range(point.next_step) if step not in rows]
     saved = {int(row["step"]): row for row in point.metrics_rows}  # type: ignore[call-overload]
@@ -201,28 +210,13 @@ def _rewind_metrics(path: Path, point: ResumePoint) -> None:
         )
     for step in missing:
         rows[step] = saved[step]
-    _write_jsonl(path, [rows[step] for step in sorted(rows)])
+    rewrite_rows(path, [rows[step] for step in sorted(rows)])
 
 
-def _read_jsonl(path: Path) -> list[dict[str, object]]:
+def _read_rows(path: Path) -> list[dict[str, object]]:
+    """The rows of a run-directory log; a torn last line is dropped (jsonl.read_rows), any other
+    damage refuses the rewind."""
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: not UTF-8 text (byte {exc.start}); cannot rewind the run directory") from None
-    if lines and not lines[-1]:
-        lines.pop()  # the file ends with a newline
-    rows: list[dict[str, object]] = []
-    for number, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            if number == len(lines):  # the line a kill interrupted
-                break
-            raise CheckpointError(f"{path}:{number}: not a JSON line; cannot rewind the run directory") from None
-    return rows
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+        return read_rows(path, strict=True)[0]
+    except JsonlError as exc:
+        raise CheckpointError(f"{exc}; cannot rewind the run directory") from None

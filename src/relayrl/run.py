@@ -8,16 +8,17 @@ directory proven to be a relayrl run directory is ever cleared.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from relayrl.backends.bundle import Backend, build_sim_backend
+from relayrl.backends.bundle import Backend
+from relayrl.backends.sim.build import build_sim_backend
 from relayrl.callbacks import Callback
 from relayrl.checkpoint import CheckpointError, load_resume_point, rewind_run_dir
 from relayrl.config import Config, ConfigError, load_config
 from relayrl.program import Program
 from relayrl.rundir import MARKER, RunDirLock
+from relayrl.runfiles import append_config_changes
 from relayrl.sizing import check_fits
 from relayrl.tasks import rewards
 from relayrl.tasks.build import build_task
@@ -29,7 +30,10 @@ def run_dir_for(cfg: Config) -> Path:
 
 
 def build_program(
-    cfg: Config, callbacks: Sequence[Callback] = (), run_dir: Path | None = None, backend: Backend | None = None,
+    cfg: Config,
+    callbacks: Sequence[Callback] = (),
+    run_dir: Path | None = None,
+    backend: Backend | None = None,
     resume: bool = False,
 ) -> Program:
     """A program for `cfg`; with `resume`, one that continues `run_dir` from its newest checkpoint
@@ -62,26 +66,32 @@ def build_program(
             if cfg.run.backend == "local":
                 from relayrl.backends.local.build import build_local_backend
 
-                backend = build_local_backend(cfg, workers.abort, task.heldout)
+                backend = build_local_backend(cfg, task.heldout)
             else:
                 backend = build_sim_backend(cfg, workers.abort)
         if point is not None:
             assert run_dir is not None
             rewind_run_dir(run_dir, point)
             if changes:
-                with open(run_dir / CONFIG_CHANGES, "a", encoding="utf-8") as fh:
-                    fh.writelines(json.dumps(row) + "\n" for row in changes)
+                append_config_changes(run_dir, changes)
         elif run_dir is not None and lock is not None:
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
                 if not cfg.run.overwrite:
                     raise ValueError(
-                        f"run directory {run_dir} is not empty and run.overwrite=false: "
-                        "resume it with --resume, or choose another run.name"
+                        f"run directory {run_dir} is not empty and run.overwrite=false: resume it with --resume, or choose another run.name"
                     )
                 lock.clear()
         return Program(
-            cfg, backend, task.stream, reward_fns, run_dir=run_dir, workers=workers, callbacks=callbacks, resume=point, lock=lock,
+            cfg,
+            backend,
+            task.stream,
+            reward_fns,
+            run_dir=run_dir,
+            workers=workers,
+            callbacks=callbacks,
+            resume=point,
+            lock=lock,
         )
     except BaseException:
         if lock is not None:
@@ -89,15 +99,31 @@ def build_program(
         raise
 
 
-CONFIG_CHANGES = "config_changes.jsonl"  # one row per key a resume changed: from_step, key, old, new
-
 # Keys a resume may change: they decide how the run is hosted, logged, checkpointed, evaluated or
 # how long it goes on, never what a step computes. Everything else is fixed by the steps already
 # trained (a different group size, learning rate or task would make one run of two experiments).
-RESUMABLE_KEYS = ("run.steps", "run.overwrite", "orchestrator.", "eval.", "telemetry.", "rollout.sampler_threads",
-                  "rollout.sampler_nice", "rollout.sampler_failover", "train.torch_threads", "sim.generate", "sim.train_step",
-                  "sim.optim_step", "sim.get_metrics", "sim.weight_sync", "sim.pack_per_microbatch", "sim.reduce_metrics",
-                  "sim.log_metrics", "sim.log_trajectories", "sim.on_step_end", "sim.release_memory")
+RESUMABLE_KEYS = (
+    "run.steps",
+    "run.overwrite",
+    "orchestrator.",
+    "eval.",
+    "telemetry.",
+    "rollout.sampler_threads",
+    "rollout.sampler_nice",
+    "rollout.sampler_failover",
+    "train.torch_threads",
+    "sim.generate",
+    "sim.train_step",
+    "sim.optim_step",
+    "sim.get_metrics",
+    "sim.weight_sync",
+    "sim.pack_per_microbatch",
+    "sim.reduce_metrics",
+    "sim.log_metrics",
+    "sim.log_trajectories",
+    "sim.on_step_end",
+    "sim.release_memory",
+)
 
 
 def _flat(cfg: Config) -> dict[str, object]:

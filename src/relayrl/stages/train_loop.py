@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from relayrl.backends.protocols import Collator, Trainer
-from relayrl.bookkeeping import RUN_END, DeferredJobs, before_optim, commit, first_train
+from relayrl.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.ledger import Ledger
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
@@ -81,6 +81,30 @@ class GroupTaker:
         return self._hand_over(), end - start
 
 
+@dataclass(slots=True, frozen=True)
+class PackingSpec:
+    """How a step's trajectories are packed into micro-batches (packing.plan)."""
+
+    row_tokens: int
+    rows_per_microbatch: int
+    share_prompt: bool
+
+
+@dataclass(slots=True, frozen=True)
+class StepHooks:
+    """What the run does at a step's boundaries, in this order: `on_step_begin(step)` once its
+    groups are taken; `on_commit(record)` right after optim_step returned (cheap, on the event
+    loop: fills the record's commit-time fields, schedules what is due); `bookkeep(record)` the
+    step's end-of-step work (synchronous, GIL-bound: in the bookkeeping thread when overlapped);
+    `after_bookkeeping(record)` once the step's logs are written (e.g. a checkpoint, which must
+    not precede them)."""
+
+    on_step_begin: Callable[[int], None]
+    on_commit: Callable[[StepRecord], None]
+    bookkeep: Callable[[StepRecord], None]
+    after_bookkeeping: Callable[[StepRecord], Awaitable[None]] | None = None
+
+
 @dataclass(slots=True)
 class _Prepared:
     """A step whose groups are taken and whose first micro-batch is being packed."""
@@ -109,13 +133,8 @@ class TrainLoop:
         tracer: Tracer,
         ledger: Ledger,
         overlap: bool,
-        row_tokens: int,
-        rows_per_microbatch: int,
-        share_prompt: bool,
-        on_step_begin: Callable[[int], None],
-        on_commit: Callable[[StepRecord], None],
-        bookkeep: Callable[[StepRecord], None],
-        after_bookkeeping: Callable[[StepRecord], Awaitable[None]] | None = None,
+        packing: PackingSpec,
+        hooks: StepHooks,
     ) -> None:
         self._start_step = start_step
         self._steps = steps
@@ -128,13 +147,11 @@ class TrainLoop:
         self._tracer = tracer
         self._ledger = ledger
         self._overlap = overlap
-        self._row_tokens = row_tokens
-        self._rows_per_mb = rows_per_microbatch
-        self._share_prompt = share_prompt
-        self._on_step_begin = on_step_begin
-        self._on_commit = on_commit  # fills the record's cheap commit-time fields (sync times, lag)
-        self._bookkeep = bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
-        self._after = after_bookkeeping  # e.g. a checkpoint, which must not precede the step's logs
+        self._packing = packing
+        self._on_step_begin = hooks.on_step_begin
+        self._on_commit = hooks.on_commit  # fills the record's cheap commit-time fields (sync times, lag)
+        self._bookkeep = hooks.bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
+        self._after = hooks.after_bookkeeping  # e.g. a checkpoint, which must not precede the step's logs
         # the last committed step's record (metrics.jsonl has every step's figures)
         self.records: deque[StepRecord] = deque(maxlen=1)
 
@@ -147,13 +164,16 @@ class TrainLoop:
         self._tracer.complete("orchestrator", "pack", start, end, step=step, microbatch=index)
         return mb, end - start
 
-    def _start_pack(self, step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> asyncio.Task[tuple[MicroBatch, float]]:
+    def _start_pack(
+        self, step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan
+    ) -> asyncio.Task[tuple[MicroBatch, float]]:
         return self._tg.create_task(self._pack(step, index, trajectories, pack_plan), name=f"pack:{step}:{index}")
 
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
         ready_at = self._tracer.now()
         trajectories = [t for g in groups for t in g.trajectories]
-        pack_plan = plan(trajectories, self._row_tokens, self._rows_per_mb, self._share_prompt)
+        spec = self._packing
+        pack_plan = plan(trajectories, spec.row_tokens, spec.rows_per_microbatch, spec.share_prompt)
         first = self._start_pack(step, 0, trajectories, pack_plan)
         return _Prepared(step, groups, trajectories, pack_plan, first, waited, ready_at)
 
@@ -228,7 +248,7 @@ class TrainLoop:
                 elif self._overlap and step + 1 < self._steps:  # rule 9: N+1 as soon as its groups are there
                     pending = self._tg.create_task(self._take_and_prepare(step + 1), name=f"prepare:{step + 1}")
                 start = tracer.now()
-                train = self._tg.create_task(self._trainer.train_step(mb), name=f"train_step:{step}:{index}")
+                train = self._tg.create_task(self._trainer.train_step(mb.train_batch()), name=f"train_step:{step}:{index}")
                 if index == 0:
                     if last_commit is not None:
                         record.boundary_gap_sec = start - last_commit
@@ -238,8 +258,15 @@ class TrainLoop:
                 await train
                 end = tracer.now()
                 tracer.complete(
-                    "trainer", "train_step", start, end,
-                    step=step, microbatch=index, final=mb.final, tokens=mb.num_tokens, min_version=mb.min_version,
+                    "trainer",
+                    "train_step",
+                    start,
+                    end,
+                    step=step,
+                    microbatch=index,
+                    final=mb.final,
+                    tokens=mb.num_tokens,
+                    min_version=mb.min_version,
                 )
                 record.train_time += end - start
                 record.padding.append(mb.padding)

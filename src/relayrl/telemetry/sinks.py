@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from relayrl.config import ConfigError
-from relayrl.telemetry.logs import JsonlWriter
+from relayrl.config import OPTIONAL_SINKS, SINK_EXTRAS, ConfigError
+from relayrl.jsonl import JsonlWriter
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -35,10 +35,6 @@ MetricValue = float | int | None
 Metrics = Mapping[str, MetricValue]
 Reporter = Callable[[str], None]
 
-#: Sinks `build_sinks` accepts besides the always-on "jsonl".
-OPTIONAL_SINKS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
-#: pip extra that provides each optional sink.
-SINK_EXTRAS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 DEFAULT_PROJECT = "relayrl"
 
 
@@ -265,7 +261,9 @@ class GuardedSink:
     def _fail(self, stage: str, exc: BaseException) -> None:
         sink, self._sink = self._sink, None
         self.error = f"{type(exc).__name__}: {exc}"
-        self._report(f"metric sink {self.name!r} disabled after an error in {stage}: {self.error}; the run goes on (metrics.jsonl is unaffected)")
+        self._report(
+            f"metric sink {self.name!r} disabled after an error in {stage}: {self.error}; the run goes on (metrics.jsonl is unaffected)"
+        )
         if sink is not None and stage != "close":
             try:
                 sink.close()

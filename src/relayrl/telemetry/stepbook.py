@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
+from relayrl.backends.protocols import HostWork
 from relayrl.callbacks import Callback
-from relayrl.telemetry.sinks import SinkSet
-from relayrl.telemetry.trajlog import ParquetTrajectoryLog
 from relayrl.telemetry.memory import freeze_long_lived, release_memory
 from relayrl.telemetry.metrics import reduce_step
+from relayrl.telemetry.sinks import SinkSet
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import burn_cpu
+from relayrl.telemetry.trajlog import ParquetTrajectoryLog
 from relayrl.types import StepRecord, StepResult
 
 
@@ -109,7 +109,7 @@ class StepBookkeeper:
         tracer: Tracer,
         run_dir: Path | None,
         callbacks: Sequence[Callback],
-        host_costs: dict[str, float],
+        host_work: HostWork | None,
         abort: threading.Event,
         log_trajectories: bool,
         release: bool,
@@ -118,7 +118,7 @@ class StepBookkeeper:
     ) -> None:
         self._tracer = tracer
         self._callbacks = list(callbacks)
-        self._costs = host_costs
+        self._host_work = host_work
         self._abort = abort
         self._release = release
         self._trim = trim
@@ -128,7 +128,8 @@ class StepBookkeeper:
 
     def _part(self, name: str, step: int, fn: Callable[[], None]) -> None:
         with self._tracer.span("bookkeeping", name, step=step, thread=threading.current_thread().name):
-            burn_cpu(self._costs.get(name, 0.0), self._abort)
+            if self._host_work is not None:
+                self._host_work.spend(name, self._abort)
             fn()
 
     def __call__(self, record: StepRecord) -> None:

@@ -5,10 +5,11 @@ Invariant: a step's file appears whole or not at all — it is written to a hidd
 (`.step=000123.parquet.tmp`), fsynced and atomically renamed — so a crash loses at most the step
 being written, and every `step=*.parquet` file is complete and readable. The directory is a
 Parquet dataset: `pd.read_parquet(dir)` and `pl.read_parquet(dir / "*.parquet")` read it
-(both skip the hidden temporaries), as does `read_trajectories(run_dir)`. Row semantics match
-`relayrl.telemetry.logs.trajectory_rows`: the step's trajectories with their own status, then
-each filtered group's trajectories with status "filtered:<reason>". Rewriting a step (a resumed
-run re-booking it) replaces that step's file.
+(both skip the hidden temporaries), as does `read_trajectories(run_dir)`. Rows, in the order
+`trajectory_table` builds them: the step's trajectories with their own status, then each filtered
+group's trajectories with status "filtered:<reason>" (tests/test_trajlog.py checks them against a
+plain-Python model of these rows). Rewriting a step (a resumed run re-booking it) replaces that
+step's file.
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ def _require_pyarrow() -> None:
         import pyarrow.parquet  # noqa: F401
     except ImportError as exc:
         raise ImportError(
-            "the Parquet trajectory log needs pyarrow, which is not installed; "
-            "install it with: pip install 'relayrl[parquet]'"
+            "the Parquet trajectory log needs pyarrow, which is not installed; install it with: pip install 'relayrl[parquet]'"
         ) from exc
 
 
 def trajectory_schema() -> pa.Schema:
-    """Column names and types of the trajectory log (see `logs.trajectory_rows` for meanings)."""
+    """Column names and types of the trajectory log (`trajectory_table` fills them)."""
     _require_pyarrow()
     import pyarrow as pa
 
