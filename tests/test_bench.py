@@ -16,8 +16,18 @@ def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeep
     inline, over = figures["inline"], figures["overlapped"]
     assert isinstance(inline, dict) and isinstance(over, dict)
     # inline pays fetch + reduction + logging + callbacks + release + packing at every boundary
-    inline_floor = scale * sum(BOUNDARY_PROFILE[f"sim.{k}"] for k in (
-        "get_metrics", "reduce_metrics", "log_metrics", "log_trajectories", "on_step_end", "release_memory", "pack_per_microbatch"))
+    inline_floor = scale * sum(
+        BOUNDARY_PROFILE[f"sim.{k}"]
+        for k in (
+            "get_metrics",
+            "reduce_metrics",
+            "log_metrics",
+            "log_trajectories",
+            "on_step_end",
+            "release_memory",
+            "pack_per_microbatch",
+        )
+    )
     assert inline["gap_median_s"] >= inline_floor
     assert over["gap_median_s"] < inline["gap_median_s"]
     assert 0 < over["busy_fraction"] <= 1 and over["busy_fraction"] > inline["busy_fraction"]
@@ -25,8 +35,12 @@ def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeep
 
 
 def test_boundary_bench_json_output() -> None:
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert {"inline", "overlapped", "ratio"} <= data.keys()

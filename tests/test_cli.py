@@ -62,3 +62,54 @@ def test_bad_jsonl_row_is_named(tmp_path: Path) -> None:
     (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n')
     res = relayrl("train", "--backend", "sim", "--set", "task.kind=jsonl", "--set", "task.path=data.jsonl", cwd=tmp_path)
     assert res.returncode == 2 and "data.jsonl, row 2: missing field 'answer'" in res.stderr
+
+
+def test_runs_piped_prints_whole_values(trained: Path) -> None:
+    """stdout is a pipe here (capture_output) and the terminal narrow: no value is cut."""
+    from relayrl.telemetry.runlist import RUN_COLUMNS, run_figures, runs_cells
+
+    env = {**ENV, "COLUMNS": "40"}
+    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "runs"], cwd=trained, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "…" not in res.stdout
+    header, row = res.stdout.splitlines()
+    assert header.split() == " ".join(RUN_COLUMNS.values()).split()
+    expected = runs_cells([run_figures(trained / "runs" / "cli-sim")])[1]
+    assert row.split() == expected
+    assert header.index("samples/s") + len("samples/s") == row.index(expected[4]) + len(expected[4])  # right-aligned
+
+
+BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {module!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+sys.argv = ["relayrl", *sys.argv[1:]]
+from relayrl.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "extra"),
+    [
+        ("transformers", [], "local"),  # the default recipe: local backend
+        ("torch", ["--set", "task.kind=synthetic"], "local"),
+        ("wandb", ["--backend", "sim", "--set", 'telemetry.sinks=["wandb"]'], "wandb"),
+        ("tensorboardX", ["--backend", "sim", "--set", 'telemetry.sinks=["tensorboard"]'], "tensorboard"),
+        ("mlflow", ["--backend", "sim", "--set", 'telemetry.sinks=["mlflow"]'], "mlflow"),
+    ],
+)
+def test_missing_extra_exits_2_naming_it(tmp_path: Path, module: str, args: list[str], extra: str) -> None:
+    code = BLOCK.format(module=module)
+    res = subprocess.run([sys.executable, "-c", code, "train", *args], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and repr(module) in lines[0]
+    assert f"pip install 'relayrl[{extra}]'" in lines[0]
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "runs").exists()

@@ -53,9 +53,7 @@ def test_clipping_sides_with_asymmetric_eps() -> None:
     # a ratio inside (1 + 0.1, 1 + 0.3] would have been clipped by a symmetric 0.1 clip
     sym = policy_loss(leaf(old + ratios.log()), old, adv, torch.ones(6), torch.arange(6), LossConfig(0.1, 0.1))
     assert sym.clip_frac_high == pytest.approx(2 / 6)
-    expected = sum(
-        -a * (min(r, 1.3) if a > 0 else max(r, 0.9)) for r, a in zip(ratios.tolist(), adv.tolist())
-    ) / 6
+    expected = sum(-a * (min(r, 1.3) if a > 0 else max(r, 0.9)) for r, a in zip(ratios.tolist(), adv.tolist())) / 6
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
     assert out.ratio_min == pytest.approx(0.8, rel=1e-5) and out.ratio_max == pytest.approx(1.35, rel=1e-5)
 
@@ -89,25 +87,44 @@ def test_accumulation_over_microbatches_equals_one_batch(aggregation: Aggregatio
     whole = {k: torch.cat([a[k], b[k] + (2 if k == "seq" else 0) * (b[k] >= 0)]) for k in a}
     logp_whole = leaf(whole["logp"])
     policy_loss(
-        logp_whole, whole["old"], whole["adv"], whole["mask"], whole["seq"], cfg,
-        ref_logprobs=whole["ref"], sampler_logprobs=whole["sampler"],
+        logp_whole,
+        whole["old"],
+        whole["adv"],
+        whole["mask"],
+        whole["seq"],
+        cfg,
+        ref_logprobs=whole["ref"],
+        sampler_logprobs=whole["sampler"],
     ).loss.backward()
 
     params = leaf(whole["logp"])  # one parameter tensor, sliced into the two micro-batches
     total = 0.0
     for part, rows in ((a, slice(0, 2)), (b, slice(2, 5))):
         out = policy_loss(
-            params[rows], part["old"], part["adv"], part["mask"], part["seq"], cfg,
-            num_tokens_in_step=n_tokens, num_seqs_in_step=n_seqs,
-            ref_logprobs=part["ref"], sampler_logprobs=part["sampler"],
+            params[rows],
+            part["old"],
+            part["adv"],
+            part["mask"],
+            part["seq"],
+            cfg,
+            num_tokens_in_step=n_tokens,
+            num_seqs_in_step=n_seqs,
+            ref_logprobs=part["ref"],
+            sampler_logprobs=part["sampler"],
         )
         out.loss.backward()
         total += out.loss.item()
     assert logp_whole.grad is not None and params.grad is not None
     torch.testing.assert_close(params.grad, logp_whole.grad, atol=1e-7, rtol=1e-5)
     whole_loss = policy_loss(
-        whole["logp"], whole["old"], whole["adv"], whole["mask"], whole["seq"], cfg,
-        ref_logprobs=whole["ref"], sampler_logprobs=whole["sampler"],
+        whole["logp"],
+        whole["old"],
+        whole["adv"],
+        whole["mask"],
+        whole["seq"],
+        cfg,
+        ref_logprobs=whole["ref"],
+        sampler_logprobs=whole["sampler"],
     ).loss.item()
     assert total == pytest.approx(whole_loss, rel=1e-5)
 
@@ -119,8 +136,15 @@ def test_without_step_normaliser_microbatch_means_are_biased() -> None:
     seq = torch.tensor([[0, -1, -1, -1], [0, 0, 0, 0]])
     logp = torch.zeros(2, 4)
     cfg = LossConfig()
-    local = [policy_loss(logp[i : i + 1], logp[i : i + 1], adv[i : i + 1], mask[i : i + 1], seq[i : i + 1], cfg).loss.item() for i in range(2)]
-    step = [policy_loss(logp[i : i + 1], logp[i : i + 1], adv[i : i + 1], mask[i : i + 1], seq[i : i + 1], cfg, num_tokens_in_step=5).loss.item() for i in range(2)]
+    local = [
+        policy_loss(logp[i : i + 1], logp[i : i + 1], adv[i : i + 1], mask[i : i + 1], seq[i : i + 1], cfg).loss.item() for i in range(2)
+    ]
+    step = [
+        policy_loss(
+            logp[i : i + 1], logp[i : i + 1], adv[i : i + 1], mask[i : i + 1], seq[i : i + 1], cfg, num_tokens_in_step=5
+        ).loss.item()
+        for i in range(2)
+    ]
     assert sum(local) / 2 == pytest.approx(-1.5)
     assert sum(step) == pytest.approx(-9 / 5)
 
@@ -209,8 +233,16 @@ def test_masked_positions_cannot_poison_loss_or_gradient() -> None:
     seq = torch.tensor([[0, 0, -1, -1]])
     for agg in AGGREGATIONS:
         logp.grad = None
-        out = policy_loss(logp, old, adv, mask, seq, LossConfig(aggregation=agg, max_completion_tokens=4),
-                          ref_logprobs=old, entropy=torch.tensor([[1.0, 3.0, float("inf"), 0.0]]))
+        out = policy_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            seq,
+            LossConfig(aggregation=agg, max_completion_tokens=4),
+            ref_logprobs=old,
+            entropy=torch.tensor([[1.0, 3.0, float("inf"), 0.0]]),
+        )
         out.loss.backward()
         assert math.isfinite(out.loss.item())
         assert logp.grad is not None and torch.isfinite(logp.grad).all()

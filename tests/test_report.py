@@ -20,7 +20,10 @@ from relayrl.callbacks import Callback
 from relayrl.config import load_config
 from relayrl.run import build_program
 from relayrl.telemetry import timeline
-from relayrl.telemetry.report import PLOTS, SPAN_COLOURS, list_runs, load_run, read_jsonl, read_trajectories, timeline_window, write_report
+from relayrl.telemetry.plots import PLOTS, SPAN_COLOURS, step_time_stack, timeline_window
+from relayrl.telemetry.report import write_report
+from relayrl.telemetry.rundata import load_run, read_jsonl
+from relayrl.telemetry.runlist import list_runs, runs_text
 from relayrl.telemetry.tracer import load_trace
 from relayrl.types import StepResult
 
@@ -289,6 +292,7 @@ def test_trajectories_come_from_the_per_step_parquet_log(finished: Path, tmp_pat
     assert "96 trained trajectories from trajectories/ (6 step files)" in html_path.read_text()
     _assert_pngs(run_dir, ["staleness"], _parse(html_path))
 
+
 def test_list_runs(finished: Path, tmp_path: Path) -> None:
     root = tmp_path / "runs"
     done = _copy(finished, root / "a-done")
@@ -340,3 +344,87 @@ def test_read_jsonl_splits_rows_at_newline_only(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     assert "\u2028" in path.read_text(encoding="utf-8")  # written raw, as a JSON writer may
     assert read_jsonl(path) == (rows, 0)
+
+
+def test_step_time_bars_stack_only_exposed_time() -> None:
+    rows: list[dict[str, object]] = [
+        # packing and weight sync overlap training: stacking them would rise to 1.45 s > 1.0 s
+        {
+            "step": 0,
+            "step_time_sec": 1.0,
+            "train_time": 0.8,
+            "exposed_generation_time": 0.1,
+            "boundary_gap_sec": None,
+            "packing_time": 0.3,
+            "weight_sync_time": 0.25,
+        },
+        # the boundary gap includes the wait for groups: only its rest is stacked
+        {
+            "step": 1,
+            "step_time_sec": 1.0,
+            "train_time": 0.7,
+            "exposed_generation_time": 0.15,
+            "boundary_gap_sec": 0.2,
+            "packing_time": 0.4,
+            "weight_sync_time": 0.3,
+        },
+        # parts that overshoot (timer noise) are clipped to the step
+        {
+            "step": 2,
+            "step_time_sec": 0.5,
+            "train_time": 0.45,
+            "exposed_generation_time": 0.2,
+            "boundary_gap_sec": 0.3,
+            "packing_time": 0.1,
+            "weight_sync_time": 0.1,
+        },
+    ]
+    stack = step_time_stack(rows)
+    assert [key for key, *_ in stack.layers] == ["train_time", "exposed_generation_time", "boundary_gap_sec"]
+    assert [key for key, *_ in stack.overlapped] == ["packing_time", "weight_sync_time"]
+    layers = {key: values for key, _, _, values in stack.layers}
+    assert layers["boundary_gap_sec"] == pytest.approx([0.0, 0.05, 0.0])
+    assert layers["exposed_generation_time"] == pytest.approx([0.1, 0.15, 0.05])
+    assert stack.other is not None
+    for i, total in enumerate([1.0, 1.0, 0.5]):
+        parts = [values[i] for values in layers.values()]
+        assert all(p >= 0 for p in parts)
+        assert sum(parts) <= total + 1e-12
+        assert sum(parts) + stack.other[i] == pytest.approx(total)  # the full bar is the step time
+
+
+def test_step_time_plot_draws_bars_no_higher_than_the_step(finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    from relayrl.telemetry.plots import plot_step_time
+
+    data = load_run(finished, trace=False, trajectories=False)
+    assert data.metrics and all("packing_time" in r for r in data.metrics)
+    tops: dict[float, float] = {}
+    real_bar = Axes.bar
+
+    def bar(self: Axes, x, height, width=0.8, bottom=None, **kwargs):  # type: ignore[no-untyped-def]
+        for i, xi in enumerate(x):
+            tops[xi] = max(tops.get(xi, 0.0), (bottom[i] if bottom is not None else 0.0) + height[i])
+        return real_bar(self, x, height, width, bottom=bottom, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", bar)
+    plot_step_time(data, tmp_path / "step_time.png")
+    assert (tmp_path / "step_time.png").stat().st_size > 0
+    totals = {float(r["step"]): float(r["step_time_sec"]) for r in data.metrics}  # type: ignore[arg-type]
+    assert set(tops) == set(totals)
+    for step, top in tops.items():
+        assert top <= totals[step] * (1 + 1e-9), (step, top, totals[step])
+
+
+def test_runs_text_keeps_whole_values() -> None:
+    runs: list[dict[str, object]] = [
+        {"name": "a-very-long-run-name-indeed", "status": "completed", "steps": 12, "samples_per_s": 1234.5678},
+        {"name": "b", "status": "running", "steps": None},
+    ]
+    text = runs_text(runs)
+    lines = text.splitlines()
+    assert lines[0].split() == ["run", "status", "steps", "wall", "s", "samples/s", "busy", "acc", "before", "acc", "after", "reward"]
+    assert lines[1].startswith("a-very-long-run-name-indeed  completed")
+    assert "1235" in lines[1] and "…" not in text
+    assert lines[2].index("running") == lines[1].index("completed")  # aligned columns

@@ -24,20 +24,32 @@ from relayrl.telemetry.report import list_runs
 
 QUICK = ["--backend", "sim", "--set", "run.steps=3", "--set", "rollout.groups_per_step=2", "--set", "rollout.num_generations=2"]
 # a sim run that keeps going long enough to be interfered with (a checkpoint every 2 steps)
-LONG = ["--backend", "sim", "--set", "run.steps=400", "--set", "sim.train_step=0.02", "--set", "rollout.groups_per_step=2",
-        "--set", "rollout.num_generations=2", "--set", "orchestrator.checkpoint_every=2"]
+LONG = [
+    "--backend",
+    "sim",
+    "--set",
+    "run.steps=400",
+    "--set",
+    "sim.train_step=0.02",
+    "--set",
+    "rollout.groups_per_step=2",
+    "--set",
+    "rollout.num_generations=2",
+    "--set",
+    "orchestrator.checkpoint_every=2",
+]
 
 
 def relayrl(*args: str, cwd: Path, **kw: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=env,
-                          timeout=300, **kw)  # type: ignore[call-overload]
+    return subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300, **kw)  # type: ignore[call-overload]
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def wait_for(predicate: object, timeout: float = 60.0) -> None:
@@ -88,10 +100,13 @@ def test_a_fresh_run_replaces_its_own_directory_only(tmp_path: Path) -> None:
     assert not (run_dir / "stale.txt").exists() and (run_dir / "summary.json").exists()
 
 
-@pytest.mark.parametrize(("sets", "message"), [
-    (["run.name=afile"], "is a file, not a directory"),
-    (["run.output_dir=afile"], "Not a directory"),
-])
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["run.name=afile"], "is a file, not a directory"),
+        (["run.output_dir=afile"], "Not a directory"),
+    ],
+)
 def test_a_run_directory_in_the_way_of_a_file_is_one_line(tmp_path: Path, sets: list[str], message: str) -> None:
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "afile").write_text("x")
@@ -136,8 +151,17 @@ def test_the_lock_is_exclusive_within_one_process_too(tmp_path: Path) -> None:
 
 
 def _killed_run(tmp_path: Path, name: str, steps: int = 10) -> Path:
-    res = relayrl("train", *QUICK, "--set", f"run.steps={steps}", "--set", "orchestrator.checkpoint_every=4",
-                  "--set", f"run.name={name}", cwd=tmp_path)
+    res = relayrl(
+        "train",
+        *QUICK,
+        "--set",
+        f"run.steps={steps}",
+        "--set",
+        "orchestrator.checkpoint_every=4",
+        "--set",
+        f"run.name={name}",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     return tmp_path / "runs" / name
 
@@ -152,12 +176,21 @@ def test_resume_refuses_a_change_it_cannot_apply_and_records_one_it_can(tmp_path
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (run_dir / "config_changes.jsonl").read_text().splitlines()]
     assert rows == [{"from_step": 10, "key": "run.steps", "old": 10, "new": 12}]
-    assert 'steps = 12' in (run_dir / "config.toml").read_text()
+    assert "steps = 12" in (run_dir / "config.toml").read_text()
 
 
 def test_a_template_with_a_newline_round_trips_through_config_toml(tmp_path: Path) -> None:
-    res = relayrl("train", *QUICK, "--set", "orchestrator.checkpoint_every=2", "--set", 'task.prompt_template="Q:\\n{text}\\tA:"',
-                  "--set", "run.name=nl", cwd=tmp_path)
+    res = relayrl(
+        "train",
+        *QUICK,
+        "--set",
+        "orchestrator.checkpoint_every=2",
+        "--set",
+        'task.prompt_template="Q:\\n{text}\\tA:"',
+        "--set",
+        "run.name=nl",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     cfg = load_config(tmp_path / "runs" / "nl" / "config.toml")
     assert cfg.task.prompt_template == "Q:\n{text}\tA:"
@@ -202,8 +235,22 @@ def test_a_file_size_limit_ends_the_run_with_one_line_naming_the_file_and_the_ch
 def test_sigterm_is_answered_while_the_event_loop_is_blocked(tmp_path: Path) -> None:
     """Inline bookkeeping burning 60 s of CPU on the event loop: the old handler (a loop callback)
     waited for it; the signal handler now schedules the cancellation and exits after the grace."""
-    proc = start("train", "--backend", "sim", "--set", "run.steps=3", "--set", "orchestrator.overlap_bookkeeping=false",
-                 "--set", "sim.release_memory=60", "--set", "orchestrator.stop_grace_s=1", "--set", "run.name=blocked", cwd=tmp_path)
+    proc = start(
+        "train",
+        "--backend",
+        "sim",
+        "--set",
+        "run.steps=3",
+        "--set",
+        "orchestrator.overlap_bookkeeping=false",
+        "--set",
+        "sim.release_memory=60",
+        "--set",
+        "orchestrator.stop_grace_s=1",
+        "--set",
+        "run.name=blocked",
+        cwd=tmp_path,
+    )
     assert proc.stdout is not None
     assert "steps on the sim backend" in proc.stdout.readline()
     time.sleep(1.0)  # into the first step's inline bookkeeping
@@ -218,8 +265,22 @@ def test_sigterm_is_answered_while_the_event_loop_is_blocked(tmp_path: Path) -> 
 
 
 def test_a_second_sigint_exits_at_once(tmp_path: Path) -> None:
-    proc = start("train", "--backend", "sim", "--set", "run.steps=3", "--set", "orchestrator.overlap_bookkeeping=false",
-                 "--set", "sim.release_memory=60", "--set", "orchestrator.stop_grace_s=120", "--set", "run.name=twice", cwd=tmp_path)
+    proc = start(
+        "train",
+        "--backend",
+        "sim",
+        "--set",
+        "run.steps=3",
+        "--set",
+        "orchestrator.overlap_bookkeeping=false",
+        "--set",
+        "sim.release_memory=60",
+        "--set",
+        "orchestrator.stop_grace_s=120",
+        "--set",
+        "run.name=twice",
+        cwd=tmp_path,
+    )
     assert proc.stdout is not None
     proc.stdout.readline()
     time.sleep(1.0)
@@ -237,8 +298,9 @@ def test_a_second_sigint_exits_at_once(tmp_path: Path) -> None:
 def test_a_signal_before_the_run_starts_exits_without_a_traceback(tmp_path: Path, after_s: float) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     # the default recipe through the `relayrl` entry point: imports typer, torch, transformers, loads the model
-    proc = subprocess.Popen([sys.executable, "-m", "relayrl", "train"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relayrl", "train"], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -48,9 +48,7 @@ def test_arithmetic_stream_is_deterministic_and_resumable() -> None:
     seed=st.integers(0, 10_000),
 )
 def test_arithmetic_answers_are_exact(max_digits: int, operators: list[str], allow_negative: bool, seed: int) -> None:
-    task = ArithmeticTask(
-        ArithmeticConfig(max_digits=max_digits, operators=tuple(operators), allow_negative=allow_negative, seed=seed)
-    )
+    task = ArithmeticTask(ArithmeticConfig(max_digits=max_digits, operators=tuple(operators), allow_negative=allow_negative, seed=seed))
     for p in itertools.islice(task.stream(), 60):
         a, op, b, value = _solve(p.text)
         assert p.answer == str(value)
@@ -156,7 +154,12 @@ BAD_FILES: list[tuple[str, list[str] | None, int | None, str]] = [
     ("answer_null", [*_rows(3), "", '{"prompt": "t?", "answer": null}'], 5, "'answer' must be a string or a number"),
     ("not_object", [*_rows(1), "[1, 2]"], 2, "expected a JSON object"),
     ("bad_id", ['{"prompt": "a", "answer": "b", "id": [1]}'], 1, "'id' must be a string or an integer"),
-    ("duplicate_id", ['{"prompt": "a", "answer": "b", "id": "x"}', '{"prompt": "c", "answer": "d", "id": "x"}'], 2, "duplicate id 'x' (first used in row 1)"),
+    (
+        "duplicate_id",
+        ['{"prompt": "a", "answer": "b", "id": "x"}', '{"prompt": "c", "answer": "d", "id": "x"}'],
+        2,
+        "duplicate id 'x' (first used in row 1)",
+    ),
     ("empty_file", [], None, "no prompts"),
     ("blank_lines_only", ["", "   "], None, "no prompts"),
     ("missing_file", None, None, "cannot read"),
@@ -164,9 +167,7 @@ BAD_FILES: list[tuple[str, list[str] | None, int | None, str]] = [
 
 
 @pytest.mark.parametrize(("name", "lines", "row", "fragment"), BAD_FILES, ids=[b[0] for b in BAD_FILES])
-def test_jsonl_errors_name_file_row_and_problem(
-    tmp_path: Path, name: str, lines: list[str] | None, row: int | None, fragment: str
-) -> None:
+def test_jsonl_errors_name_file_row_and_problem(tmp_path: Path, name: str, lines: list[str] | None, row: int | None, fragment: str) -> None:
     path = tmp_path / f"{name}.jsonl" if lines is None else _write(tmp_path, lines, f"{name}.jsonl")
     with pytest.raises(TaskDataError) as info:
         JsonlTask(JsonlTaskConfig(path=path))
@@ -268,7 +269,11 @@ ODD_FILES: list[tuple[str, bytes, str]] = [
     ("null_row", b"null\n", r"row 1: expected a JSON object, got NoneType"),
     ("form_feed_row", b'{"prompt": "a", "answer": "b"}\n\x0c\n', r"row 2: invalid JSON"),
     ("huge_integer", b'{"prompt": "a", "answer": ' + b"9" * 5000 + b"}\n", r"row 1: invalid JSON \(Exceeds the limit"),
-    ("deep_nesting", b'{"prompt": "a", "answer": "b", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", r"row 1: invalid JSON \(nested too deeply\)"),
+    (
+        "deep_nesting",
+        b'{"prompt": "a", "answer": "b", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+        r"row 1: invalid JSON \(nested too deeply\)",
+    ),
     ("lone_surrogate", b'{"prompt": "a\\ud800", "answer": "b"}\n', r"row 1: field 'prompt' holds an unpaired surrogate"),
     ("surrogate_id", b'{"prompt": "a", "answer": "b", "id": "\\udfff"}\n', r"row 1: field 'id' holds an unpaired surrogate"),
 ]

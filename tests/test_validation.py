@@ -35,11 +35,15 @@ from relayrl.telemetry.tracer import TraceError, load_trace
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 # RELAYRL_PROPERTY_EXAMPLES=5000 for a longer hunt
-PROPERTY = settings(max_examples=int(os.environ.get("RELAYRL_PROPERTY_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=int(os.environ.get("RELAYRL_PROPERTY_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def relayrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300, check=False
+    )
 
 
 def assert_one_error(res: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -86,14 +90,18 @@ def test_set_keys_may_be_quoted() -> None:
         load_config(None, ['rollout."num gens"=1'])
 
 
-@pytest.mark.parametrize("item", ["x.y=[1,", 'run.name="abc', "run.name='abc", 'task.reward_functions=["a",', "run.name={a=1", "run.name=[1] 2"])
+@pytest.mark.parametrize(
+    "item", ["x.y=[1,", 'run.name="abc', "run.name='abc", 'task.reward_functions=["a",', "run.name={a=1", "run.name=[1] 2"]
+)
 def test_a_value_that_looks_like_toml_must_be_toml(item: str) -> None:
     with pytest.raises(ConfigError, match=rf"^--set {re.escape(repr(item))}: invalid TOML value: "):
         load_config(None, [item])
 
 
 def test_bare_strings_and_toml_values() -> None:
-    cfg = load_config(None, ["run.name=my-run 2", "rollout.temperature=0.5", 'task.reward_functions=["numeric_match"]', "run.steps = 3 # three"])
+    cfg = load_config(
+        None, ["run.name=my-run 2", "rollout.temperature=0.5", 'task.reward_functions=["numeric_match"]', "run.steps = 3 # three"]
+    )
     assert (cfg.run.name, cfg.rollout.temperature, cfg.task.reward_functions, cfg.run.steps) == ("my-run 2", 0.5, ["numeric_match"], 3)
 
 
@@ -134,7 +142,7 @@ def test_errors_under_a_set_are_blamed_on_the_set_not_the_recipe(tmp_path: Path)
 
 def test_unreadable_recipes_are_config_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_bytes(b"[run]\nname = \"caf\xe9\"\n")
+    bad.write_bytes(b'[run]\nname = "caf\xe9"\n')
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: not UTF-8 text"):
         load_config(bad)
     bad.write_text("[run]\nsteps = " + "9" * 5000 + "\n")
@@ -204,7 +212,7 @@ def test_an_accepted_prompt_template_always_formats(template: str) -> None:
         return
     out = cfg.task.prompt_template.format(text="<T>")
     assert "<T>" in out
-    assert load_config(None, ["task.prompt_template=\"Q: {text} {{json}}\""]).task.prompt_template.format(text="x") == "Q: x {json}"
+    assert load_config(None, ['task.prompt_template="Q: {text} {{json}}"']).task.prompt_template.format(text="x") == "Q: x {json}"
 
 
 # -- property: random --set items and recipe files give a Config or one ConfigError (item 7) ---------
@@ -214,13 +222,15 @@ _TOML_VALUES = st.one_of(
     st.floats().map(lambda f: "nan" if math.isnan(f) else ("inf" if f == math.inf else ("-inf" if f == -math.inf else repr(f)))),
     st.booleans().map(lambda b: "true" if b else "false"),
     st.text(max_size=10).map(json.dumps),
-    st.sampled_from(["[]", "[1, 2]", '["exact_match"]', "{}", "{a = 1}", "1979-05-27", "07:32:00", "[1,", "{", "'", '"', "'a'", "0x1f", "1e999", "-0.0"]),
+    st.sampled_from(
+        ["[]", "[1, 2]", '["exact_match"]', "{}", "{a = 1}", "1979-05-27", "07:32:00", "[1,", "{", "'", '"', "'a'", "0x1f", "1e999", "-0.0"]
+    ),
     st.text(max_size=12),  # a bare string, or something that is neither
 )
 _KEY_TEXT = st.one_of(
     st.sampled_from(KEYS),
     st.sampled_from(KEYS).map(lambda k: ".".join(f'"{p}"' for p in k.split("."))),
-    st.text(alphabet='abcdefgruntsk._-"\' =[]{}#\n', max_size=15),
+    st.text(alphabet="abcdefgruntsk._-\"' =[]{}#\n", max_size=15),
 )
 
 
@@ -230,12 +240,17 @@ def _weighted(*choices: tuple[int, st.SearchStrategy[object]]) -> st.SearchStrat
     return st.integers(0, len(table) - 1).flatmap(lambda i: table[i])
 
 
-DEFAULTS = [f"{section}.{key}={json.dumps(value)}" for section, values in Config().model_dump().items() for key, value in values.items() if value is not None]
+DEFAULTS = [
+    f"{section}.{key}={json.dumps(value)}"
+    for section, values in Config().model_dump().items()
+    for key, value in values.items()
+    if value is not None
+]
 _SET_ITEMS = _weighted(
     (6, st.sampled_from(DEFAULTS)),  # valid items (JSON scalars and lists are TOML too)
     (12, st.builds(lambda k, v: f"{k}={v}", _KEY_TEXT, _TOML_VALUES)),
     (1, st.text(max_size=25)),
-    (1, st.text(alphabet='ab.="\'[]{}, \n\\#', max_size=20)),
+    (1, st.text(alphabet="ab.=\"'[]{}, \n\\#", max_size=20)),
 )
 
 
@@ -264,7 +279,9 @@ _RECIPE_LINES = st.one_of(
 )
 
 
-@given(st.one_of(st.lists(_RECIPE_LINES, max_size=8).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass")), st.binary(max_size=60)))
+@given(
+    st.one_of(st.lists(_RECIPE_LINES, max_size=8).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass")), st.binary(max_size=60))
+)
 @PROPERTY
 def test_random_recipe_files_give_a_config_or_one_config_error(content: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -286,7 +303,10 @@ _JSON = st.recursive(
     max_leaves=6,
 )
 _ROW_OBJECTS = st.fixed_dictionaries(
-    {"prompt": st.one_of(st.text(min_size=1, max_size=12), _JSON), "answer": st.one_of(st.text(max_size=5), st.integers(), st.floats(), _JSON)},
+    {
+        "prompt": st.one_of(st.text(min_size=1, max_size=12), _JSON),
+        "answer": st.one_of(st.text(max_size=5), st.integers(), st.floats(), _JSON),
+    },
     optional={"id": st.one_of(st.text(max_size=4), st.integers(-3, 3), _JSON)},
 )
 _ROWS = st.one_of(
@@ -301,7 +321,12 @@ def _jsonl_bytes(rows: list[str], crlf: bool, tail: bytes) -> bytes:
     return ("\r\n" if crlf else "\n").join(rows).encode("utf-8") + tail
 
 
-@given(st.one_of(st.builds(_jsonl_bytes, st.lists(_ROWS, max_size=6), st.booleans(), st.sampled_from([b"", b"\n", b"\xff", b"\xe2\x80"])), st.binary(max_size=40)))
+@given(
+    st.one_of(
+        st.builds(_jsonl_bytes, st.lists(_ROWS, max_size=6), st.booleans(), st.sampled_from([b"", b"\n", b"\xff", b"\xe2\x80"])),
+        st.binary(max_size=40),
+    )
+)
 @PROPERTY
 def test_random_jsonl_files_give_prompts_or_one_task_data_error(content: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -331,7 +356,6 @@ def test_jsonl_rows_read_back_exactly_whatever_characters_they_hold(rows: list[t
 # -- property: random traces are read or rejected, and what is read never trips the checker or report -
 
 
-
 def _mostly(good: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
     """`good` nineteen times in twenty, any JSON value otherwise."""
     return _weighted((19, good), (1, _JSON))
@@ -344,14 +368,37 @@ def _events(garbage: bool) -> st.SearchStrategy[list[object]]:
     args = st.fixed_dictionaries(
         {},
         optional={
-            "step": g(st.integers(-2, 5)), "microbatch": g(st.integers(0, 2)), "min_version": g(st.integers(-1, 5)),
-            "version": _JSON, "thread": g(st.sampled_from(["MainThread", "relayrl-book"])), "status": g(st.just("completed")),
-            "max_staleness": g(st.integers(0, 3)), "first_step": g(st.integers(0, 3)), "overlap_bookkeeping": _JSON, "loop_thread": _JSON,
+            "step": g(st.integers(-2, 5)),
+            "microbatch": g(st.integers(0, 2)),
+            "min_version": g(st.integers(-1, 5)),
+            "version": _JSON,
+            "thread": g(st.sampled_from(["MainThread", "relayrl-book"])),
+            "status": g(st.just("completed")),
+            "max_staleness": g(st.integers(0, 3)),
+            "first_step": g(st.integers(0, 3)),
+            "overlap_bookkeeping": _JSON,
+            "loop_thread": _JSON,
         },
     )
-    names = ["train_step", "optim_step", "get_metrics", "log_metrics", "on_step_end", "reduce_metrics", "weight_sync", "relayrl_run", "run_end", "checkpoint", "wait_data"]
+    names = [
+        "train_step",
+        "optim_step",
+        "get_metrics",
+        "log_metrics",
+        "on_step_end",
+        "reduce_metrics",
+        "weight_sync",
+        "relayrl_run",
+        "run_end",
+        "checkpoint",
+        "wait_data",
+    ]
     event = st.fixed_dictionaries(
-        {"ph": g(st.sampled_from(["X", "X", "X", "M", "i", "B"])), "name": g(st.sampled_from(names)), "ts": g(st.one_of(st.floats(0, 1e7), st.integers(0, 10**7)))},
+        {
+            "ph": g(st.sampled_from(["X", "X", "X", "M", "i", "B"])),
+            "name": g(st.sampled_from(names)),
+            "ts": g(st.one_of(st.floats(0, 1e7), st.integers(0, 10**7))),
+        },
         optional={
             "dur": g(st.one_of(st.floats(0, 1e6), st.integers(0 if not garbage else -1, 10**6))),
             "cat": g(st.sampled_from(["trainer", "bookkeeping", "orchestrator", "trainer.fetch"])),
@@ -438,7 +485,9 @@ def test_cli_item1_a_trace_cut_mid_event_is_read_by_check_trace_and_report(sim_r
     ids=["not-objects", "ts-text", "random-bytes", "empty"],
 )
 @pytest.mark.parametrize("command", ["check-trace", "report"])
-def test_cli_item1_garbage_traces_are_rejected_by_check_trace_and_report(tmp_path: Path, command: str, content: bytes, fragment: str) -> None:
+def test_cli_item1_garbage_traces_are_rejected_by_check_trace_and_report(
+    tmp_path: Path, command: str, content: bytes, fragment: str
+) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "trace.json").write_bytes(content)
@@ -471,7 +520,18 @@ def test_cli_item3_bad_prompt_templates(tmp_path: Path, value: str, fragment: st
     assert not (tmp_path / "runs").exists()
 
 
-JSONL = ["--backend", "sim", "--set", "task.kind=jsonl", "--set", "task.path=data.jsonl", "--set", "run.steps=2", "--set", "eval.enabled=false"]
+JSONL = [
+    "--backend",
+    "sim",
+    "--set",
+    "task.kind=jsonl",
+    "--set",
+    "task.path=data.jsonl",
+    "--set",
+    "run.steps=2",
+    "--set",
+    "eval.enabled=false",
+]
 
 
 def test_cli_item4_a_jsonl_row_with_a_line_separator_trains(tmp_path: Path) -> None:

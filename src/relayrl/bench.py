@@ -17,6 +17,7 @@ from pathlib import Path
 from relayrl.callbacks import Callback
 from relayrl.config import Config, ConfigError, load_config
 from relayrl.program import RunResult
+from relayrl.recipes import default_recipe
 from relayrl.run import build_program
 from relayrl.telemetry import timeline
 from relayrl.telemetry.tracer import load_trace
@@ -143,7 +144,6 @@ E2E_CONFIGS: dict[str, list[str]] = {
 def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None = None, repeats: int = 1) -> dict[str, dict[str, float]]:
     """The default recipe, shortened, in configurations A, B and C (see E2E_CONFIGS), run
     `repeats` times round-robin (A B C A B C ...); each figure is the median over the repeats."""
-    from relayrl.cli import default_recipe
 
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in E2E_CONFIGS}
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
@@ -152,14 +152,16 @@ def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None 
                 cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
                 result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
                 all_spans = timeline.spans(result.tracer.events)  # read back from trace.json
-                runs[label].append({
-                    "samples_per_s": _summary_float(result, "samples_per_s"),
-                    "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
-                    "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
-                    "gap_median_s": _summary_float(result, "boundary_gap_median_s"),
-                    "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
-                    "wall_s": _summary_float(result, "wall_time_s"),
-                })
+                runs[label].append(
+                    {
+                        "samples_per_s": _summary_float(result, "samples_per_s"),
+                        "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
+                        "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
+                        "gap_median_s": _summary_float(result, "boundary_gap_median_s"),
+                        "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
+                        "wall_s": _summary_float(result, "wall_time_s"),
+                    }
+                )
     return {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}
 
 
@@ -241,7 +243,9 @@ def _window_ratio(values: dict[int, float], warmup: int, total: int) -> tuple[fl
 
 def soak_config(steps: int, time_scale: float = SOAK_TIME_SCALE, extra: list[str] | None = None) -> Config:
     return boundary_config(
-        True, steps, time_scale,
+        True,
+        steps,
+        time_scale,
         ["run.name=bench-soak", "orchestrator.release_memory=true", "orchestrator.checkpoint_every=0", *(extra or [])],
     )
 

@@ -13,15 +13,15 @@ import errno
 import json
 import os
 import sys
-from importlib import resources
-from pathlib import Path
 from collections.abc import Callable
-from typing import Annotated, NoReturn, Optional, TypeVar
+from pathlib import Path
+from typing import Annotated, NoReturn, TypeVar, cast
 
 import typer
 from rich.console import Console
 
 from relayrl.config import Config, ConfigError, load_config
+from relayrl.recipes import default_recipe
 from relayrl.signals import exit_on_signals
 
 T = TypeVar("T")
@@ -38,29 +38,21 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def default_recipe() -> Path:
-    return Path(str(resources.files("relayrl") / "recipes" / "default.toml"))
-
-
 @app.command()
 def train(
-    config: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: the shipped default recipe).")] = None,
-    set_: Annotated[list[str], typer.Option("--set", help="Override a key: section.key=value (repeatable).")] = [],
-    backend: Annotated[Optional[str], typer.Option("--backend", help="sim | local")] = None,
+    config: Annotated[Path | None, typer.Argument(help="Recipe TOML (default: the shipped default recipe).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: section.key=value (repeatable).")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="sim | local")] = None,
     resume: Annotated[
-        Optional[Path], typer.Option("--resume", help="Continue RUN_DIR from its newest checkpoint (with its config.toml and any --set).")
+        Path | None, typer.Option("--resume", help="Continue RUN_DIR from its newest checkpoint (with its config.toml and any --set).")
     ] = None,
 ) -> None:
     """Run a training recipe and write its run directory, or resume one (--resume RUN_DIR)."""
     import asyncio
 
-    from relayrl.checkpoint import CheckpointError
-    from relayrl.packing import PackingError
-    from relayrl.run import build_program, run_dir_for
-    from relayrl.signals import Stopped, run_until_stopped
-    from relayrl.telemetry.progress import ProgressPrinter
+    from relayrl.extras import check_extras
 
-    overrides = list(set_)
+    overrides = list(set_ or [])
     if backend is not None:
         overrides.append(f"run.backend={backend}")
     try:  # everything a user can get wrong is checked here, before the run starts
@@ -68,10 +60,20 @@ def train(
             if config is not None:
                 _fail("give either a recipe or --resume RUN_DIR (a resumed run uses RUN_DIR/config.toml)")
             cfg = load_config(resume / "config.toml", overrides)
-            run_dir = resume
         else:
             cfg = load_config(config or default_recipe(), overrides)
-            run_dir = run_dir_for(cfg)
+        check_extras(cfg)  # a missing optional package: one line naming its extra, before any import of it
+    except (ValueError, OSError) as exc:
+        _fail(_one_line(exc))
+
+    from relayrl.checkpoint import CheckpointError
+    from relayrl.packing import PackingError
+    from relayrl.run import build_program, run_dir_for
+    from relayrl.signals import Stopped, run_until_stopped
+    from relayrl.telemetry.progress import ProgressPrinter
+
+    try:
+        run_dir = resume if resume is not None else run_dir_for(cfg)
         progress = ProgressPrinter(cfg.run.steps, out)
         program = build_program(cfg, [progress], run_dir, resume=resume is not None)
     except (ValueError, OSError) as exc:  # config, task data, reward names, model path, run directory
@@ -156,20 +158,22 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory (finished
 
 @app.command()
 def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directories.")] = Path("runs")) -> None:
-    """List run directories with their key figures."""
-    from rich.table import Table
-
-    from relayrl.telemetry.report import format_value, list_runs
+    """List run directories with their key figures (a plain table, whole values, when piped)."""
+    from relayrl.telemetry.runlist import list_runs, runs_cells, runs_text
 
     found = list_runs(root)
     if not found:
         out.print(f"no runs under {root}")
         return
-    columns = {"name": "run", "status": "status", "steps": "steps", "wall_time_s": "wall s", "samples_per_s": "samples/s",
-               "trainer_busy_fraction": "busy", "accuracy_before": "acc before", "accuracy_after": "acc after", "reward_last": "reward"}
-    table = Table(*columns.values())
-    for run in found:
-        table.add_row(*(format_value(run.get(key)) for key in columns))
+    if not sys.stdout.isatty():  # a pipe or a file: whole values, no terminal-width cut
+        sys.stdout.write(runs_text(found))
+        return
+    from rich.table import Table
+
+    header, *rows = runs_cells(found)
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
     out.print(table)
 
 
@@ -189,13 +193,13 @@ def _bench(run: Callable[[], T], as_json: bool) -> T:
 def bench_boundary(
     steps: int = typer.Option(6, help="Steps per configuration."),
     time_scale: float = typer.Option(1.0, help="Multiply every simulated cost (e.g. 0.1 for a quick run)."),
-    set_: Annotated[list[str], typer.Option("--set", help="Extra override for both runs, e.g. telemetry.sinks=[\"wandb\"].")] = [],
+    set_: Annotated[list[str] | None, typer.Option("--set", help='Extra override for both runs, e.g. telemetry.sinks=["wandb"].')] = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Inline vs overlapped step boundary on the seed's large-model cost profile."""
     from relayrl.bench import run_boundary
 
-    figures = _bench(lambda: run_boundary(steps=steps, time_scale=time_scale, extra=list(set_)), as_json)
+    figures = _bench(lambda: run_boundary(steps=steps, time_scale=time_scale, extra=list(set_ or [])), as_json)
     for label in ("inline", "overlapped"):
         f = figures[label]
         assert isinstance(f, dict)
@@ -224,8 +228,8 @@ def bench_control_plane(
 @bench_app.command("e2e")
 def bench_e2e(
     steps: int = typer.Option(8, help="Steps per configuration."),
-    recipe: Annotated[Optional[Path], typer.Option(help="Recipe (default: the shipped default recipe).")] = None,
-    set_: Annotated[list[str], typer.Option("--set", help="Extra override for every configuration.")] = [],
+    recipe: Annotated[Path | None, typer.Option(help="Recipe (default: the shipped default recipe).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for every configuration.")] = None,
     repeats: int = typer.Option(1, help="Run A, B, C round-robin this many times; print medians."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -233,7 +237,7 @@ def bench_e2e(
     overlapped bookkeeping, (C) the default."""
     from relayrl.bench import run_e2e
 
-    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_), repeats=repeats), as_json)
+    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_ or []), repeats=repeats), as_json)
     for label, f in figures.items():
         out.print(
             f"({label}) {f['samples_per_s']:8.1f} completions/s   trainer busy {f['trainer_busy']:6.1%}   "
@@ -256,21 +260,27 @@ def bench_soak(
 
     f = _bench(lambda: run_soak(steps=steps, time_scale=time_scale, extra=list(set_ or [])), as_json)
 
+    def fig(key: str) -> float:
+        return float(cast(float, f[key]))
+
     def mark(ok: bool) -> str:
         return "ok" if ok else "OVER TARGET"
 
-    drift, step_ratio, rel_ratio = float(f["rss_drift_fraction"]), float(f["step_time_ratio"]), float(f["release_time_ratio"])  # type: ignore[arg-type]
-    out.print(f"{f['steps']} steps in {float(f['wall_s']):.1f} s (warm-up {f['warmup_steps']} steps; first/last = median of the first/last 10% after it)")  # type: ignore[arg-type]
+    drift, step_ratio, rel_ratio = fig("rss_drift_fraction"), fig("step_time_ratio"), fig("release_time_ratio")
     out.print(
-        f"step time      {float(f['step_time_first_s']) * 1e3:8.2f} ms -> {float(f['step_time_last_s']) * 1e3:8.2f} ms   "  # type: ignore[arg-type]
+        f"{f['steps']} steps in {fig('wall_s'):.1f} s "
+        f"(warm-up {f['warmup_steps']} steps; first/last = median of the first/last 10% after it)"
+    )
+    out.print(
+        f"step time      {fig('step_time_first_s') * 1e3:8.2f} ms -> {fig('step_time_last_s') * 1e3:8.2f} ms   "
         f"ratio {step_ratio:.3f} (target <= {SOAK_TARGETS['step_time_ratio']})  {mark(step_ratio <= SOAK_TARGETS['step_time_ratio'])}"
     )
     out.print(
-        f"release_memory {float(f['release_time_first_s']) * 1e3:8.2f} ms -> {float(f['release_time_last_s']) * 1e3:8.2f} ms   "  # type: ignore[arg-type]
+        f"release_memory {fig('release_time_first_s') * 1e3:8.2f} ms -> {fig('release_time_last_s') * 1e3:8.2f} ms   "
         f"ratio {rel_ratio:.3f} (target <= {SOAK_TARGETS['release_time_ratio']})  {mark(rel_ratio <= SOAK_TARGETS['release_time_ratio'])}"
     )
     out.print(
-        f"RSS            {float(f['rss_start_mb']):8.1f} MB -> {float(f['rss_end_mb']):8.1f} MB   "  # type: ignore[arg-type]
+        f"RSS            {fig('rss_start_mb'):8.1f} MB -> {fig('rss_end_mb'):8.1f} MB   "
         f"drift {drift:+.1%} (target <= {SOAK_TARGETS['rss_drift_fraction']:.0%})  {mark(drift <= SOAK_TARGETS['rss_drift_fraction'])}"
     )
     for label, key in (("threads", "threads"), ("open fds", "fds"), ("asyncio tasks", "tasks")):

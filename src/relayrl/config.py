@@ -14,7 +14,7 @@ import re
 import string
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -24,6 +24,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+#: Optional metric sinks (telemetry.sinks) besides metrics.jsonl: the one list of their names.
+SinkName = Literal["tensorboard", "wandb", "mlflow"]
+OPTIONAL_SINKS: tuple[str, ...] = get_args(SinkName)
+#: pip extra that provides each optional sink, and the module it imports.
+SINK_EXTRAS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+SINK_MODULES: dict[str, str] = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
+assert set(SINK_EXTRAS) == set(SINK_MODULES) == set(OPTIONAL_SINKS)
 
 
 class ConfigError(ValueError):
@@ -51,8 +59,7 @@ class RunConfig(_Section):
         relayrl may clear it, so it must never point at output_dir itself, a parent or elsewhere."""
         if name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable() or name != name.strip():
             raise ValueError(
-                "must be a plain name (not empty, not '.' or '..', no path separators, control characters "
-                "or surrounding spaces)"
+                "must be a plain name (not empty, not '.' or '..', no path separators, control characters or surrounding spaces)"
             )
         return name
 
@@ -186,7 +193,7 @@ class SimConfig(_Section):
 
 
 class TelemetryConfig(_Section):
-    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)  # metrics.jsonl always
+    sinks: list[SinkName] = Field(default_factory=list)  # metrics.jsonl always
     project: str = "relayrl"  # W&B project / MLflow experiment
 
 
@@ -299,14 +306,18 @@ def parse_override(item: str) -> tuple[list[str], object]:
             break
     if path is None:
         key = item[: item.index("=")]
-        reason = "a key is missing" if not key.strip() else f"{key.strip()!r} is not a key (quote a part holding spaces, dots or other characters: \"a b\")"
+        reason = (
+            "a key is missing"
+            if not key.strip()
+            else f'{key.strip()!r} is not a key (quote a part holding spaces, dots or other characters: "a b")'
+        )
         raise ConfigError(f"--set {shown}: {reason}")
     raw = item[at + 1 :]
     try:
         doc = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError as exc:
         if raw.lstrip().startswith(_LOOKS_LIKE_TOML):
-            hint = " (a string starting with [, {, \" or ' must be written as a TOML string: KEY=\"...\")"
+            hint = ' (a string starting with [, {, " or \' must be written as a TOML string: KEY="...")'
             raise ConfigError(f"--set {shown}: invalid TOML value: {_toml_message(exc, len('v = '))}{hint}") from None
         return list(path), raw.strip()
     except ValueError as exc:  # an integer of more digits than Python converts

@@ -117,8 +117,12 @@ class RunDirLock:
                     "wait for it to end or choose another run.name"
                 ) from None
             raise
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "command": " ".join(sys.argv)}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(sys.argv),
+        }
         fh.seek(0)
         fh.truncate()
         fh.write(json.dumps(info) + "\n")

@@ -72,9 +72,7 @@ class LossConfig:
             raise ValueError(f"loss.clip_eps_high must be >= 0, got {self.clip_eps_high}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.aggregation == "seq_mean_token_sum_norm" and (
-            self.max_completion_tokens is None or self.max_completion_tokens < 1
-        ):
+        if self.aggregation == "seq_mean_token_sum_norm" and (self.max_completion_tokens is None or self.max_completion_tokens < 1):
             raise ValueError(
                 "loss.max_completion_tokens must be a positive int with "
                 f"aggregation='seq_mean_token_sum_norm', got {self.max_completion_tokens}"

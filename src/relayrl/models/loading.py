@@ -17,9 +17,10 @@ import os
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.types import Prompt
 
@@ -34,8 +35,7 @@ def shipped_model_dir(name: str = "tiny-arith") -> Path:
     if not (path / "config.json").is_file():
         available = sorted(p.name for p in assets.iterdir() if (p / "config.json").is_file()) if assets.is_dir() else []
         raise FileNotFoundError(
-            f"no shipped model {name!r} at {path} (available: {', '.join(available) or 'none'}); "
-            "build it with scripts/make_tiny_model.py"
+            f"no shipped model {name!r} at {path} (available: {', '.join(available) or 'none'}); build it with scripts/make_tiny_model.py"
         )
     return path
 
@@ -90,7 +90,8 @@ def greedy_completions(
         for start in range(0, len(texts), batch_size):
             batch = list(texts[start : start + batch_size])
             enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-            generated = model.generate(
+            # PreTrainedModel is a GenerationMixin; nn.Module.__getattr__ hides that from type checkers
+            generated = cast(GenerationMixin, model).generate(
                 input_ids=enc["input_ids"],
                 attention_mask=enc["attention_mask"],
                 do_sample=False,
@@ -102,7 +103,7 @@ def greedy_completions(
             for row in new_tokens:
                 if eos_id in row:
                     row = row[: row.index(eos_id)]
-                out.append(tokenizer.decode(row, skip_special_tokens=True))
+                out.append(cast(str, tokenizer.decode(row, skip_special_tokens=True)))
     finally:
         tokenizer.padding_side = old_side
         model.train(was_training)

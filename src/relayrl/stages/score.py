@@ -7,6 +7,7 @@ trajectory failed with reward 0, and the failure is counted in the ledger by fun
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -44,7 +45,7 @@ async def score_stage(
 ) -> None:
     while True:
         groups = await inbox.get()
-        failures = await workers.run("score", lambda: score_groups(groups, reward_fns))
+        failures = await workers.run("score", functools.partial(score_groups, groups, reward_fns))
         if failures:
             ledger.reward_errors.update(failures)
             ledger.trajectories_failed += sum(failures.values())

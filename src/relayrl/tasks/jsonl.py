@@ -158,10 +158,7 @@ class JsonlTask:
             heldout = load_jsonl_prompts(config.heldout_path)
         elif config.heldout_last:
             if config.heldout_last >= len(rows):
-                raise TaskDataError(
-                    f"{config.path}: heldout_last={config.heldout_last} leaves no training rows "
-                    f"(the file has {len(rows)})"
-                )
+                raise TaskDataError(f"{config.path}: heldout_last={config.heldout_last} leaves no training rows (the file has {len(rows)})")
             rows, heldout = rows[: -config.heldout_last], rows[-config.heldout_last :]
         self.train_prompts: tuple[Prompt, ...] = tuple(rows)
         self.heldout_prompts: tuple[Prompt, ...] = tuple(heldout)

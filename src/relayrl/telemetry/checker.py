@@ -80,7 +80,10 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
             v.append(f"structure: {_fmt(s)} starts before {_fmt(optim[s.step - 1])} ends")
         version = s.args.get("min_version")
         if isinstance(version, int) and s.step - version > max_staleness:
-            v.append(f"staleness: train_step(step {s.step}, microbatch {s.args.get('microbatch')}) trains a trajectory of version {version}: staleness {s.step - version} > max_staleness {max_staleness}")
+            v.append(
+                f"staleness: train_step(step {s.step}, microbatch {s.args.get('microbatch')}) trains a trajectory of version "
+                f"{version}: staleness {s.step - version} > max_staleness {max_staleness}"
+            )
     syncs = [s for s in all_spans if s.name == "weight_sync"]
     for a, b in zip(syncs, syncs[1:]):
         if b.start < a.end - EPS:

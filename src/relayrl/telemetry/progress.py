@@ -36,8 +36,12 @@ class ProgressPrinter(Callback):
     def _bar(self) -> Progress:
         if self._progress is None:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                console=self._console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                console=self._console,
+                transient=False,
             )
             self._task = self._progress.add_task("", total=self._total, completed=self._first or 0)
             self._progress.start()

@@ -105,7 +105,13 @@ def lane_busy_fraction(all_spans: list[Span], lane_prefix: str, name: str) -> fl
     if not busy:
         return 0.0
     lo, hi = min(s.start for s in busy), max(s.end for s in busy)
-    spans_ = _union([(max(lo, s.start), min(hi, s.end)) for s in all_spans if s.lane.startswith(lane_prefix) and s.name == name and s.end > lo and s.start < hi])
+    spans_ = _union(
+        [
+            (max(lo, s.start), min(hi, s.end))
+            for s in all_spans
+            if s.lane.startswith(lane_prefix) and s.name == name and s.end > lo and s.start < hi
+        ]
+    )
     return _length(spans_) / (hi - lo) if hi > lo else 0.0
 
 

@@ -144,7 +144,9 @@ class Tracer:
 
     def close(self, status: str) -> None:
         """Mark the run's end (`status`: completed, failed, cancelled) and close the array."""
-        self._emit({"ph": "i", "s": "g", "pid": PID, "tid": 0, "name": "run_end", "ts": round(self.now() * 1e6, 1), "args": {"status": status}})
+        self._emit(
+            {"ph": "i", "s": "g", "pid": PID, "tid": 0, "name": "run_end", "ts": round(self.now() * 1e6, 1), "args": {"status": status}}
+        )
         self.flush()
         with self._lock:
             if self._file is not None:
@@ -279,7 +281,9 @@ def _parse_prefix(text: str, name: str) -> list[object]:
         except (ValueError, RecursionError) as exc:
             if text[i] == "{" and _is_json_prefix(text, i):
                 return events  # the last event, torn by a crash mid-write: dropped
-            why = exc.msg if isinstance(exc, json.JSONDecodeError) else ("nested too deeply" if isinstance(exc, RecursionError) else str(exc))
+            why = (
+                exc.msg if isinstance(exc, json.JSONDecodeError) else ("nested too deeply" if isinstance(exc, RecursionError) else str(exc))
+            )
             raise TraceError(f"{name}: {_where(events, text, i)}: invalid JSON ({why})") from None
         events.append(value)
         i = _skip_ws(text, i)
