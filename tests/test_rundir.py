@@ -232,28 +232,20 @@ def test_a_file_size_limit_ends_the_run_with_one_line_naming_the_file_and_the_ch
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
-def test_sigterm_is_answered_while_the_event_loop_is_blocked(tmp_path: Path) -> None:
-    """Inline bookkeeping burning 60 s of CPU on the event loop: the old handler (a loop callback)
-    waited for it; the signal handler now schedules the cancellation and exits after the grace."""
-    proc = start(
-        "train",
-        "--backend",
-        "sim",
-        "--set",
-        "run.steps=3",
-        "--set",
-        "orchestrator.overlap_bookkeeping=false",
-        "--set",
-        "sim.release_memory=60",
-        "--set",
-        "orchestrator.stop_grace_s=1",
-        "--set",
-        "run.name=blocked",
-        cwd=tmp_path,
-    )
+def start_blocked(tmp_path: Path, name: str, grace_s: int) -> subprocess.Popen[str]:
+    """A run whose inline bookkeeping burns 60 s of CPU on the event loop, caught in it."""
+    sets = ["run.steps=3", "orchestrator.overlap_bookkeeping=false", "sim.release_memory=60", f"orchestrator.stop_grace_s={grace_s}"]
+    proc = start("train", "--backend", "sim", *[a for s in [*sets, f"run.name={name}"] for a in ("--set", s)], cwd=tmp_path)
     assert proc.stdout is not None
     assert "steps on the sim backend" in proc.stdout.readline()
     time.sleep(1.0)  # into the first step's inline bookkeeping
+    return proc
+
+
+def test_sigterm_is_answered_while_the_event_loop_is_blocked(tmp_path: Path) -> None:
+    """The old handler (a loop callback) waited for the blocked loop; the signal handler now
+    schedules the cancellation and exits after the grace."""
+    proc = start_blocked(tmp_path, "blocked", grace_s=1)
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=30)  # far below the 60 s the loop is blocked for
@@ -265,25 +257,7 @@ def test_sigterm_is_answered_while_the_event_loop_is_blocked(tmp_path: Path) -> 
 
 
 def test_a_second_sigint_exits_at_once(tmp_path: Path) -> None:
-    proc = start(
-        "train",
-        "--backend",
-        "sim",
-        "--set",
-        "run.steps=3",
-        "--set",
-        "orchestrator.overlap_bookkeeping=false",
-        "--set",
-        "sim.release_memory=60",
-        "--set",
-        "orchestrator.stop_grace_s=120",
-        "--set",
-        "run.name=twice",
-        cwd=tmp_path,
-    )
-    assert proc.stdout is not None
-    proc.stdout.readline()
-    time.sleep(1.0)
+    proc = start_blocked(tmp_path, "twice", grace_s=120)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
