@@ -43,6 +43,7 @@ def train(
     config: Annotated[Path | None, typer.Argument(help="Recipe TOML (default: the shipped default recipe).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: section.key=value (repeatable).")] = None,
     backend: Annotated[str | None, typer.Option("--backend", help="sim | local")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Run the samplers and the trainer as Ray actors (= --set ray.enabled=true).")] = False,
     resume: Annotated[
         Path | None, typer.Option("--resume", help="Continue RUN_DIR from its newest checkpoint (with its config.toml and any --set).")
     ] = None,
@@ -55,6 +56,8 @@ def train(
     overrides = list(set_ or [])
     if backend is not None:
         overrides.append(f"run.backend={backend}")
+    if ray:
+        overrides.append("ray.enabled=true")
     try:  # everything a user can get wrong is checked here, before the run starts
         if resume is not None:
             if config is not None:

@@ -197,6 +197,31 @@ class TelemetryConfig(_Section):
     project: str = "relayrl"  # W&B project / MLflow experiment
 
 
+class RayConfig(_Section):
+    """Scale-out on Ray (relayrl.backends.ray): each sampler replica and the trainer run in a Ray
+    actor; the orchestrator (dispatch, collation, bookkeeping, evaluation) stays in this process."""
+
+    enabled: bool = False
+    # "" = start a local cluster owned by the run (shut down when it ends); otherwise the address
+    # of a running cluster to join ("auto", "host:6379"), which is left running
+    address: str = ""
+    num_cpus: int = Field(0, ge=0)  # local cluster only; 0 = all of this machine's
+    object_store_mb: int = Field(256, ge=64)  # local cluster only
+    namespace: str = "relayrl"
+    # Ray resources each actor asks for: "CPU" → num_cpus, "GPU" → num_gpus, any other name → a
+    # custom resource (e.g. {"GPU" = 1, "sampler_node" = 1}); empty = Ray's actor default (no CPU held)
+    sampler_resources: dict[str, float] = Field(default_factory=dict)
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("sampler_resources", "trainer_resources")
+    @classmethod
+    def _non_negative(cls, resources: dict[str, float]) -> dict[str, float]:
+        bad = sorted(name for name, amount in resources.items() if amount < 0)
+        if bad:
+            raise ValueError(f"resource amounts must not be negative ({', '.join(bad)})")
+        return resources
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -208,6 +233,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")
     def _check_budget(self) -> Config:
@@ -392,4 +418,6 @@ def _toml_value(value: object) -> str:
         return json.dumps(value).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; keys quoted (a resource name may hold any character)
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -47,6 +47,8 @@ def needed(cfg: Config) -> list[tuple[str, str, str]]:
     found: list[tuple[str, str, str]] = []
     if cfg.run.backend == "local":
         found += [(module, "local", "the local backend (run.backend = 'local')") for module in LOCAL_BACKEND_MODULES]
+    if cfg.ray.enabled:
+        found.append(("ray", "ray", "Ray scale-out (ray.enabled / --ray)"))
     for sink in cfg.telemetry.sinks:
         found.append((SINK_MODULES[sink], SINK_EXTRAS[sink], f"the {sink} metric sink (telemetry.sinks)"))
     return found

@@ -39,6 +39,7 @@ def build_program(
     """A program for `cfg`; with `resume`, one that continues `run_dir` from its newest checkpoint
     (CheckpointError, a ValueError, if there is none or the run already did `run.steps`)."""
     lock = RunDirLock(run_dir) if run_dir is not None else None
+    built: Backend | None = None  # a backend built here, released here if the program is not made
     try:
         point = None
         changes: list[dict[str, object]] = []
@@ -63,7 +64,11 @@ def build_program(
         task = build_task(cfg)
         workers = Workers()
         if backend is None:
-            if cfg.run.backend == "local":
+            if cfg.ray.enabled:
+                from relayrl.backends.ray.build import build_ray_backend
+
+                backend = built = build_ray_backend(cfg, task.heldout, workers.abort)
+            elif cfg.run.backend == "local":
                 from relayrl.backends.local.build import build_local_backend
 
                 backend = build_local_backend(cfg, task.heldout)
@@ -96,6 +101,8 @@ def build_program(
     except BaseException:
         if lock is not None:
             lock.release()
+        if built is not None and built.cleanup is not None:
+            built.cleanup()  # e.g. a Ray cluster the backend started
         raise
 
 
@@ -108,6 +115,7 @@ RESUMABLE_KEYS = (
     "orchestrator.",
     "eval.",
     "telemetry.",
+    "ray.",
     "rollout.sampler_threads",
     "rollout.sampler_nice",
     "rollout.sampler_failover",

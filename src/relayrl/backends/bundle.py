@@ -8,7 +8,8 @@ their position in `samplers` (see `relayrl.replicas.ReplicaPool`), not by asking
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from relayrl.backends.protocols import Collator, Evaluator, HostWork, PromptEncoder, Sampler, Trainer
 
@@ -21,10 +22,15 @@ class Backend:
     tokenize: PromptEncoder  # orchestrator-side, runs on the event loop (dispatch)
     host_work: HostWork | None = None  # the sim's simulated bookkeeping cost; None for real backends
     evaluator: Evaluator | None = None
+    # seconds each start-up phase took before the run began (e.g. "ray_start"); the run traces
+    # each as an orchestrator span ending at its time 0
+    startup: dict[str, float] = field(default_factory=dict)
+    # runs after the workers closed, even when closing one failed (e.g. shut down a Ray cluster)
+    cleanup: Callable[[], None] | None = None
 
     async def close(self) -> None:
-        """Close every worker, even when some fail to close (a retired replica may be broken);
-        the first error is raised after all were tried."""
+        """Close every worker, even when some fail to close (a retired replica may be broken),
+        then run `cleanup`; the first error is raised after all were tried."""
         closers = [s.close for s in self.samplers]
         if self.evaluator is not None:
             closers.append(self.evaluator.close)
@@ -33,6 +39,11 @@ class Backend:
         for close in closers:
             try:
                 await close()
+            except Exception as exc:
+                first = first or exc
+        if self.cleanup is not None:
+            try:
+                self.cleanup()
             except Exception as exc:
                 first = first or exc
         if first is not None:

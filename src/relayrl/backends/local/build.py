@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+from relayrl.backends.protocols import GreedyEngine
 from relayrl.config import Config
 from relayrl.evaluation import HeldoutEvaluator
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
@@ -93,31 +94,41 @@ def split_threads(budget: int, trainer: int, sampler: int, num_samplers: int) ->
     return share, share
 
 
-def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
+def load_base(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The configured model and tokenizer, loaded (every worker copies or loads its own)."""
     transformers.utils.logging.disable_progress_bar()
     model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=DTYPES[cfg.model.dtype], gguf_file=cfg.model.gguf_file)
     if cfg.model.attn_implementation != "sdpa":
         model.set_attn_implementation(cfg.model.attn_implementation)
+    return model, tokenizer
+
+
+def worker_threads(cfg: Config) -> tuple[int, int]:
+    """(trainer, per-sampler) torch intra-op threads (see `split_threads`)."""
+    return split_threads(torch.get_num_threads(), cfg.train.torch_threads, cfg.rollout.sampler_threads, cfg.rollout.num_samplers)
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
     r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
 
-    def tokenize() -> _Tokenize:
-        return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
 
-    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-    trainer_threads, sampler_threads = split_threads(torch.get_num_threads(), cfg.train.torch_threads, r.sampler_threads, r.num_samplers)
-    samplers = [
-        LocalSampler(
-            _frozen_copy(model),
-            copy.deepcopy(tokenizer),
-            params,
-            replica=i,
-            seed=cfg.run.seed,
-            torch_threads=sampler_threads,
-            nice=r.sampler_nice,
-        )
-        for i in range(r.num_samplers)
-    ]
-    a, t = cfg.algorithm, cfg.train
+def make_sampler(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, replica: int, threads: int) -> LocalSampler:
+    """Sampler replica `replica` on a frozen copy of `model` and its own tokenizer copy."""
+    return LocalSampler(
+        _frozen_copy(model),
+        copy.deepcopy(tokenizer),
+        sampling_params(cfg),
+        replica=replica,
+        seed=cfg.run.seed,
+        torch_threads=threads,
+        nice=cfg.rollout.sampler_nice,
+    )
+
+
+def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrainer:
+    """The trainer, training `model` itself (plus a frozen reference copy when kl_beta > 0)."""
+    a, t, r = cfg.algorithm, cfg.train, cfg.rollout
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
@@ -136,28 +147,61 @@ def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
         lr_schedule=t.lr_schedule,
         max_grad_norm=t.max_grad_norm,
         temperature=r.temperature,
-        torch_threads=trainer_threads,
+        torch_threads=threads,
     )
     ref = _frozen_copy(model) if a.kl_beta > 0 else None
-    evaluator = None
-    if cfg.eval.enabled and heldout:
-        engine = LocalSampler(
-            _frozen_copy(model), copy.deepcopy(tokenizer), params, replica=r.num_samplers, seed=cfg.run.seed, torch_threads=sampler_threads
-        )
-        evaluator = HeldoutEvaluator(
-            engine,
-            heldout,
-            tokenize(),
-            _Decode(copy.deepcopy(tokenizer)),
-            cfg.eval.max_new_tokens,
-            rewards.resolve(cfg.task.reward_functions),
-        )
+    return LocalTrainer(model, settings, ref_model=ref)
+
+
+def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
+    return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
+
+
+def make_evaluator(
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    heldout: Sequence[Prompt],
+    threads: int,
+    wrap: Callable[[LocalSampler], GreedyEngine] | None = None,
+) -> HeldoutEvaluator | None:
+    """The held-out evaluator on its own engine (None when eval is off or there is no held-out
+    set); `wrap` adapts the engine (e.g. to weights that arrive by reference)."""
+    if not (cfg.eval.enabled and heldout):
+        return None
+    engine = LocalSampler(
+        _frozen_copy(model),
+        copy.deepcopy(tokenizer),
+        sampling_params(cfg),
+        replica=cfg.rollout.num_samplers,
+        seed=cfg.run.seed,
+        torch_threads=threads,
+    )
+    return HeldoutEvaluator(
+        engine if wrap is None else wrap(engine),
+        heldout,
+        make_tokenize(cfg, tokenizer),
+        _Decode(copy.deepcopy(tokenizer)),
+        cfg.eval.max_new_tokens,
+        rewards.resolve(cfg.task.reward_functions),
+    )
+
+
+def make_collator(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TorchCollator:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TorchCollator(pad_token_id=pad, mask_kind="bool" if cfg.model.attn_implementation == "sdpa" else "float")
+
+
+def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
+    model, tokenizer = load_base(cfg)
+    trainer_threads, sampler_threads = worker_threads(cfg)
+    samplers = [make_sampler(cfg, model, tokenizer, i, sampler_threads) for i in range(cfg.rollout.num_samplers)]
+    evaluator = make_evaluator(cfg, model, tokenizer, heldout, sampler_threads)
     return Backend(
-        trainer=LocalTrainer(model, settings, ref_model=ref),
+        trainer=make_trainer(cfg, model, trainer_threads),
         samplers=list(samplers),
-        collator=TorchCollator(pad_token_id=pad, mask_kind="bool" if cfg.model.attn_implementation == "sdpa" else "float"),
-        tokenize=tokenize(),
+        collator=make_collator(cfg, tokenizer),
+        tokenize=make_tokenize(cfg, tokenizer),
         evaluator=evaluator,
     )
 

@@ -1,0 +1,138 @@
+"""The Ray backend (relayrl.backends.ray): sim and local workers in Ray actors on one local
+cluster shared by the module (each cluster start costs seconds), plus one CLI run that starts and
+stops its own cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
+from relayrl.backends.ray.build import build_ray_backend  # noqa: E402
+from relayrl.backends.ray.cluster import RayCluster, connect  # noqa: E402
+from relayrl.config import RayConfig, load_config  # noqa: E402
+from relayrl.run import build_program  # noqa: E402
+from relayrl.telemetry.checker import check_run_dir  # noqa: E402
+from relayrl.types import TrainBatch  # noqa: E402
+from simutil import run_checked, sim_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    c = connect(RayConfig(num_cpus=2, object_store_mb=128))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _ray_processes() -> int:
+    """Processes of a Ray cluster on this machine (raylet, GCS server)."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"raylet" in cmdline or b"gcs_server" in cmdline:
+            n += 1
+    return n
+
+
+def test_sim_run_on_ray_completes_balances_and_passes_the_checker(cluster: RayCluster, tmp_path: Path) -> None:
+    cfg = sim_config("ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "sim.generate_per_request=0.005")
+    result = run_checked(build_program(cfg, run_dir=tmp_path / "run"))
+    ledger = result.ledger.as_dict()
+    assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step
+    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
+    assert settled == ledger["groups_dispatched"]
+    assert check_run_dir(tmp_path / "run").ok
+    names = {e.get("name") for e in result.tracer.events}
+    assert "ray_start" in names
+    assert ray.is_initialized()  # a joined cluster is left running
+
+
+def test_trainer_actor_answers_get_metrics_while_a_train_step_runs(cluster: RayCluster) -> None:
+    cfg = sim_config("ray.enabled=true", "ray.address=auto", "sim.train_step=1.0")
+    backend = build_ray_backend(cfg, [], __import__("threading").Event())
+    trainer = backend.trainer
+    assert isinstance(trainer, RayTrainer)
+    batch = TrainBatch(0, 0, None, num_tokens=8, num_sequences=1, advantages=[1.0], step_completion_tokens=4, step_sequences=1)
+
+    async def go() -> None:
+        try:
+            train_ref = trainer.actor.train_step.remote(batch)
+            _, fetch_start, fetch_end = await trainer.actor.get_metrics.remote()
+            still_training = not ray.wait([train_ref], timeout=0)[0]
+            train_start, train_end = await train_ref
+            assert still_training  # the fetch came back while the train step was running
+            assert fetch_end < train_end
+        finally:
+            await backend.close()
+
+    asyncio.run(go())
+
+
+def test_local_backend_on_ray_trains_and_its_weights_reach_the_samplers(cluster: RayCluster, tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "run.backend=local",
+            "run.steps=2",
+            "eval.enabled=false",
+            "rollout.groups_per_step=2",
+            "rollout.num_generations=2",
+            "orchestrator.release_memory=false",
+            "ray.enabled=true",
+            "ray.address=auto",
+        ],
+    )
+    program = build_program(cfg, run_dir=tmp_path / "run")
+    samplers = list(program.backend.samplers)
+    versions: list[int | None] = []
+
+    async def go() -> None:
+        await program.run()
+
+    for s in samplers:  # ask each sampler actor what it loaded, just before it is closed
+        assert isinstance(s, RaySampler)
+        s.close = _probe_then_close(s, versions)  # type: ignore[method-assign]
+    asyncio.run(asyncio.wait_for(go(), 120))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_completed"] == 2
+    assert check_run_dir(tmp_path / "run").ok
+    assert versions and all(v is not None and v >= 1 for v in versions), versions
+
+
+def _probe_then_close(sampler: RaySampler, versions: list[int | None]) -> Callable[[], Awaitable[None]]:
+    close = sampler.close
+
+    async def probe() -> None:
+        versions.append(await sampler.loaded_version())
+        await close()
+
+    return probe
+
+
+def test_a_run_that_starts_its_own_cluster_leaves_no_ray_process(cluster: RayCluster, tmp_path: Path) -> None:
+    before = _ray_processes()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+    recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
+    args = ["train", str(recipe), "--ray", "--set", "ray.num_cpus=1", "--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}"]
+    res = subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "started a local Ray cluster" in res.stdout
+    assert _ray_processes() == before
