@@ -7,7 +7,9 @@ import json
 import subprocess
 import sys
 
-from relayrl.bench import BOUNDARY_PROFILE, run_boundary, run_control_plane
+import pytest
+
+from relayrl.bench import BOUNDARY_PROFILE, run_boundary, run_control_plane, run_e2e, run_weight_sync
 
 
 def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeeping() -> None:
@@ -51,3 +53,32 @@ def test_control_plane_bench_pushes_every_trajectory_through() -> None:
     figures = run_control_plane(steps=2, one_core=False)
     assert figures["trajectories"] == 2 * 64 * 16
     assert figures["trajectories_per_s"] > 0
+
+
+E2E_KEYS = {"samples_per_s", "trainer_busy", "sampler_busy", "gap_median_s", "exposed_bookkeeping_s", "wall_s"}
+TINY_E2E = ["rollout.groups_per_step=2", "rollout.num_generations=2", "rollout.prompts_per_request=2", "orchestrator.checkpoint_every=0"]
+
+
+def test_e2e_bench_with_ray_adds_configuration_d_with_the_same_keys() -> None:
+    pytest.importorskip("ray")
+    figures = run_e2e(steps=2, extra=TINY_E2E, ray=True)
+    assert set(figures) == {"A", "B", "C", "D"}
+    for label in "ABCD":
+        assert set(figures[label]) == E2E_KEYS
+    assert figures["D"]["samples_per_s"] > 0
+    import ray
+
+    assert not ray.is_initialized()  # the cluster started for D is shut down
+
+
+def test_weight_sync_bench_reports_bytes_times_and_bandwidth() -> None:
+    pytest.importorskip("ray")
+    figures = run_weight_sync(replicas=1, models=("tiny",), versions=1)
+    tiny = figures["tiny"]
+    assert isinstance(tiny, dict)
+    assert tiny["bytes"] > 0 and tiny["params"] > 0
+    for mode in ("numpy", "tensors"):
+        assert {"s_per_version", "gb_per_s", "export_s"} <= tiny[mode].keys()
+        assert tiny[mode]["gb_per_s"] > 0
+    assert tiny["ratio_numpy_over_tensors"] > 0
+    assert figures["replicas"] == 1

@@ -11,8 +11,10 @@ import asyncio
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from relayrl.callbacks import Callback
 from relayrl.config import Config, ConfigError, load_config
@@ -21,6 +23,7 @@ from relayrl.recipes import default_recipe
 from relayrl.run import build_program
 from relayrl.telemetry import timeline
 from relayrl.telemetry.tracer import load_trace
+from relayrl.types import Weights
 
 # The seed's large-model profile (seconds): host-side costs burn CPU holding the GIL.
 BOUNDARY_PROFILE: dict[str, float] = {
@@ -139,29 +142,51 @@ E2E_CONFIGS: dict[str, list[str]] = {
     "B": ["rollout.max_staleness=0", "orchestrator.overlap_bookkeeping=true"],  # synchronous, overlapped
     "C": [],  # the default recipe as shipped
 }
+# (D) C hosted on Ray actors, on a local cluster the benchmark starts once for all of D's runs
+# (joined with ray.address=auto). Neither the cluster start nor the actors' start-up (model
+# loading, in build_program) is in D's wall time: the run's clock starts after the build.
+E2E_RAY_CONFIG: dict[str, list[str]] = {"D": ["ray.enabled=true", "ray.address=auto"]}
+E2E_RAY_TARGETS: dict[str, float] = {"d_over_c": 0.8, "gap_median_s": 0.005, "trainer_busy": 0.95}
 
 
-def run_e2e(steps: int = 8, recipe: Path | None = None, extra: list[str] | None = None, repeats: int = 1) -> dict[str, dict[str, float]]:
-    """The default recipe, shortened, in configurations A, B and C (see E2E_CONFIGS), run
-    `repeats` times round-robin (A B C A B C ...); each figure is the median over the repeats."""
+def _e2e_figures(result: RunResult) -> dict[str, float]:
+    all_spans = timeline.spans(result.tracer.events)  # read back from trace.json
+    return {
+        "samples_per_s": _summary_float(result, "samples_per_s"),
+        "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
+        # with Ray the sampler/<i> generate spans are recorded driver-side around the remote call
+        "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
+        "gap_median_s": _summary_float(result, "boundary_gap_median_s"),
+        "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
+        "wall_s": _summary_float(result, "wall_time_s"),
+    }
 
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in E2E_CONFIGS}
-    with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
-        for rep in range(repeats):
-            for label, overrides in E2E_CONFIGS.items():
-                cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
-                result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
-                all_spans = timeline.spans(result.tracer.events)  # read back from trace.json
-                runs[label].append(
-                    {
-                        "samples_per_s": _summary_float(result, "samples_per_s"),
-                        "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
-                        "sampler_busy": timeline.lane_busy_fraction(all_spans, "sampler/", "generate"),
-                        "gap_median_s": _summary_float(result, "boundary_gap_median_s"),
-                        "exposed_bookkeeping_s": timeline.exposed_bookkeeping_time(all_spans),
-                        "wall_s": _summary_float(result, "wall_time_s"),
-                    }
-                )
+
+def run_e2e(
+    steps: int = 8, recipe: Path | None = None, extra: list[str] | None = None, repeats: int = 1, ray: bool = False
+) -> dict[str, dict[str, float]]:
+    """The default recipe, shortened, in configurations A, B and C (see E2E_CONFIGS), plus D (C on
+    Ray actors, see E2E_RAY_CONFIG) with `ray`, run `repeats` times round-robin (A B C A B C ...);
+    each figure is the median over the repeats."""
+
+    configs = {**E2E_CONFIGS, **(E2E_RAY_CONFIG if ray else {})}
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
+    cluster = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
+            for rep in range(repeats):
+                for label, overrides in configs.items():
+                    if label in E2E_RAY_CONFIG and cluster is None:
+                        from relayrl.backends.ray.cluster import connect
+                        from relayrl.config import RayConfig
+
+                        cluster = connect(RayConfig())  # once, before the first D run: not in D's figures
+                    cfg = load_config(recipe or default_recipe(), [f"run.steps={steps}", "eval.enabled=false", *overrides, *(extra or [])])
+                    result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
+                    runs[label].append(_e2e_figures(result))
+    finally:
+        if cluster is not None:
+            cluster.close()
     return {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in runs.items()}
 
 
@@ -291,3 +316,145 @@ def run_soak(steps: int = 2000, time_scale: float = SOAK_TIME_SCALE, extra: list
             for s in sampler.samples
         ],
     }
+
+
+# -- weight sync: one version from a trainer actor into N sampler actors -----------------------
+
+WEIGHT_SYNC_MODELS = ("tiny", "qwen2-50m")
+WEIGHT_SYNC_TARGET_GBPS = 2.0  # for qwen2-50m on one node
+
+
+def _bench_model(name: str) -> Any:
+    """The shipped tiny model (the local loader) or a random ~50 M-parameter Qwen2 built here."""
+    import torch
+
+    if name == "tiny":
+        from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+
+        model, _ = load_model_and_tokenizer(shipped_model_dir())
+        return model
+    if name == "qwen2-50m":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen2Config(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
+        return Qwen2ForCausalLM(config).eval()
+    raise ConfigError(f"unknown weight-sync model {name!r} (one of {', '.join(WEIGHT_SYNC_MODELS)})")
+
+
+@dataclass(slots=True)
+class TensorState:
+    """The baseline payload: the state dict as torch tensors, pickled into the object store
+    (`to_transport` converts only a plain dict, so this one travels as it is)."""
+
+    tensors: dict[str, Any]
+
+
+class _ExportWorker:
+    """Trainer-like worker hosted by the real `TrainerActor`: each export is a new version, so the
+    actor puts it into the object store once; versions up to `numpy_versions` go as a plain
+    state dict (numpy arrays in transport), later ones as a `TensorState` (pickled tensors)."""
+
+    def __init__(self, name: str, numpy_versions: int) -> None:
+        self._state = dict(_bench_model(name).state_dict())
+        self._numpy_versions = numpy_versions
+        self._version = 0
+
+    async def export_weights(self) -> Weights:
+        self._version += 1
+        payload = dict(self._state) if self._version <= self._numpy_versions else TensorState(dict(self._state))
+        return Weights(version=self._version, payload=payload)
+
+    async def close(self) -> None:
+        pass
+
+
+class _LoadWorker:
+    """Sampler-like worker hosted by the real `SamplerActor`: copies a version into its model."""
+
+    def __init__(self, name: str) -> None:
+        self._model = _bench_model(name)
+
+    async def load_weights(self, weights: Weights) -> None:
+        import torch
+
+        payload = weights.payload
+        state = payload.tensors if isinstance(payload, TensorState) else payload
+        with torch.no_grad():
+            self._model.load_state_dict(state)  # copies into the parameters
+
+    async def close(self) -> None:
+        pass
+
+
+def _sync_one_model(name: str, replicas: int, versions: int) -> dict[str, object]:
+    import functools
+
+    import ray
+
+    from relayrl.backends.ray.actors import SamplerActor, TrainerActor
+
+    model = _bench_model(name)
+    state = model.state_dict()
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    del model, state
+    per_mode = versions + 1  # the first version of each mode is a warm-up, not timed
+    trainer = TrainerActor.remote(functools.partial(_ExportWorker, name, per_mode))
+    samplers = [SamplerActor.remote(functools.partial(_LoadWorker, name)) for _ in range(replicas)]
+    actors = [trainer, *samplers]
+    try:
+        ray.get([a.ready.remote() for a in actors])
+        out: dict[str, object] = {"params": params, "bytes": nbytes}
+        for mode in ("numpy", "tensors"):
+            times: list[tuple[float, float]] = []
+            for i in range(per_mode):
+                started = time.perf_counter()
+                weights = ray.get(trainer.export_weights.remote())  # put once into the object store
+                exported = time.perf_counter()
+                ray.get([s.load_weights.remote(weights) for s in samplers])  # every replica fetched and copied it
+                if i:
+                    times.append((time.perf_counter() - started, exported - started))
+            seconds = statistics.median(t for t, _ in times)
+            out[mode] = {"s_per_version": seconds, "gb_per_s": nbytes / seconds / 1e9, "export_s": statistics.median(e for _, e in times)}
+        numpy_f, tensors_f = cast(dict[str, float], out["numpy"]), cast(dict[str, float], out["tensors"])
+        out["ratio_numpy_over_tensors"] = numpy_f["gb_per_s"] / tensors_f["gb_per_s"]
+        return out
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def run_weight_sync(
+    replicas: int = 2, models: tuple[str, ...] = WEIGHT_SYNC_MODELS, versions: int = 3, object_store_mb: int = 1024
+) -> dict[str, object]:
+    """Weight-sync bandwidth on a local Ray cluster started here (and shut down): per model, the
+    real trainer actor exports one version (one `ray.put`) and `replicas` real sampler actors
+    fetch it and copy it into a torch model; seconds per version (median of `versions`, after a
+    warm-up) and GB/s (the version's bytes / those seconds), as numpy arrays (what relayrl sends)
+    and, as the baseline, as pickled torch tensors."""
+    if replicas < 1:
+        raise ConfigError(f"bench weight-sync needs at least 1 replica, got {replicas}")
+    for name in models:
+        if name not in WEIGHT_SYNC_MODELS:
+            raise ConfigError(f"unknown weight-sync model {name!r} (one of {', '.join(WEIGHT_SYNC_MODELS)})")
+    from relayrl.backends.ray.cluster import connect
+    from relayrl.config import RayConfig
+
+    cluster = connect(RayConfig(object_store_mb=object_store_mb))
+    try:
+        out: dict[str, object] = {name: _sync_one_model(name, replicas, versions) for name in models}
+    finally:
+        cluster.close()
+    out["replicas"] = replicas
+    out["target_gb_per_s"] = WEIGHT_SYNC_TARGET_GBPS
+    return out

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn, TypeVar, cast
+from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -234,13 +234,14 @@ def bench_e2e(
     recipe: Annotated[Path | None, typer.Option(help="Recipe (default: the shipped default recipe).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for every configuration.")] = None,
     repeats: int = typer.Option(1, help="Run A, B, C round-robin this many times; print medians."),
+    ray: bool = typer.Option(False, "--ray", help="Add (D): C on Ray actors, on a local cluster started once for D."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The shortened default recipe: (A) synchronous + inline bookkeeping, (B) synchronous +
-    overlapped bookkeeping, (C) the default."""
-    from relayrl.bench import run_e2e
+    overlapped bookkeeping, (C) the default; with --ray also (D) C on Ray actors."""
+    from relayrl.bench import E2E_RAY_TARGETS, run_e2e
 
-    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_ or []), repeats=repeats), as_json)
+    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_ or []), repeats=repeats, ray=ray), as_json)
     for label, f in figures.items():
         out.print(
             f"({label}) {f['samples_per_s']:8.1f} completions/s   trainer busy {f['trainer_busy']:6.1%}   "
@@ -248,6 +249,45 @@ def bench_e2e(
             f"exposed bookkeeping {f['exposed_bookkeeping_s']:.3f} s"
         )
     out.print(f"completions/s ratio C/A: {figures['C']['samples_per_s'] / figures['A']['samples_per_s']:.2f}")
+    if "D" in figures:
+        d, t = figures["D"], E2E_RAY_TARGETS
+        ratio = d["samples_per_s"] / figures["C"]["samples_per_s"]
+
+        def mark(ok: bool) -> str:
+            return "ok" if ok else "MISSED"
+
+        out.print(f"completions/s ratio D/C: {ratio:.2f} (target >= {t['d_over_c']})  {mark(ratio >= t['d_over_c'])}")
+        out.print(
+            f"(D) gap median {d['gap_median_s'] * 1e3:.2f} ms (target <= {t['gap_median_s'] * 1e3:.0f} ms)  "
+            f"{mark(d['gap_median_s'] <= t['gap_median_s'])}   trainer busy {d['trainer_busy']:.1%} "
+            f"(target >= {t['trainer_busy']:.0%})  {mark(d['trainer_busy'] >= t['trainer_busy'])}"
+        )
+
+
+@bench_app.command("weight-sync")
+def bench_weight_sync(
+    replicas: int = typer.Option(2, help="Sampler actors that load each version."),
+    versions: int = typer.Option(3, help="Timed versions per model and format (after one warm-up)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Weight-sync bandwidth on a local Ray cluster: one version from the trainer actor into N
+    sampler actors, as numpy arrays and (baseline) as pickled torch tensors."""
+    from relayrl.bench import WEIGHT_SYNC_MODELS, WEIGHT_SYNC_TARGET_GBPS, run_weight_sync
+
+    figures = _bench(lambda: run_weight_sync(replicas=replicas, versions=versions), as_json)
+    for name in WEIGHT_SYNC_MODELS:
+        f = cast(dict[str, Any], figures[name])
+        out.print(f"{name}: {f['params'] / 1e6:.1f} M parameters, {f['bytes'] / 1e6:.1f} MB per version, {replicas} replica(s)")
+        for mode in ("numpy", "tensors"):
+            m = f[mode]
+            out.print(
+                f"  {mode:<8} {m['s_per_version'] * 1e3:9.1f} ms per version   {m['gb_per_s']:7.3f} GB/s   "
+                f"(export + put {m['export_s'] * 1e3:.1f} ms)"
+            )
+        out.print(f"  ratio numpy/tensors (GB/s): {f['ratio_numpy_over_tensors']:.1f}")
+    big = cast(dict[str, Any], figures["qwen2-50m"])["numpy"]["gb_per_s"]
+    verdict = "ok" if big >= WEIGHT_SYNC_TARGET_GBPS else "MISSED"
+    out.print(f"qwen2-50m numpy: {big:.2f} GB/s (target >= {WEIGHT_SYNC_TARGET_GBPS} GB/s on one node)  {verdict}")
 
 
 @bench_app.command("soak")

@@ -346,4 +346,5 @@ class Program:
             evals=self.evals,
             reward_mean_first=self._reward_mean_first(),
             samplers_retired=self.replicas.retired,
+            samplers_restarted=self.replicas.restarted,
         )

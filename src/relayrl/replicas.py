@@ -4,6 +4,10 @@ The pool numbers the replicas itself (replica i is the i-th sampler of the backe
 the orchestrator's side, the version each one holds (the one the sync stage last loaded into it):
 no stage reads either off a worker.
 
+A replica whose worker died (a killed Ray actor process) and can be restarted is not retired: its
+requests go back to the queue, it loads the current weights and serves again (`restarted`); one that
+cannot be restarted within its bound is retired as below.
+
 Invariant: with failover on, a replica whose `generate` or `load_weights` raised is taken out of
 service once (one record, one warning) and the run goes on with the others. The run fails with
 the failing replica's own exception when the last replica fails or failover is off, and with a
@@ -17,12 +21,31 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from relayrl.backends.protocols import Sampler
 
 
 class SamplerRetiredWarning(RuntimeWarning):
     pass
+
+
+class SamplerRestartedWarning(RuntimeWarning):
+    pass
+
+
+@runtime_checkable
+class Restartable(Protocol):
+    """A sampler whose worker can die and be restarted (the Ray backend's `RaySampler`)."""
+
+    def restartable(self, exc: BaseException) -> bool:
+        """Whether `exc` means the worker died (or came back without weights) and can be restarted."""
+        ...
+
+    async def restart(self, min_version: int) -> int:
+        """Wait (bounded) for the worker to be alive again, load the newest weights (at least
+        `min_version`), and return the version loaded; raise if it cannot be restarted."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -32,6 +55,7 @@ class SamplerSlot:
     replica: int
     worker: Sampler
     version: int = 0  # the policy version last loaded into it (orchestrator-side knowledge)
+    restarting: bool = False  # its worker is being restarted: sync rounds skip it until it loads weights
 
 
 @dataclass(slots=True)
@@ -41,12 +65,14 @@ class ReplicaPool:
     alive: list[SamplerSlot]
     failover: bool = True
     retired: list[dict[str, object]] = field(default_factory=list)
+    restarted: list[dict[str, object]] = field(default_factory=list)
+    target: int = 0  # the version the current (or last) sync round pushes: a restarted replica loads at least this
     _failed_groups: set[int] = field(default_factory=set)  # group ids of requests a replica failed on
 
     @classmethod
     def of(cls, samplers: Sequence[Sampler], failover: bool, version: int = 0) -> ReplicaPool:
         """Replica i is `samplers[i]`, holding `version` (a resumed run's samplers hold its start)."""
-        return cls([SamplerSlot(i, s, version) for i, s in enumerate(samplers)], failover)
+        return cls([SamplerSlot(i, s, version) for i, s in enumerate(samplers)], failover, target=version)
 
     @property
     def slots(self) -> list[SamplerSlot]:
@@ -55,6 +81,15 @@ class ReplicaPool:
 
     def serves(self, slot: SamplerSlot) -> bool:
         return any(s is slot for s in self.alive)
+
+    def record_restart(self, slot: SamplerSlot, exc: Exception, during: str, version: int) -> None:
+        """`slot`'s worker died during `during`, was restarted and loaded `version`; it serves again."""
+        self.restarted.append({"replica": slot.replica, "during": during, "error": f"{type(exc).__name__}: {exc}", "version": version})
+        warnings.warn(
+            f"sampler replica {slot.replica} restarted after {during} raised {type(exc).__name__}: {exc}; it loaded version {version}",
+            SamplerRestartedWarning,
+            stacklevel=2,
+        )
 
     def retire(self, slot: SamplerSlot, exc: Exception, during: str, group_ids: Sequence[int] = ()) -> None:
         """Take `slot` out of service; raise when the run cannot go on (see module)."""

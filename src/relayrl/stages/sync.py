@@ -3,7 +3,9 @@
 Invariant: rounds never overlap (one task runs them one after another); a round that starts
 after several commits pushes only the newest version; the window learns a version only after
 every sampler in service has loaded it (one that fails to is retired, see `relayrl.replicas`);
-the version each replica holds is recorded on its orchestrator-side `SamplerSlot`.
+the version each replica holds is recorded on its orchestrator-side `SamplerSlot`. A replica
+being restarted (see `relayrl.stages.sample`) is skipped: it loads `pool.target` or newer itself
+before it samples again.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from relayrl.backends.protocols import Trainer
-from relayrl.replicas import ReplicaPool
+from relayrl.replicas import ReplicaPool, Restartable
 from relayrl.telemetry.tracer import Tracer
 from relayrl.window import DispatchWindow
 
@@ -61,7 +63,8 @@ async def sync_stage(
         await committed.newer_than(synced)
         start = tracer.now()
         weights = await trainer.export_weights()
-        slots = pool.slots
+        pool.target = max(pool.target, weights.version)  # a replica restarting now loads this or newer
+        slots = [s for s in pool.slots if not s.restarting]  # a restarting replica loads the newest weights itself
         outcomes = await asyncio.gather(*(s.worker.load_weights(weights) for s in slots), return_exceptions=True)
         for slot, outcome in zip(slots, outcomes):
             if isinstance(outcome, asyncio.CancelledError):
@@ -69,7 +72,11 @@ async def sync_stage(
                 if task is not None and task.cancelling():
                     raise outcome  # this stage is being cancelled
                 outcome = RuntimeError(f"load_weights was cancelled by the sampler: {outcome!r}")
-            if isinstance(outcome, Exception):
+            if isinstance(outcome, Exception) and isinstance(slot.worker, Restartable) and slot.worker.restartable(outcome):
+                # its worker died: it refuses to generate until it has restarted and loaded the newest weights
+                error = f"{type(outcome).__name__}: {outcome}"
+                tracer.complete(f"sampler/{slot.replica}", "load_weights_failed", start, tracer.now(), version=weights.version, error=error)
+            elif isinstance(outcome, Exception):
                 error = f"{type(outcome).__name__}: {outcome}"
                 tracer.complete(f"sampler/{slot.replica}", "load_weights_failed", start, tracer.now(), version=weights.version, error=error)
                 pool.retire(slot, outcome, "load_weights")  # raises unless another replica serves

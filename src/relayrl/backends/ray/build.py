@@ -125,9 +125,10 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
             f"resources they ask for (ray.sampler_resources={cfg.ray.sampler_resources}, ray.trainer_resources={cfg.ray.trainer_resources})"
         )
     ray.get(done)  # an actor whose constructor failed raises here
+    trainer = RayTrainer(trainer_actor)
     return Backend(
-        trainer=RayTrainer(trainer_actor),
-        samplers=[RaySampler(a, i) for i, a in enumerate(sampler_actors)],
+        trainer=trainer,
+        samplers=[RaySampler(a, i, trainer) for i, a in enumerate(sampler_actors)],
         collator=collator,
         tokenize=tokenize,
         host_work=host_work,

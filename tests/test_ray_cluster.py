@@ -1,0 +1,80 @@
+"""Several Ray nodes on one machine (`ray.cluster_utils.Cluster`): a head without CPUs and two
+worker nodes, each with one CPU, one `sampler` slot and its own marker resource; a sim run whose
+two sampler replicas ask for one `sampler` slot each lands one replica on each node, completes,
+balances its ledger and passes the trace checker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from relayrl.backends.ray.actors import RaySampler  # noqa: E402
+from relayrl.backends.ray.cluster import RAY_ENV  # noqa: E402
+from relayrl.run import build_program  # noqa: E402
+from relayrl.telemetry.checker import check_run_dir  # noqa: E402
+from simutil import run_checked, sim_config  # noqa: E402
+
+STORE = 100 * 1024 * 1024  # bytes of object store per node
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    temp_dir = tempfile.mkdtemp(prefix="rr-ray-")  # short: Ray's socket paths have a length limit
+    head = {"num_cpus": 0, "object_store_memory": STORE, "include_dashboard": False, "temp_dir": temp_dir}
+    c = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for name in ("node_a", "node_b"):
+            c.add_node(num_cpus=1, object_store_memory=STORE, resources={name: 1, "sampler": 1}, temp_dir=temp_dir)
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="relayrl", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _node_of(actor: Any) -> str:
+    """The marker resource (node_a / node_b) of the node the actor runs on."""
+    from ray._private import state
+
+    node_id = state.actors(actor_id=actor._actor_id.hex())["Address"]["NodeID"]
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            markers = [r for r in node["Resources"] if r.startswith("node_")]
+            return markers[0] if markers else "head"
+    raise AssertionError(f"actor on unknown node {node_id}")
+
+
+def test_sampler_replicas_on_two_nodes_complete_a_balanced_checked_run(cluster: Any, tmp_path: Path) -> None:
+    cfg = sim_config(
+        "ray.enabled=true",
+        f"ray.address={cluster.address}",
+        "rollout.num_samplers=2",
+        "ray.sampler_resources={sampler=1}",  # one slot per node: the two replicas cannot share a node
+        "sim.generate_per_request=0.005",
+    )
+    program = build_program(cfg, run_dir=tmp_path / "run")
+    samplers = list(program.backend.samplers)
+    assert all(isinstance(s, RaySampler) for s in samplers)
+    nodes = sorted(_node_of(s.actor) for s in samplers)  # type: ignore[attr-defined]
+    assert nodes == ["node_a", "node_b"]
+    result = run_checked(program)
+    ledger = result.ledger.as_dict()
+    assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step
+    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
+    assert settled == ledger["groups_dispatched"]
+    assert check_run_dir(tmp_path / "run").ok
+    assert ray.is_initialized()  # the run joined the cluster and left it running
