@@ -9,17 +9,18 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from rayutil import local_cluster  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
 from relayrl.backends.ray.build import build_ray_backend  # noqa: E402
-from relayrl.backends.ray.cluster import RayCluster, connect  # noqa: E402
-from relayrl.config import RayConfig, load_config  # noqa: E402
+from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
+from relayrl.config import load_config  # noqa: E402
 from relayrl.run import build_program  # noqa: E402
 from relayrl.telemetry.checker import check_run_dir  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
@@ -28,13 +29,7 @@ from simutil import run_checked, sim_config  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RayCluster]:
-    c = connect(RayConfig(num_cpus=2, object_store_mb=128))
-    try:
-        yield c
-    finally:
-        c.close()
+cluster = pytest.fixture(scope="module")(local_cluster)
 
 
 def _ray_processes() -> int:

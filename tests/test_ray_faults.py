@@ -12,31 +12,24 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from rayutil import local_cluster  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
-from relayrl.backends.ray.cluster import RayCluster, connect  # noqa: E402
+from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.checkpoint import complete_checkpoints  # noqa: E402
-from relayrl.config import RayConfig  # noqa: E402
 from relayrl.replicas import SamplerRestartedWarning  # noqa: E402
 from relayrl.run import build_program  # noqa: E402
 from relayrl.telemetry.checker import check_run_dir  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest  # noqa: E402
 from simutil import sim_config  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RayCluster]:
-    c = connect(RayConfig(num_cpus=2, object_store_mb=128))
-    try:
-        yield c
-    finally:
-        c.close()
+cluster = pytest.fixture(scope="module")(local_cluster)
 
 
 async def _kill_after(pid: int, seconds: float) -> None:
