@@ -85,10 +85,6 @@ class RunDirLock:
         self.run_dir = run_dir
         self._fh: IO[str] | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fh is not None
-
     def acquire(self, *, adopt: bool = False) -> None:
         """Lock the directory. An existing non-empty directory without the marker is refused
         unless `adopt` (a resume of a run written before markers existed)."""

@@ -63,7 +63,7 @@ def build_summary(
     evals: Sequence[EvalResult],
     reward_mean_first: float | None,
     samplers_retired: list[dict[str, object]],
-    samplers_restarted: list[dict[str, object]] | None = None,
+    samplers_restarted: list[dict[str, object]],
 ) -> dict[str, object]:
     """summary.json. `ledger`: the ledger of the logged steps; `steps_unlogged`: steps committed,
     then stopped before their logs were written."""
@@ -93,5 +93,5 @@ def build_summary(
         "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
         "ledger": ledger,
         "samplers_retired": samplers_retired,
-        "samplers_restarted": samplers_restarted or [],
+        "samplers_restarted": samplers_restarted,
     }

@@ -21,9 +21,9 @@ file next to it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from relayrl.jsonl import write_text_atomic
 from relayrl.telemetry.htmlpage import render_html
 from relayrl.telemetry.plots import (
     PLOTS,
@@ -94,7 +94,5 @@ def write_report(run_dir: Path) -> Path:
     figures = key_figures(data)
     plots = render_plots(data, run_dir / REPORT_DIR)
     out = run_dir / REPORT_HTML
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render_html(data, figures, plots), encoding="utf-8")
-    os.replace(tmp, out)  # a reader never sees a half-written report
+    write_text_atomic(out, render_html(data, figures, plots))  # a reader never sees a half-written report
     return out

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, cast
 
+from relayrl.rundir import writing
+
 TraceEvent = dict[str, object]
 PID = 1
 
@@ -133,14 +135,10 @@ class Tracer:
     def _write(self, text: str) -> None:
         """Write and flush (holding the lock); an OSError (a full disk, a file-size limit) names
         the trace file, which a file object's write does not."""
-        assert self._file is not None
-        try:
+        assert self._file is not None and self.path is not None
+        with writing(self.path):
             self._file.write(text)
             self._file.flush()
-        except OSError as exc:
-            if exc.filename is None and exc.errno is not None and self.path is not None:
-                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
-            raise
 
     def close(self, status: str) -> None:
         """Mark the run's end (`status`: completed, failed, cancelled) and close the array."""
