@@ -78,7 +78,9 @@ def test_weight_sync_bench_reports_bytes_times_and_bandwidth() -> None:
     assert isinstance(tiny, dict)
     assert tiny["bytes"] > 0 and tiny["params"] > 0
     for mode in ("numpy", "tensors"):
-        assert {"s_per_version", "gb_per_s", "export_s"} <= tiny[mode].keys()
+        assert {"s_per_version", "gb_per_s", "export_s", "first_s_per_version", "warmup_versions"} <= tiny[mode].keys()
         assert tiny[mode]["gb_per_s"] > 0
+        assert tiny[mode]["export_s"] < tiny[mode]["s_per_version"]  # the replicas' load is part of a version's time
+    assert tiny["numpy"]["warmup_versions"] > tiny["tensors"]["warmup_versions"] == 1  # numpy goes round the store first
     assert tiny["ratio_numpy_over_tensors"] > 0
     assert figures["replicas"] == 1

@@ -267,7 +267,7 @@ def bench_e2e(
 @bench_app.command("weight-sync")
 def bench_weight_sync(
     replicas: int = typer.Option(2, help="Sampler actors that load each version."),
-    versions: int = typer.Option(3, help="Timed versions per model and format (after one warm-up)."),
+    versions: int = typer.Option(3, help="Timed versions per model and format (after the warm-up versions)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Weight-sync bandwidth on a local Ray cluster: one version from the trainer actor into N
@@ -282,7 +282,8 @@ def bench_weight_sync(
             m = f[mode]
             out.print(
                 f"  {mode:<8} {m['s_per_version'] * 1e3:9.1f} ms per version   {m['gb_per_s']:7.3f} GB/s   "
-                f"(export + put {m['export_s'] * 1e3:.1f} ms)"
+                f"(export + put {m['export_s'] * 1e3:.1f} ms; first version {m['first_s_per_version'] * 1e3:.1f} ms, "
+                f"{m['warmup_versions']} warm-up)"
             )
         out.print(f"  ratio numpy/tensors (GB/s): {f['ratio_numpy_over_tensors']:.1f}")
     big = cast(dict[str, Any], figures["qwen2-50m"])["numpy"]["gb_per_s"]
