@@ -112,6 +112,68 @@ def test_fetch_holding_next_microbatch_violates_rule_1(good_trace: list[TraceEve
     assert any(v.startswith("rule 1") for v in _violations(ev))
 
 
+def _with_actor_spans(events: list[TraceEvent], shift_us: float = 0.0, error_s: float = 0.001) -> list[TraceEvent]:
+    """`events` plus, as a Ray run traces them, an actor span inside each train_step and
+    optim_step call (100 µs after the call started, 100 µs before it ended), moved by `shift_us`,
+    with that actor's clock estimate."""
+    ev = copy.deepcopy(events)
+    ev.append(
+        {"ph": "M", "pid": 1, "tid": 9, "name": "relayrl_clock", "args": {"lane": "actor:trainer", "offset_s": 0.0, "error_s": error_s}}
+    )
+    for e in list(ev):
+        if e.get("ph") == "X" and e.get("cat") == "trainer":
+            ts, dur = float(e["ts"]), float(e["dur"])  # type: ignore[arg-type]
+            args = {"call_start": ts / 1e6, "call_end": (ts + dur) / 1e6, "step": e["args"]["step"]}  # type: ignore[index]
+            ev.append(
+                {
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": 9,
+                    "cat": "actor:trainer",
+                    "name": e["name"],
+                    "ts": ts + 100 + shift_us,
+                    "dur": dur - 200,
+                    "args": args,
+                }
+            )
+    return ev
+
+
+def test_actor_spans_outside_their_calls_or_overlapping_are_violations(good_trace: list[TraceEvent]) -> None:
+    assert _violations(_with_actor_spans(good_trace)) == []
+    assert _violations(_with_actor_spans(good_trace, shift_us=900.0)) == []  # within the clock estimate's 1 ms error
+    late = _violations(_with_actor_spans(good_trace, shift_us=1500.0))  # beyond it: the clocks were merged wrongly
+    assert late and all(v.startswith("actors: actor:trainer") and "outside its call" in v for v in late)
+    ev = _with_actor_spans(good_trace)
+    sampler = [
+        {
+            "ph": "X",
+            "pid": 1,
+            "tid": 10,
+            "cat": "actor:sampler/0",
+            "name": "generate",
+            "ts": ts,
+            "dur": 500.0,
+            "args": {"call_start": 0.0, "call_end": 1.0},
+        }
+        for ts in (1000.0, 1200.0)
+    ]
+    assert any("ran generate" in v and "at once" in v for v in _violations(ev + sampler))  # one call at a time
+    fetch = next(e for e in ev if e.get("cat") == "trainer.fetch")  # an io call overlapping training is fine
+    ts, dur = float(fetch["ts"]), float(fetch["dur"])  # type: ignore[arg-type]
+    io = {
+        "ph": "X",
+        "pid": 1,
+        "tid": 9,
+        "cat": "actor:trainer",
+        "name": "get_metrics",
+        "ts": ts,
+        "dur": dur,
+        "args": {"call_start": ts / 1e6, "call_end": (ts + dur) / 1e6},
+    }
+    assert _violations(ev + [io]) == []
+
+
 def test_cli_check_trace_exit_codes(good_trace: list[TraceEvent], tmp_path: Path) -> None:
     good = tmp_path / "good"
     good.mkdir()

@@ -10,9 +10,11 @@ import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -20,8 +22,10 @@ from rayutil import local_cluster  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
 from relayrl.backends.ray.build import build_ray_backend  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
+from relayrl.backends.ray.transport import ArrayState, decode, encode  # noqa: E402
 from relayrl.config import load_config  # noqa: E402
 from relayrl.run import build_program  # noqa: E402
+from relayrl.telemetry import timeline  # noqa: E402
 from relayrl.telemetry.checker import check_run_dir  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
 from simutil import run_checked, sim_config  # noqa: E402
@@ -55,9 +59,28 @@ def test_sim_run_on_ray_completes_balances_and_passes_the_checker(cluster: RayCl
     settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
     assert settled == ledger["groups_dispatched"]
     assert check_run_dir(tmp_path / "run").ok
-    names = {e.get("name") for e in result.tracer.events}
+    events = result.tracer.events
+    names = {e.get("name") for e in events}
     assert "ray_start" in names
     assert ray.is_initialized()  # a joined cluster is left running
+    # the actors' own spans are on the run's clock, each inside the orchestrator's call of it
+    all_spans = timeline.spans(events)
+    clocks = {e["args"]["lane"] for e in events if e.get("name") == "relayrl_clock"}  # type: ignore[index]
+    assert clocks == {"actor:trainer", "actor:sampler/0", "actor:sampler/1"}
+    calls = [s for s in all_spans if s.lane == "trainer" and s.name == "train_step"]
+    inside = [s for s in all_spans if s.lane == "actor:trainer" and s.name == "train_step"]
+    assert [(s.step, s.args["microbatch"]) for s in inside] == [(s.step, s.args["microbatch"]) for s in calls]
+    for call, span in zip(calls, inside):
+        assert call.start < span.start and span.end < call.end  # the round trip is outside the actor's span
+    assert {s.step for s in all_spans if s.lane == "actor:trainer" and s.name == "optim_step"} == set(range(cfg.run.steps))
+    for replica in (0, 1):
+        assert any(s.lane == f"actor:sampler/{replica}" and s.name == "generate" for s in all_spans)
+        assert any(s.lane == f"actor:sampler/{replica}" and s.name == "load_weights" for s in all_spans)
+    # the trainer's busy fraction is read inside its actor: the calls' round trips count as idle
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["trainer_busy_fraction"] == pytest.approx(timeline.trainer_busy_fraction(all_spans))
+    driver_only = [s for s in all_spans if not s.lane.startswith("actor:")]
+    assert summary["trainer_busy_fraction"] < timeline.trainer_busy_fraction(driver_only)
 
 
 def test_trainer_actor_answers_get_metrics_while_a_train_step_runs(cluster: RayCluster) -> None:
@@ -70,11 +93,11 @@ def test_trainer_actor_answers_get_metrics_while_a_train_step_runs(cluster: RayC
     async def go() -> None:
         try:
             train_ref = trainer.actor.train_step.remote(batch)
-            _, fetch_start, fetch_end = await trainer.actor.get_metrics.remote()
+            fetch = await trainer.actor.get_metrics.remote()
             still_training = not ray.wait([train_ref], timeout=0)[0]
-            train_start, train_end = await train_ref
+            train = await train_ref
             assert still_training  # the fetch came back while the train step was running
-            assert fetch_end < train_end
+            assert fetch.end < train.end
         finally:
             await backend.close()
 
@@ -131,3 +154,31 @@ def test_a_run_that_starts_its_own_cluster_leaves_no_ray_process(cluster: RayClu
     assert res.returncode == 0, res.stderr[-2000:]
     assert "started a local Ray cluster" in res.stdout
     assert _ray_processes() == before
+
+
+@dataclass
+class _Batch:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    rows: int
+
+
+def test_tensors_cross_as_numpy_arrays_and_come_back_equal() -> None:
+    weights = {"w": torch.randn(3, 4), "h": torch.randn(5).to(torch.bfloat16)}
+    sent = encode(weights)
+    assert isinstance(sent, ArrayState) and sent.bfloat16 == ("h",)
+    back = decode(sent)
+    assert isinstance(back, dict) and back.keys() == weights.keys()
+    assert back["h"].dtype == torch.bfloat16 and torch.equal(back["h"], weights["h"]) and torch.equal(back["w"], weights["w"])
+    batch = _Batch(torch.arange(6).view(2, 3), torch.ones(2, 3, dtype=torch.bool), rows=2)
+    sent = encode(batch)
+    assert isinstance(sent, ArrayState) and sent.cls is _Batch and sent.other == {"rows": 2}
+    for array in sent.arrays.values():  # as read back from the object store: read-only shared memory
+        array.flags.writeable = False
+    viewed, copied = decode(sent), decode(sent, writable=True)
+    assert isinstance(viewed, _Batch) and isinstance(copied, _Batch)
+    assert torch.equal(copied.ids, batch.ids) and torch.equal(copied.mask, batch.mask) and copied.rows == 2
+    assert viewed.ids.data_ptr() == sent.arrays["ids"].ctypes.data  # weights: a view, the receiver copies
+    assert copied.ids.data_ptr() != sent.arrays["ids"].ctypes.data
+    copied.ids += 1  # a batch the trainer may change in place
+    assert encode(None) is None and encode({}) == {} and encode([1, 2]) == [1, 2]

@@ -129,6 +129,8 @@ class Program:
             run_dir.mkdir(parents=True, exist_ok=True)
             runfiles.write_config(run_dir, cfg)
         self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
+        if backend.attach_tracer is not None:
+            backend.attach_tracer(self.tracer)
         for name, seconds in backend.startup.items():  # before the run's clock started: ends at 0
             self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
         self.bookkeeper = StepBookkeeper(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relayrl.backends.protocols import Collator, Evaluator, HostWork, PromptEncoder, Sampler, Trainer
+from relayrl.telemetry.tracer import Tracer
 
 
 @dataclass(slots=True)
@@ -27,6 +28,8 @@ class Backend:
     startup: dict[str, float] = field(default_factory=dict)
     # runs after the workers closed, even when closing one failed (e.g. shut down a Ray cluster)
     cleanup: Callable[[], None] | None = None
+    # given the run's tracer once it exists, by workers that trace spans of their own (Ray actors)
+    attach_tracer: Callable[[Tracer], None] | None = None
 
     async def close(self) -> None:
         """Close every worker, even when some fail to close (a retired replica may be broken),

@@ -15,6 +15,10 @@ Rules checked (N and N+1 consecutive committed steps; "mb0" = train_step microba
   staleness  every train_step's step − min_version ≤ max_staleness
   checkpoint checkpoint(N) starts after optim(N) ends and after step N's metrics and trajectories
              were logged, and ends before optim(N+1) starts (it holds the optimizer state of N)
+  actors     (Ray) every span timed inside an actor lies within the orchestrator's call of it
+             (`call_start`–`call_end`), give or take the error of that actor's clock estimate
+             (`relayrl_clock`); a sampler actor ran one call at a time; the trainer actor ran
+             one training call (train_step, optim_step, load_state) at a time
 
 Invariant: the checker only reads; a violation message names the rule, the step and the spans.
 """
@@ -24,13 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relayrl.telemetry.timeline import Span, run_info, spans
+from relayrl.telemetry.timeline import ACTOR_TRAINER, Span, run_info, spans
 from relayrl.telemetry.tracer import TraceEvent, load_trace
 
 BOOKKEEPING = ("reduce_metrics", "log_metrics", "log_trajectories", "on_step_end", "release_memory")
 EPS = 2e-6  # trace timestamps are rounded to 0.1 µs
 HELD_FETCH_MIN = 1e-3  # a fetch shorter than this cannot visibly hold the next micro-batch
 HELD_WINDOW = 0.5e-3
+ACTOR_LANE = "actor:"  # lanes of spans timed inside Ray actors (backends.ray.spans)
+TRAINER_SERIAL = ("train_step", "optim_step", "load_state")  # the trainer actor's "train" concurrency group
 
 
 @dataclass(slots=True)
@@ -65,7 +71,7 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
     optim = {s.step: s for s in trainer if s.name == "optim_step"}
     train = [s for s in trainer if s.name == "train_step"]
     mb0 = {s.step: s for s in train if s.args.get("microbatch") == 0}
-    fetch = {s.step: s for s in all_spans if s.name == "get_metrics"}
+    fetch = {s.step: s for s in all_spans if s.lane == "trainer.fetch" and s.name == "get_metrics"}
     books: dict[int, dict[str, Span]] = {}
     for s in all_spans:
         if s.lane == "bookkeeping":
@@ -153,7 +159,36 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
         hung = sorted(started - set(optim))
         if hung:
             v.append(f"rule 5: the run completed but step {hung[0]} was started and never committed")
+    _check_actors(events, all_spans, v)
     return report
+
+
+def _check_actors(events: list[TraceEvent], all_spans: list[Span], v: list[str]) -> None:
+    errors: dict[str, float] = {}  # per actor lane, the largest clock-estimate error
+    for e in events:
+        args = e.get("args")
+        if e.get("ph") == "M" and e.get("name") == "relayrl_clock" and isinstance(args, dict):
+            lane, error = str(args.get("lane")), float(args.get("error_s", 0.0))
+            errors[lane] = max(errors.get(lane, 0.0), error)
+    lanes: dict[str, list[Span]] = {}
+    for s in all_spans:
+        if s.lane.startswith(ACTOR_LANE):
+            lanes.setdefault(s.lane, []).append(s)
+    for lane, actor_spans in lanes.items():
+        tolerance = errors.get(lane, 0.0) + EPS
+        for s in actor_spans:
+            call_start, call_end = s.args.get("call_start"), s.args.get("call_end")
+            if not isinstance(call_start, int | float) or not isinstance(call_end, int | float):
+                v.append(f"actors: {lane} {_fmt(s)} has no call window")
+            elif s.start < call_start - tolerance or s.end > call_end + tolerance:
+                v.append(
+                    f"actors: {lane} {_fmt(s)} lies outside its call [{call_start * 1e3:.3f}–{call_end * 1e3:.3f} ms] "
+                    f"by more than the clock error {tolerance * 1e3:.3f} ms"
+                )
+        exclusive = [s for s in actor_spans if lane != ACTOR_TRAINER or s.name in TRAINER_SERIAL]
+        for a, b in zip(exclusive, exclusive[1:]):
+            if b.start < a.end - tolerance:
+                v.append(f"actors: {lane} ran {_fmt(a)} and {_fmt(b)} at once")
 
 
 def check_run_dir(run_dir: Path) -> CheckReport:

@@ -63,7 +63,7 @@ SPAN_COLOURS: dict[str, str] = {
     "eval": "#ff9896",
 }
 FALLBACK_COLOURS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#5254a3", "#8ca252", "#bd9e39", "#ad494a")
-LANE_ORDER = ("trainer", "trainer.fetch", "orchestrator", "bookkeeping", "eval")
+LANE_ORDER = ("trainer", "actor:trainer", "trainer.fetch", "orchestrator", "bookkeeping", "eval")
 
 
 class PlotSkipped(Exception):
@@ -236,12 +236,13 @@ def plot_step_time(data: RunData, path: Path) -> str:
     return note + (f" Not in metrics.jsonl: {', '.join(stack.missing)}." if stack.missing else "")
 
 
-def _lane_key(lane: str) -> tuple[int, int, str]:
+def _lane_key(lane: str) -> tuple[int, int, bool, str]:
     if lane in LANE_ORDER:
-        return (0, LANE_ORDER.index(lane), lane)
-    if lane.startswith("sampler/") and lane[len("sampler/") :].isdigit():
-        return (1, int(lane[len("sampler/") :]), lane)
-    return (2, 0, lane)
+        return (0, LANE_ORDER.index(lane), False, lane)
+    replica = lane.removeprefix("actor:").removeprefix("sampler/")
+    if lane.removeprefix("actor:").startswith("sampler/") and replica.isdigit():
+        return (1, int(replica), lane.startswith("actor:"), lane)  # a Ray sampler actor's lane below its replica's
+    return (2, 0, False, lane)
 
 
 def _span_colours(names: Iterable[str]) -> dict[str, str]:

@@ -50,15 +50,27 @@ def run_info(events: Iterable[TraceEvent]) -> dict[str, object]:
     return {}
 
 
+ACTOR_TRAINER = "actor:trainer"  # spans timed inside a Ray trainer actor (backends.ray.spans)
+
+
+def trainer_lane(all_spans: list[Span]) -> str:
+    """Where the trainer's own work is timed: inside the trainer actor when it ran on Ray (the
+    orchestrator's "trainer" lane then also counts the calls' round trips), else "trainer"."""
+    return ACTOR_TRAINER if any(s.lane == ACTOR_TRAINER for s in all_spans) else "trainer"
+
+
 def boundary_gaps(all_spans: list[Span]) -> list[float]:
-    """End of optim_step(N) to the start of train_step(N+1, mb 0), for every N that has both."""
-    optim_end = {s.step: s.end for s in all_spans if s.lane == "trainer" and s.name == "optim_step"}
-    first = {s.step: s.start for s in all_spans if s.lane == "trainer" and s.name == "train_step" and s.args.get("microbatch") == 0}
+    """End of optim_step(N) to the start of train_step(N+1, mb 0), for every N that has both, as
+    the trainer saw them (`trainer_lane`)."""
+    lane = trainer_lane(all_spans)
+    optim_end = {s.step: s.end for s in all_spans if s.lane == lane and s.name == "optim_step"}
+    first = {s.step: s.start for s in all_spans if s.lane == lane and s.name == "train_step" and s.args.get("microbatch") == 0}
     return [first[n + 1] - optim_end[n] for n in sorted(optim_end) if n + 1 in first]
 
 
 def _trainer_work(all_spans: list[Span]) -> list[Span]:
-    return [s for s in all_spans if s.lane == "trainer" and s.name in ("train_step", "optim_step")]
+    lane = trainer_lane(all_spans)
+    return [s for s in all_spans if s.lane == lane and s.name in ("train_step", "optim_step")]
 
 
 def trainer_busy_fraction(all_spans: list[Span]) -> float:

@@ -109,6 +109,11 @@ class Tracer:
             }
         )
 
+    def clock(self, lane: str, **estimate: object) -> None:
+        """Record how `lane`'s spans were put onto the run's clock (an actor's clock offset and
+        its error bound: `backends.ray.spans`) as a `relayrl_clock` metadata event."""
+        self._emit({"ph": "M", "pid": PID, "tid": self._tid(lane), "name": "relayrl_clock", "args": {"lane": lane, **estimate}})
+
     @contextmanager
     def span(self, lane: str, name: str, **args: object) -> Iterator[dict[str, object]]:
         """Time the body; the yielded dict lets the body add args (e.g. results)."""

@@ -12,13 +12,18 @@ Invariants:
   concurrency group; get_metrics, export_weights and save_state run in the "io" group, so they
   never wait behind a train step (as LocalTrainer's thread-safe calls do in one process);
 - weights travel once per version through the object store: the trainer actor converts a
-  version's state dict to numpy arrays (torch tensors pickle ~50x slower) and `ray.put`s it once;
+  version's state dict to numpy arrays (pickled torch tensors are ~10x slower) and `ray.put`s it once;
   `Weights.payload` is then the ObjectRef, which the driver only passes on; each sampler actor
   fetches it (zero-copy on one node) and copies it into its model;
 - a sampler actor whose process dies is restarted by Ray (`SAMPLER_MAX_RESTARTS`; its constructor
   builds a fresh worker) and refuses to sample (`SamplerNeedsWeightsError`) until the orchestrator
   has loaded the current weights into it (`RaySampler.restart`, called by the sample stage); a
   weight load lost with a dead process does the same on the driver side;
+- every call's span inside the actor (`Timed`) is traced onto the driver's clock, next to the
+  driver's own span of it (`relayrl.backends.ray.spans`);
+- a collated micro-batch crosses to the trainer actor as numpy arrays, as weights do
+  (`relayrl.backends.ray.transport`); collating there instead would put the attention mask's
+  construction on the trainer's critical path;
 - the trainer actor is never restarted: its process dying fails the run with a
   `TrainerActorDiedError` ("trainer actor died: ..."); closing an actor whose process already died
   is no error.
@@ -27,58 +32,19 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from relayrl.backends.ray.spans import ActorSpans, Timed
+from relayrl.backends.ray.transport import decode, encode
+from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Weights
-
-
-@dataclass(slots=True)
-class ArrayState:
-    """A state dict as numpy arrays; bfloat16 tensors travel as int16 views (numpy has no bf16)."""
-
-    arrays: dict[str, Any]
-    bfloat16: tuple[str, ...] = ()
-
-
-def to_transport(payload: object) -> object:
-    """A payload as it goes into the object store: a dict of torch tensors → `ArrayState`."""
-    if not isinstance(payload, dict) or not payload or not all(hasattr(v, "detach") for v in payload.values()):
-        return payload
-    import torch
-
-    arrays: dict[str, Any] = {}
-    bf16: list[str] = []
-    for name, tensor in payload.items():
-        t = tensor.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-            bf16.append(name)
-        arrays[name] = t.numpy()
-    return ArrayState(arrays, tuple(bf16))
-
-
-def from_transport(payload: object) -> object:
-    """The inverse of `to_transport`: tensors over the (read-only, shared) arrays; the receiver
-    copies them into its model."""
-    if not isinstance(payload, ArrayState):
-        return payload
-    import torch
-
-    out: dict[str, Any] = {}
-    with warnings.catch_warnings():  # read-only arrays: load_state_dict only reads (copies) them
-        warnings.simplefilter("ignore", UserWarning)
-        for name, array in payload.arrays.items():
-            t = torch.from_numpy(array)
-            out[name] = t.view(torch.bfloat16) if name in payload.bfloat16 else t
-    return out
 
 
 async def resolve(weights: Weights) -> Weights:
@@ -87,7 +53,7 @@ async def resolve(weights: Weights) -> Weights:
     payload = weights.payload
     if isinstance(payload, ray.ObjectRef):
         payload = await payload
-    return Weights(version=weights.version, payload=from_transport(payload))
+    return Weights(version=weights.version, payload=decode(payload))
 
 
 class SamplerNeedsWeightsError(RuntimeError):
@@ -105,6 +71,13 @@ SAMPLER_MAX_RESTARTS = 3  # Ray restarts a sampler actor whose process died up t
 RESTART_TIMEOUT_S = 60.0  # a sampler actor not alive again within this is retired
 
 
+async def _timed(work: Awaitable[Any]) -> Timed:
+    """Run `work`, timed on this process's wall clock (the driver maps it onto the run's)."""
+    start = time.time()
+    value = await work
+    return Timed(value, start, time.time())
+
+
 class _SamplerActor:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._worker = factory()  # on a restart, Ray runs this again: a fresh worker
@@ -117,6 +90,9 @@ class _SamplerActor:
     async def ping(self) -> bool:
         return True
 
+    async def clock(self) -> float:
+        return time.time()
+
     async def pid(self) -> int:
         return os.getpid()
 
@@ -124,20 +100,20 @@ class _SamplerActor:
         if self._restarted and self._loaded is None:
             raise SamplerNeedsWeightsError("this sampler actor was restarted and has not loaded the current weights")
 
-    async def generate(self, requests: list[SampleRequest]) -> list[GenerateResult]:
+    async def generate(self, requests: list[SampleRequest]) -> Timed:
         self._check_weights()
-        result: list[GenerateResult] = await self._worker.generate(requests)
-        return result
+        return await _timed(self._worker.generate(requests))
 
-    async def greedy(self, prompts_tokens: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    async def greedy(self, prompts_tokens: list[list[int]], max_new_tokens: int) -> Timed:
         self._check_weights()
-        result: list[list[int]] = await self._worker.greedy(prompts_tokens, max_new_tokens)
-        return result
+        return await _timed(self._worker.greedy(prompts_tokens, max_new_tokens))
 
-    async def load_weights(self, weights: Weights) -> None:
+    async def load_weights(self, weights: Weights) -> Timed:
+        start = time.time()
         resolved = await resolve(weights)
         await self._worker.load_weights(resolved)
         self._loaded = resolved.version
+        return Timed(None, start, time.time())
 
     async def loaded_version(self) -> int | None:
         """The version of the last weights this actor loaded (None: none yet)."""
@@ -156,45 +132,45 @@ class _TrainerActor:
         return True
 
     @ray.method(concurrency_group="io")
+    async def clock(self) -> float:
+        return time.time()
+
+    @ray.method(concurrency_group="io")
     async def pid(self) -> int:
         return os.getpid()
 
     @ray.method(concurrency_group="train")
-    async def train_step(self, batch: TrainBatch) -> tuple[float, float]:
-        """Returns (start, end) on this node's wall clock."""
-        start = time.time()
-        await self._worker.train_step(batch)
-        return start, time.time()
+    async def train_step(self, batch: TrainBatch) -> Timed:
+        batch = dataclasses.replace(batch, payload=decode(batch.payload, writable=True))
+        return await _timed(self._worker.train_step(batch))
 
     @ray.method(concurrency_group="train")
-    async def optim_step(self) -> int:
-        version: int = await self._worker.optim_step()
-        return version
+    async def optim_step(self) -> Timed:
+        return await _timed(self._worker.optim_step())
 
     @ray.method(concurrency_group="train")
-    async def load_state(self, directory: Path) -> int:
-        version: int = await self._worker.load_state(directory)
-        return version
+    async def load_state(self, directory: Path) -> Timed:
+        return await _timed(self._worker.load_state(directory))
 
     @ray.method(concurrency_group="io")
-    async def get_metrics(self) -> tuple[dict[str, float], float, float]:
-        """The metrics slot and (start, end) of the call on this node's wall clock."""
-        start = time.time()
-        metrics: dict[str, float] = await self._worker.get_metrics()
-        return metrics, start, time.time()
+    async def get_metrics(self) -> Timed:
+        return await _timed(self._worker.get_metrics())
 
     @ray.method(concurrency_group="io")
-    async def export_weights(self) -> Weights:
+    async def export_weights(self) -> Timed:
+        return await _timed(self._export())
+
+    async def _export(self) -> Weights:
         weights: Weights = await self._worker.export_weights()
         exported = self._exported
         if exported is None or exported.version != weights.version:
-            exported = Weights(version=weights.version, payload=ray.put(to_transport(weights.payload)))
+            exported = Weights(version=weights.version, payload=ray.put(encode(weights.payload)))
             self._exported = exported  # the previous version's object is freed once no sampler holds it
         return exported
 
     @ray.method(concurrency_group="io")
-    async def save_state(self, directory: Path) -> None:
-        await self._worker.save_state(directory)
+    async def save_state(self, directory: Path) -> Timed:
+        return await _timed(self._worker.save_state(directory))
 
     @ray.method(concurrency_group="io")
     async def close(self) -> None:
@@ -224,6 +200,7 @@ class RaySampler:
         self.replica = replica
         self.trainer = trainer  # where a restarted actor gets the current weights (None: no restarts)
         self.restart_timeout_s = restart_timeout_s
+        self.spans = ActorSpans(f"actor:sampler/{replica}")
         self._stale = False  # a weight load was lost with the actor's process: sample only after a restart
         self._restarts = 0  # a load that fails after a restart completed was lost with the old process
         self._closed = False
@@ -232,23 +209,31 @@ class RaySampler:
         if self._stale:
             raise SamplerNeedsWeightsError(f"sampler replica {self.replica} lost a weight load with its actor's process")
 
+    async def _call(self, method: str, *args: Any, **span_args: object) -> Any:
+        """Await one actor call and trace the actor's span of it."""
+        await self.spans.sync(self.actor)
+        start = self.spans.now()
+        timed: Timed = await getattr(self.actor, method).remote(*args)
+        self.spans.record(method, start, timed, **span_args)
+        return timed.value
+
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         batch = list(requests)
         if not batch:
             return []
         self._check()
-        result: list[GenerateResult] = await self.actor.generate.remote(batch)
+        result: list[GenerateResult] = await self._call("generate", batch, n=len(batch))
         return result
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         self._check()
-        result: list[list[int]] = await self.actor.greedy.remote([list(p) for p in prompts_tokens], max_new_tokens)
+        result: list[list[int]] = await self._call("greedy", [list(p) for p in prompts_tokens], max_new_tokens, n=len(prompts_tokens))
         return result
 
     async def load_weights(self, weights: Weights) -> None:
         restarts = self._restarts
         try:
-            await self.actor.load_weights.remote(weights)
+            await self._call("load_weights", weights, version=weights.version)
         except ACTOR_GONE:
             if restarts == self._restarts:  # not already made good by a restart that loaded newer weights
                 self._stale = True
@@ -276,10 +261,11 @@ class RaySampler:
                         f"sampler replica {self.replica}'s actor was not alive again within {self.restart_timeout_s:.0f}s"
                     ) from exc
                 await asyncio.sleep(0.5)
+        self.spans.unsync()  # a new process, perhaps on another node
         weights = await self.trainer.export_weights()
         if weights.version < min_version:
             raise RuntimeError(f"the trainer exported version {weights.version}, older than the synced version {min_version}")
-        await self.actor.load_weights.remote(weights)
+        await self._call("load_weights", weights, version=weights.version)
         self._stale = False
         self._restarts += 1
         return weights.version
@@ -295,28 +281,38 @@ class RaySampler:
 
 
 class RayTrainer:
-    """Driver-side `Trainer` over a `TrainerActor`."""
+    """Driver-side `Trainer` over a `TrainerActor`. A micro-batch is collated on the driver (in
+    the packing thread, overlapping the previous train step) and crosses as numpy arrays."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
+        self.spans = ActorSpans("actor:trainer")
         self._closed = False
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """Await one actor call; the actor's process dying → `TrainerActorDiedError` naming it."""
+    async def _call(self, method: str, *args: Any, **span_args: object) -> Any:
+        """Await one actor call and trace the actor's span of it; the actor's process dying →
+        `TrainerActorDiedError` naming it."""
         try:
-            return await getattr(self.actor, method).remote(*args)
+            await self.spans.sync(self.actor)
+            start = self.spans.now()
+            timed: Timed = await getattr(self.actor, method).remote(*args)
         except ACTOR_GONE as exc:
             raise TrainerActorDiedError(f"trainer actor died: {type(exc).__name__} during {method}: {exc}") from exc
+        if method == "optim_step":
+            span_args["step"] = timed.value - 1  # the step whose commit made this version
+        self.spans.record(method, start, timed, **span_args)
+        return timed.value
 
     async def train_step(self, batch: TrainBatch) -> None:
-        await self._call("train_step", batch)
+        sent = dataclasses.replace(batch, payload=encode(batch.payload))
+        await self._call("train_step", sent, step=batch.step, microbatch=batch.index)
 
     async def optim_step(self) -> int:
         version: int = await self._call("optim_step")
         return version
 
     async def get_metrics(self) -> dict[str, float]:
-        metrics, _, _ = await self._call("get_metrics")
+        metrics: dict[str, float] = await self._call("get_metrics")
         return dict(metrics)
 
     async def export_weights(self) -> Weights:
@@ -334,6 +330,12 @@ class RayTrainer:
         if not self._closed:
             self._closed = True
             await _close_actor(self.actor)
+
+
+def attach_tracer(workers: Sequence[RaySampler | RayTrainer], tracer: Tracer) -> None:
+    """Trace the actors' spans of `workers`' calls onto `tracer` from now on."""
+    for worker in workers:
+        worker.spans.attach(tracer)
 
 
 class ResolvingEngine:

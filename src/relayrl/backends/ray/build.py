@@ -83,7 +83,7 @@ def build_ray_backend(cfg: Config, heldout: Sequence[Prompt], abort: threading.E
 def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, cluster: RayCluster, actors: list[Any]) -> Backend:
     import ray
 
-    from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor
+    from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor, attach_tracer
 
     n = cfg.rollout.num_samplers
     collator: Collator
@@ -126,15 +126,17 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         )
     ray.get(done)  # an actor whose constructor failed raises here
     trainer = RayTrainer(trainer_actor)
+    samplers = [RaySampler(a, i, trainer) for i, a in enumerate(sampler_actors)]
     return Backend(
         trainer=trainer,
-        samplers=[RaySampler(a, i, trainer) for i, a in enumerate(sampler_actors)],
+        samplers=list(samplers),
         collator=collator,
         tokenize=tokenize,
         host_work=host_work,
         evaluator=evaluator,
         startup={"ray_start": cluster.start_seconds},
         cleanup=cluster.close,
+        attach_tracer=functools.partial(attach_tracer, [trainer, *samplers]),
     )
 
 
