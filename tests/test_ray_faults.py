@@ -1,7 +1,8 @@
 """Faults on the Ray backend: a sampler actor's process killed mid-generation is restarted by Ray
 and serves again with the current weights (its requests go to the other replica meanwhile); the
 trainer actor's process killed fails the run, naming the trainer, and leaves the newest checkpoint
-intact. One local cluster for the module."""
+intact, from which `relayrl train --resume RUN_DIR --ray` completes the run. One local cluster for
+the module."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rayutil import local_cluster  # noqa: E402
-from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
+from relayrl.backends.ray.actors import RaySampler, RayTrainer, TrainerActorDiedError  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
-from relayrl.checkpoint import complete_checkpoints  # noqa: E402
+from relayrl.backends.sim.workers import SimTrainer  # noqa: E402
+from relayrl.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
+from relayrl.config import load_config  # noqa: E402
 from relayrl.replicas import SamplerRestartedWarning  # noqa: E402
 from relayrl.run import build_program  # noqa: E402
 from relayrl.telemetry.checker import check_run_dir  # noqa: E402
@@ -99,6 +102,85 @@ def test_a_killed_trainer_actor_fails_the_run_naming_it_and_keeps_the_newest_che
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "trainer actor died" in summary["error"]
     assert complete_checkpoints(tmp_path / "run" / "checkpoints"), "no complete checkpoint"
+
+
+SIM_RECIPE = Path(__file__).resolve().parents[1] / "src" / "relayrl" / "recipes" / "sim.toml"
+
+
+def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_on_ray(cluster: RayCluster, tmp_path: Path) -> None:
+    """The trainer actor's process is killed (SIGKILL) as the orchestrator starts writing the
+    third checkpoint (steps 1 and 3 are written, step 5's is under way): the run fails within 30 s
+    naming the trainer actor, the newest complete checkpoint (step 3, next step 4) loads with
+    relayrl's own reader and holds the trainer state of version 4, and the real CLI
+    `relayrl train --resume RUN_DIR --ray`, in a subprocess, completes the run from step 4.
+
+    The killed run runs in this process, which is already connected to the module's cluster, so it
+    joins it (`ray.address=auto` reuses that connection, as the other tests here do); the resume
+    joins the same cluster by its address (`--set ray.address=<the cluster's GCS address>`), a
+    resumable key, so it takes the same code path as a resume on a cluster started elsewhere. The
+    kill is made from a wrapper of the trainer's `save_state` before the actor call goes out:
+    deterministic, no timing race."""
+    steps, every = 12, 2
+    run_dir = tmp_path / "run"
+    sets = [f"run.output_dir={tmp_path}", "run.name=run", f"run.steps={steps}", f"orchestrator.checkpoint_every={every}"]
+    cfg = load_config(SIM_RECIPE, [*sets, "orchestrator.release_memory=false", "ray.enabled=true", "ray.address=auto"])
+    program = build_program(cfg, run_dir=run_dir)
+    trainer = program.backend.trainer
+    assert isinstance(trainer, RayTrainer)
+    pid = ray.get(trainer.actor.pid.remote())
+    save_state, saved, killed_at = trainer.save_state, [], []
+
+    async def save_state_then_kill(directory: Path) -> None:
+        saved.append(directory)
+        if len(saved) == 3:  # the third checkpoint: the first two are complete by now
+            assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step-000001", "step-000003"]
+            os.kill(pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+        await save_state(directory)
+
+    trainer.save_state = save_state_then_kill  # type: ignore[method-assign]
+    with pytest.raises(TrainerActorDiedError, match="trainer actor died"):
+        asyncio.run(asyncio.wait_for(program.run(), 60))
+    # (a) the run failed soon after the kill, naming the trainer actor
+    assert killed_at and time.monotonic() - killed_at[0] < 30.0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "trainer actor died" in summary["error"], summary["error"]
+    assert summary["steps_completed"] < steps
+    # (b) the newest complete checkpoint is intact: relayrl's reader loads it, the trainer state in it
+    # is the version it claims; the one being written when the trainer died is not complete
+    point = load_resume_point(run_dir)
+    assert point.directory == checkpoint_dir(run_dir, 3) and point.next_step == 4 and point.backend == "sim"
+    assert asyncio.run(SimTrainer(cfg.sim).load_state(point.directory)) == point.next_step
+    assert not checkpoint_dir(run_dir, 5).exists()
+
+    # (c) the real CLI resumes it on Ray, joining the module's cluster, and completes the run
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+    resumed = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "train", "--resume", str(run_dir), "--ray", "--set", f"ray.address={cluster.address}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"joined Ray cluster at {cluster.address} " in resumed.stdout, resumed.stdout[-2000:]
+    assert f"from step {point.next_step} " in resumed.stdout, resumed.stdout[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["resumed_from_step"] == point.next_step
+    assert summary["steps_completed"] == steps
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))  # every step once, in order
+    ledger = summary["ledger"]
+    assert ledger["groups_trained"] == steps * cfg.rollout.groups_per_step  # each group trained once
+    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]
+    assert settled == ledger["groups_dispatched"]
+    report = check_run_dir(run_dir)  # what `relayrl check-trace RUN_DIR` runs
+    assert report.ok, report.violations
+    assert report.completed
+    assert (run_dir / "trace.part-0.json").exists()  # the killed run's trace is kept beside it
+    assert complete_checkpoints(run_dir / "checkpoints")[-1] == checkpoint_dir(run_dir, steps - 1)
 
 
 def _ray_processes_of(root: int) -> set[int]:
