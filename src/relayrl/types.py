@@ -26,11 +26,14 @@ class FilterReason(StrEnum):
 
 @dataclass(slots=True, frozen=True)
 class Prompt:
-    """One task instance: the text shown to the policy and the reference the verifier uses."""
+    """One task instance: the text shown to the policy and the reference the verifier uses.
+    `metadata` holds what else the task knows about it, JSON-serialisable (a JSONL row's extra
+    fields, a reasoning-gym entry), for reward functions; it is checkpointed with the prompt."""
 
     prompt_id: str
     text: str
     answer: str
+    metadata: dict[str, object] = field(default_factory=dict, hash=False, compare=True)
 
 
 @dataclass(slots=True)
