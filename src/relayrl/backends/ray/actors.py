@@ -36,6 +36,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ class TrainerActorDiedError(RuntimeError):
 ACTOR_GONE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 SAMPLER_MAX_RESTARTS = 3  # Ray restarts a sampler actor whose process died up to this many times
 RESTART_TIMEOUT_S = 60.0  # a sampler actor not alive again within this is retired
+TRAIN_AHEAD = 1  # micro-batches sent to the trainer actor before the previous one's train_step returned
 
 
 async def _timed(work: Awaitable[Any]) -> Timed:
@@ -127,6 +129,8 @@ class _TrainerActor:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._worker = factory()
         self._exported: Weights | None = None  # the last version put into the object store
+        self._turn = asyncio.Condition()  # training calls run in the driver's numbering (`turn`)
+        self._next = 0
 
     async def ready(self) -> bool:
         return True
@@ -139,18 +143,30 @@ class _TrainerActor:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def _in_turn(self, turn: int, work: Callable[[], Awaitable[Any]]) -> Timed:
+        """Run `work` as training call number `turn`: after every earlier one ended (Ray does not
+        promise an async actor runs calls in submission order), one at a time."""
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._next == turn)
+        try:
+            return await _timed(work())
+        finally:
+            async with self._turn:
+                self._next += 1
+                self._turn.notify_all()
+
     @ray.method(concurrency_group="train")
-    async def train_step(self, batch: TrainBatch) -> Timed:
+    async def train_step(self, turn: int, batch: TrainBatch) -> Timed:
         batch = dataclasses.replace(batch, payload=decode(batch.payload, writable=True))
-        return await _timed(self._worker.train_step(batch))
+        return await self._in_turn(turn, lambda: self._worker.train_step(batch))
 
     @ray.method(concurrency_group="train")
-    async def optim_step(self) -> Timed:
-        return await _timed(self._worker.optim_step())
+    async def optim_step(self, turn: int) -> Timed:
+        return await self._in_turn(turn, self._worker.optim_step)
 
     @ray.method(concurrency_group="train")
-    async def load_state(self, directory: Path) -> Timed:
-        return await _timed(self._worker.load_state(directory))
+    async def load_state(self, turn: int, directory: Path) -> Timed:
+        return await self._in_turn(turn, lambda: self._worker.load_state(directory))
 
     @ray.method(concurrency_group="io")
     async def get_metrics(self) -> Timed:
@@ -178,7 +194,8 @@ class _TrainerActor:
 
 
 SamplerActor: Any = ray.remote(max_concurrency=1, max_restarts=SAMPLER_MAX_RESTARTS)(_SamplerActor)
-TrainerActor: Any = ray.remote(concurrency_groups={"train": 1, "io": 2})(_TrainerActor)
+# "train" admits a call queued behind the running one (TRAIN_AHEAD); `_in_turn` runs them one at a time
+TrainerActor: Any = ray.remote(concurrency_groups={"train": 1 + TRAIN_AHEAD, "io": 2})(_TrainerActor)
 
 
 async def _close_actor(actor: Any) -> None:
@@ -280,35 +297,79 @@ class RaySampler:
             await _close_actor(self.actor)
 
 
+@dataclass(slots=True)
+class _Sent:
+    """A training call sent to the trainer actor and not yet awaited."""
+
+    method: str
+    ref: Any  # its ObjectRef
+    start: float  # run clock
+    span_args: dict[str, object]
+
+
 class RayTrainer:
     """Driver-side `Trainer` over a `TrainerActor`. A micro-batch is collated on the driver (in
-    the packing thread, overlapping the previous train step) and crosses as numpy arrays."""
+    the packing thread, overlapping the previous train step) and crosses as numpy arrays.
+
+    `train_step` sends its micro-batch and returns once the previous micro-batch's train step has
+    ended (TRAIN_AHEAD = 1): the next micro-batch is already queued in the actor when one ends, so
+    the trainer does not sit idle for a round trip between micro-batches. A train step's error is
+    therefore raised by the next training call (`train_step`, `optim_step`, `load_state`), which
+    first awaits everything sent before it."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
         self.spans = ActorSpans("actor:trainer")
         self._closed = False
+        self._turn = 0  # training calls sent so far (the actor runs them in this order)
+        self._sent: list[_Sent] = []
 
-    async def _call(self, method: str, *args: Any, **span_args: object) -> Any:
-        """Await one actor call and trace the actor's span of it; the actor's process dying →
-        `TrainerActorDiedError` naming it."""
+    def _gone(self, exc: BaseException, method: str) -> TrainerActorDiedError:
+        return TrainerActorDiedError(f"trainer actor died: {type(exc).__name__} during {method}: {exc}")
+
+    async def _send(self, method: str, *args: Any, **span_args: object) -> _Sent:
+        """Send one training call, numbered in the order the actor must run it."""
         try:
             await self.spans.sync(self.actor)
-            start = self.spans.now()
-            timed: Timed = await getattr(self.actor, method).remote(*args)
         except ACTOR_GONE as exc:
-            raise TrainerActorDiedError(f"trainer actor died: {type(exc).__name__} during {method}: {exc}") from exc
-        if method == "optim_step":
-            span_args["step"] = timed.value - 1  # the step whose commit made this version
-        self.spans.record(method, start, timed, **span_args)
+            raise self._gone(exc, method) from exc
+        sent = _Sent(method, getattr(self.actor, method).remote(self._turn, *args), self.spans.now(), span_args)
+        self._turn += 1
+        return sent
+
+    async def _result(self, sent: _Sent) -> Any:
+        """Await a sent call's result and trace the actor's span of it."""
+        try:
+            timed: Timed = await sent.ref
+        except ACTOR_GONE as exc:
+            raise self._gone(exc, sent.method) from exc
+        if sent.method == "optim_step":
+            sent.span_args["step"] = timed.value - 1  # the step whose commit made this version
+        self.spans.record(sent.method, sent.start, timed, **sent.span_args)
         return timed.value
+
+    async def _drain(self, keep: int = 0) -> None:
+        """Await the sent training calls until at most `keep` are outstanding, oldest first."""
+        while len(self._sent) > keep:
+            await self._result(self._sent.pop(0))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """An "io" call (answered while a train step runs): await it and trace its span."""
+        try:
+            await self.spans.sync(self.actor)
+            sent = _Sent(method, getattr(self.actor, method).remote(*args), self.spans.now(), {})
+        except ACTOR_GONE as exc:
+            raise self._gone(exc, method) from exc
+        return await self._result(sent)
 
     async def train_step(self, batch: TrainBatch) -> None:
         sent = dataclasses.replace(batch, payload=encode(batch.payload))
-        await self._call("train_step", sent, step=batch.step, microbatch=batch.index)
+        self._sent.append(await self._send("train_step", sent, step=batch.step, microbatch=batch.index))
+        await self._drain(keep=TRAIN_AHEAD)
 
     async def optim_step(self) -> int:
-        version: int = await self._call("optim_step")
+        await self._drain()
+        version: int = await self._result(await self._send("optim_step"))
         return version
 
     async def get_metrics(self) -> dict[str, float]:
@@ -323,12 +384,14 @@ class RayTrainer:
         await self._call("save_state", directory)
 
     async def load_state(self, directory: Path) -> int:
-        version: int = await self._call("load_state", directory)
+        await self._drain()
+        version: int = await self._result(await self._send("load_state", directory))
         return version
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._sent.clear()  # a failed or cancelled run's unawaited calls end with the actor
             await _close_actor(self.actor)
 
 
