@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from relayrl.bench import BOUNDARY_PROFILE, run_boundary, run_control_plane, run_e2e, run_weight_sync
+from relayrl.bench import BOUNDARY_PROFILE, run_boundary, run_control_plane, run_e2e, run_ray_scale, run_weight_sync
 
 
 def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeeping() -> None:
@@ -84,3 +84,39 @@ def test_weight_sync_bench_reports_bytes_times_and_bandwidth() -> None:
     assert tiny["numpy"]["warmup_versions"] > tiny["tensors"]["warmup_versions"] == 1  # numpy goes round the store first
     assert tiny["ratio_numpy_over_tensors"] > 0
     assert figures["replicas"] == 1
+
+
+RAY_SCALE_KEYS = {
+    "trainer_busy",
+    "exposed_generation_mean_s",
+    "exposed_generation_max_s",
+    "exposed_generation_first_s",
+    "staleness_mean",
+    "staleness_max",
+    "step_time_median_s",
+    "sync_round_mean_s",
+    "sync_round_max_s",
+    "completions_per_s",
+    "wall_s",
+}
+
+
+def test_ray_scale_bench_reports_each_staleness_and_the_control_plane() -> None:
+    pytest.importorskip("ray")
+    figures = run_ray_scale(steps=3, replicas=2, time_scale=0.02)
+    for s in (1, 2):
+        f = figures[f"max_staleness_{s}"]
+        assert isinstance(f, dict) and set(f) == RAY_SCALE_KEYS
+        assert 0 < f["trainer_busy"] <= 1
+        assert 0 <= f["staleness_mean"] <= f["staleness_max"] <= s
+        assert 0 <= f["exposed_generation_mean_s"] <= f["exposed_generation_max_s"]
+        assert f["exposed_generation_first_s"] > 0  # the first step always waits for its groups
+        assert f["completions_per_s"] > 0
+    cp = figures["control_plane"]
+    assert isinstance(cp, dict)
+    assert cp["trajectories"] == 4 * 3 * 16 * 8  # 4x the steps, 16 groups of 8 per step
+    assert cp["trajectories_per_s"] > 0
+    assert figures["replicas"] == 2 and figures["target_trainer_busy"] == 0.95
+    import ray
+
+    assert not ray.is_initialized()  # the cluster the bench started is shut down

@@ -1,10 +1,12 @@
-"""Unit tests: deferred jobs, packing, advantages, dispatch window, config, tracer."""
+"""Unit tests: deferred jobs, packing, advantages, dispatch window, config, sim sampler, tracer."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relayrl.algorithms.advantages import group_advantages
+from relayrl.backends.sim import workers as sim_workers
+from relayrl.backends.sim.workers import SimSampler
 from relayrl.config import ConfigError, load_config
 from relayrl.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, layout_tokens, plan
 from relayrl.telemetry.tracer import Tracer, load_trace
-from relayrl.types import Prompt, Trajectory
+from relayrl.types import Completion, Prompt, SampleRequest, Trajectory
 from relayrl.window import DispatchWindow
 
 
@@ -197,6 +201,80 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         load_config(None, ["oops"])
     cfg = load_config(None, ["rollout.temperature=0.7", "run.name=abc", 'task.reward_functions=["exact_match"]'])
     assert cfg.rollout.temperature == 0.7 and cfg.run.name == "abc"
+
+
+# -- sim sampler: completion lengths and generation latency ----------------------------------
+def _sim_sampler(max_new_tokens: int, *overrides: str) -> SimSampler:
+    return SimSampler(load_config(None, list(overrides)).sim, max_new_tokens, seed=0)
+
+
+def _requests(n: int, samples: int) -> list[SampleRequest]:
+    return [SampleRequest(g, Prompt(f"p{g}", "1+1", "2"), [1, 2, 3], samples) for g in range(n)]
+
+
+def test_lognormal_lengths_stay_in_bounds_and_are_heavy_tailed() -> None:
+    sampler = _sim_sampler(4096, "sim.length_dist=lognormal", "sim.length_median=100", "sim.length_sigma=1.0")
+    rng = random.Random(0)
+    lengths = [sampler.completion_length(rng) for _ in range(4000)]
+    assert all(1 <= n <= 4096 for n in lengths)
+    assert 90 <= statistics.median(lengths) <= 110
+    assert statistics.mean(lengths) > 1.4 * statistics.median(lengths)  # right-skewed: e^(σ²/2) ≈ 1.65
+    assert sum(n > 1000 for n in lengths) >= 20  # a tail ten times the median (P ≈ 1.1%)
+    clipped = _sim_sampler(150, "sim.length_dist=lognormal", "sim.length_median=100", "sim.length_sigma=1.0")
+    short = [clipped.completion_length(rng) for _ in range(2000)]
+    assert max(short) == 150 and min(short) >= 1 and sum(n == 150 for n in short) > 300  # P(> 150) ≈ 34%
+    # a pure function of the seed
+    rng = random.Random(0)
+    assert [sampler.completion_length(rng) for _ in range(4000)] == lengths
+
+
+def test_uniform_lengths_keep_the_original_draws() -> None:
+    """The default draws exactly what the sim drew before lengths were configurable."""
+    sampler = _sim_sampler(16)
+    requests = _requests(3, 5)
+    results = asyncio.run(sampler.generate(requests))
+    for req, res in zip(requests, results, strict=True):
+        rng = random.Random(0 * 1_000_003 + req.group_id * 7919 + 0)
+        p = sampler.success_rate(0)
+        expected: list[Completion] = []
+        for _ in range(req.num_samples):
+            text = "2" if rng.random() < p else "3"
+            n = rng.randint(1, 16)
+            tokens = [rng.randrange(2, 64) for _ in range(n)]
+            expected.append(Completion(tokens=tokens, logprobs=[-rng.random()] * n, text=text))
+        assert res.completions == expected
+
+
+def test_generation_waits_for_the_longest_completion(monkeypatch: pytest.MonkeyPatch) -> None:
+    sampler = _sim_sampler(
+        2048,
+        "sim.length_dist=lognormal",
+        "sim.length_median=64",
+        "sim.generate_base=0.5",
+        "sim.generate_per_request=0.25",
+        "sim.generate_per_token=0.001",
+    )
+    assert sampler.generation_delay(2, 10) == pytest.approx(0.5 + 2 * 0.25 + 0.01)
+    assert sampler.generation_delay(2, 1000) > sampler.generation_delay(2, 10)
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(sim_workers, "_sleep", fake_sleep)
+    calls = [_requests(2, 4), _requests(8, 16)]
+    longest = []
+    for requests in calls:
+        results = asyncio.run(sampler.generate(requests))
+        longest.append(max(len(c.tokens) for r in results for c in r.completions))
+    assert slept == [pytest.approx(sampler.generation_delay(len(r), n)) for r, n in zip(calls, longest, strict=True)]
+    assert longest[1] > longest[0] and slept[1] > slept[0]  # more samples: a longer longest completion
+
+
+def test_sim_length_keys_are_validated() -> None:
+    for bad in ("sim.length_dist=gamma", "sim.length_median=0", "sim.length_sigma=-1", "sim.generate_per_token=-0.1"):
+        with pytest.raises(ConfigError, match=rf"'{bad.split('=')[0]}' \(from --set\)"):
+            load_config(None, [bad])
 
 
 # -- tracer ----------------------------------------------------------------------------------

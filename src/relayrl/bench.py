@@ -1,5 +1,6 @@
 """Benchmarks that print figures: the step boundary (inline vs overlapped), the control plane,
-the default recipe end to end, and a soak (a long run: does anything grow with the steps?).
+the default recipe end to end, a soak (a long run: does anything grow with the steps?), weight
+sync on Ray and scale by simulation on Ray (8 sampler replicas, heavy-tailed generation).
 
 Invariant: each benchmark runs its configurations one after the other in this process on the
 same workload and reports their ratio; nothing here asserts a time (machines are noisy).
@@ -425,7 +426,7 @@ def _sync_one_model(name: str, replicas: int, versions: int, object_store_bytes:
             times: list[tuple[float, float]] = []
             for _ in range(warmup + versions):
                 started = time.perf_counter()
-                weights = ray.get(trainer.export_weights.remote())  # put once into the object store
+                weights = ray.get(trainer.export_weights.remote()).value  # put once into the object store
                 exported = time.perf_counter()
                 ray.get([s.load_weights.remote(weights) for s in samplers])  # every replica fetched and copied it
                 times.append((time.perf_counter() - started, exported - started))
@@ -470,4 +471,137 @@ def run_weight_sync(
         cluster.close()
     out["replicas"] = replicas
     out["target_gb_per_s"] = WEIGHT_SYNC_TARGET_GBPS
+    return out
+
+
+# -- ray scale: sim workers on Ray, 8 sampler replicas, heavy-tailed generation ---------------
+
+RAY_SCALE_STALENESS = (1, 2)
+RAY_SCALE_TARGET_BUSY = 0.95  # trainer busy fraction at max_staleness 2
+# The profile ÷ 2: the bench takes ~1.5 min on 2 cores. Smaller scales measure this machine more
+# than the design: each train_step is a Ray round trip awaited before the next is sent, and with
+# 9 actors and the driver's GIL-bound host work sharing 2 cores one costs ~20 ms of trainer idle
+# (2% of a 1 s micro-batch, 4% at this scale, 20% at 0.1).
+RAY_SCALE_TIME_SCALE = 0.5
+RAY_SCALE_CONTROL_PLANE_STEPS_FACTOR = 4  # the control-plane run is fast: more steps, a steadier rate
+# The workload, per step (costs unscaled): 16 groups × 8 completions = 128 trajectories, one group
+# per generate call, so 16 calls, two per replica: a slow call is not averaged away inside a big
+# batch. Completion lengths are lognormal, median 128 tokens, σ = 1 (mean ≈ 210), clipped at
+# 2,048; a call lasts until the longest of its 8 completions ends: ~510 tokens at the median
+# call, ~1,170 at the 90th percentile, 2,048 (clipped) at the 99th. At 2.4 ms per token of that
+# longest completion (+ 10 ms per request) a call takes ~1.5 s on average and up to ~4.9 s.
+# Rows of 4,096 tokens hold any trajectory (12 + 2,048); ~28 k tokens per step pack into ~7–8
+# rows, 2 rows per micro-batch: ~4 micro-batches (3–5 with the lengths' spread), so the trainer
+# takes ~4 × 1.0 + 0.3 = 4.3 s per step. The 8 replicas need 16 × 1.5 / 8 ≈ 3.0 s of it (~70%):
+# on average they keep up, and a call in the tail (longer than a whole step) is what the
+# staleness window has to absorb.
+RAY_SCALE_WORKLOAD: list[str] = [
+    "rollout.groups_per_step=16",
+    "rollout.num_generations=8",
+    "rollout.prompts_per_request=1",
+    "rollout.max_new_tokens=2048",
+    "train.row_tokens=4096",
+    "train.rows_per_microbatch=2",
+    "train.share_prompt=false",  # the sim charges per micro-batch: one prompt copy per trajectory
+    "sim.length_dist=lognormal",
+    "sim.length_median=128",
+    "sim.length_sigma=1.0",
+    "orchestrator.checkpoint_every=0",
+    "eval.enabled=false",
+]
+RAY_SCALE_GENERATE_PER_TOKEN = 0.0024  # seconds per token of a call's longest completion (unscaled)
+
+
+def ray_scale_config(
+    max_staleness: int,
+    steps: int,
+    replicas: int,
+    time_scale: float,
+    control_plane: bool = False,
+    extra: list[str] | None = None,
+) -> Config:
+    """The ray-scale workload on a running cluster (ray.address=auto): the boundary profile plus
+    per-token generation, × `time_scale`; `control_plane` zeroes every simulated cost (same
+    shape, completion lengths and Ray hops)."""
+    costs: dict[str, float] = {**BOUNDARY_PROFILE, "sim.generate_per_token": RAY_SCALE_GENERATE_PER_TOKEN}
+    scale = 0.0 if control_plane else time_scale
+    overrides = [f"{key}={value * scale!r}" for key, value in costs.items()]
+    overrides += [
+        f"run.steps={steps}",
+        f"run.name=bench-ray-scale-{'cp' if control_plane else f's{max_staleness}'}",
+        f"rollout.max_staleness={max_staleness}",
+        f"rollout.num_samplers={replicas}",
+        "ray.enabled=true",
+        "ray.address=auto",
+        *RAY_SCALE_WORKLOAD,
+    ]
+    return load_config(None, overrides + (extra or []))
+
+
+def _ray_scale_figures(result: RunResult) -> dict[str, float]:
+    results = list(result.results)  # metrics.jsonl, one row per step
+    exposed = [float(r.metrics.get("exposed_generation_time") or 0.0) for r in results]
+    after_first = exposed[1:] or exposed  # the first step waits for its groups whatever the window
+    # a sync round lasts until every replica has loaded the version, each load queued behind the
+    # generate call its replica is running; the window moves on only after the round
+    rounds = [s.dur for s in timeline.spans(result.tracer.events) if s.lane == "orchestrator" and s.name == "weight_sync"]
+    return {
+        "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
+        "exposed_generation_mean_s": statistics.mean(after_first) if after_first else 0.0,
+        "exposed_generation_max_s": max(after_first, default=0.0),
+        "exposed_generation_first_s": exposed[0] if exposed else 0.0,
+        "staleness_mean": statistics.mean(float(r.metrics.get("staleness_mean") or 0.0) for r in results),
+        "staleness_max": max(float(r.metrics.get("staleness_max") or 0.0) for r in results),
+        "step_time_median_s": statistics.median(float(r.metrics.get("step_time_sec") or 0.0) for r in results),
+        "sync_round_mean_s": statistics.mean(rounds) if rounds else 0.0,
+        "sync_round_max_s": max(rounds, default=0.0),
+        "completions_per_s": _summary_float(result, "samples_per_s"),
+        "wall_s": _summary_float(result, "wall_time_s"),
+    }
+
+
+def run_ray_scale(
+    steps: int = 16, replicas: int = 8, time_scale: float = RAY_SCALE_TIME_SCALE, extra: list[str] | None = None
+) -> dict[str, object]:
+    """Scale by simulation: sim workers on a local Ray cluster started here (once, before the
+    runs and not in their figures; shut down at the end): `replicas` sampler actors with
+    heavy-tailed generation latency and the seed's large-model costs × `time_scale`
+    (RAY_SCALE_WORKLOAD), at max_staleness 1 and 2; then the same shape with every simulated cost
+    zero, for the control plane's trajectories/s on Ray."""
+    if steps < 2:
+        raise ConfigError(f"bench ray-scale needs at least 2 steps, got {steps}")
+    if replicas < 1:
+        raise ConfigError(f"bench ray-scale needs at least 1 replica, got {replicas}")
+    configs = {f"max_staleness_{s}": ray_scale_config(s, steps, replicas, time_scale, extra=extra) for s in RAY_SCALE_STALENESS}
+    cp_steps = steps * RAY_SCALE_CONTROL_PLANE_STEPS_FACTOR
+    control = ray_scale_config(max(RAY_SCALE_STALENESS), cp_steps, replicas, time_scale, control_plane=True, extra=extra)
+    import contextlib
+    import sys
+
+    from relayrl.backends.ray.cluster import connect
+    from relayrl.config import RayConfig
+
+    out: dict[str, object] = {}
+    with contextlib.redirect_stdout(sys.stderr):  # its start-up line: stdout may carry --json
+        cluster = connect(RayConfig())
+    try:
+        with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
+            for label, cfg in configs.items():
+                out[label] = _ray_scale_figures(asyncio.run(build_program(cfg, run_dir=Path(tmp) / label).run()))
+            result = asyncio.run(build_program(control, run_dir=Path(tmp) / "control_plane").run())
+            out["control_plane"] = {
+                "steps": cp_steps,
+                "trajectories": result.ledger.trajectories_trained,
+                "trajectories_per_s": _summary_float(result, "samples_per_s"),
+                "wall_s": _summary_float(result, "wall_time_s"),
+            }
+    finally:
+        cluster.close()
+    out.update(
+        replicas=replicas,
+        steps=steps,
+        time_scale=time_scale,
+        cluster_start_s=cluster.start_seconds,
+        target_trainer_busy=RAY_SCALE_TARGET_BUSY,
+    )
     return out

@@ -291,6 +291,45 @@ def bench_weight_sync(
     out.print(f"qwen2-50m numpy: {big:.2f} GB/s (target >= {WEIGHT_SYNC_TARGET_GBPS} GB/s on one node)  {verdict}")
 
 
+@bench_app.command("ray-scale")
+def bench_ray_scale(
+    steps: int = typer.Option(16, help="Steps per max_staleness (the control-plane run takes 4x as many)."),
+    replicas: int = typer.Option(8, help="Sampler actors."),
+    time_scale: float = typer.Option(0.5, help="Multiply every simulated cost (1.0 = the seed's large-model profile)."),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for every run.")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Scale by simulation: sim workers on a local Ray cluster, sampler replicas with heavy-tailed
+    (lognormal) generation latency and the seed's large-model trainer costs, at max_staleness 1
+    and 2, plus the control plane's trajectories/s on Ray (every simulated cost zero)."""
+    from relayrl.bench import RAY_SCALE_STALENESS, RAY_SCALE_TARGET_BUSY, run_ray_scale
+
+    figures = _bench(lambda: run_ray_scale(steps=steps, replicas=replicas, time_scale=time_scale, extra=list(set_ or [])), as_json)
+    out.print(
+        f"{replicas} sampler replicas, {steps} steps per run, time scale {time_scale:g} "
+        f"(cluster started in {cast(float, figures['cluster_start_s']):.1f} s, not counted)"
+    )
+    for s in RAY_SCALE_STALENESS:
+        f = cast(dict[str, float], figures[f"max_staleness_{s}"])
+        out.print(
+            f"max_staleness {s}: trainer busy {f['trainer_busy']:6.1%}   staleness mean {f['staleness_mean']:.2f}, "
+            f"max {f['staleness_max']:.0f}   {f['completions_per_s']:6.1f} completions/s"
+        )
+        out.print(
+            f"  exposed generation per step after the first: mean {f['exposed_generation_mean_s'] * 1e3:.1f} ms, "
+            f"max {f['exposed_generation_max_s'] * 1e3:.1f} ms (step 0: {f['exposed_generation_first_s']:.2f} s)   "
+            f"sync round mean {f['sync_round_mean_s']:.2f} s, max {f['sync_round_max_s']:.2f} s"
+        )
+    cp = cast(dict[str, float], figures["control_plane"])
+    out.print(
+        f"control plane (every simulated cost zero): {cp['trajectories']:.0f} trajectories in {cp['wall_s']:.2f} s: "
+        f"{cp['trajectories_per_s']:,.0f} trajectories/s"
+    )
+    busy = cast(dict[str, float], figures[f"max_staleness_{max(RAY_SCALE_STALENESS)}"])["trainer_busy"]
+    verdict = "ok" if busy >= RAY_SCALE_TARGET_BUSY else "MISSED"
+    out.print(f"trainer busy at max_staleness {max(RAY_SCALE_STALENESS)}: {busy:.1%} (target >= {RAY_SCALE_TARGET_BUSY:.0%})  {verdict}")
+
+
 @bench_app.command("soak")
 def bench_soak(
     steps: int = typer.Option(2000, help="Steps of the long sim run (at least 20)."),

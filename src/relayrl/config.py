@@ -10,6 +10,7 @@ TOML (`[`, `{`, `"`, `'`).
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
 import tomllib
@@ -65,15 +66,46 @@ class RunConfig(_Section):
 
 
 class TaskConfig(_Section):
-    kind: Literal["synthetic", "arithmetic", "jsonl"] = "synthetic"
+    kind: Literal["synthetic", "arithmetic", "jsonl", "reasoning_gym"] = "synthetic"
     path: str | None = None  # jsonl: the prompt file (one JSON object per line: prompt, answer)
     heldout_path: str | None = None  # jsonl: a separate held-out file ...
     heldout_last: int = Field(0, ge=0)  # jsonl: ... or the last k rows of `path`
     digits: int = Field(2, ge=1, le=6)
     operators: str = "+-"
+    # reasoning_gym (tasks/reasoning_gym.py, the `tasks` extra): a reasoning-gym dataset by name
+    # (e.g. "chain_sum") and its options (the fields of its config besides seed and size); the
+    # training set is `dataset_size` entries of seed `dataset_seed` (None = run.seed), cycled and
+    # reshuffled every epoch; held-out entries come from `heldout_seed` (None = dataset_seed +
+    # dataset_size: entry i of seed s is drawn from s + i, so the seed ranges must not overlap)
+    dataset: str | None = None
+    dataset_config: dict[str, object] = Field(default_factory=dict)
+    dataset_size: int = Field(1000, ge=1)
+    dataset_seed: int | None = None
+    heldout_seed: int | None = None
     heldout_size: int = Field(200, ge=0)
     reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
     prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
+
+    @field_validator("dataset_config")
+    @classmethod
+    def _check_dataset_config(cls, options: dict[str, object]) -> dict[str, object]:
+        """Plain TOML values only (written to config.toml and into each prompt's metadata); the
+        dataset's seed and size have their own keys."""
+        for key in ("seed", "size"):
+            if key in options:
+                raise ValueError(f"'{key}' is set by task.dataset_{key} (and task.heldout_seed), not here")
+
+        def plain(value: object) -> bool:
+            if isinstance(value, list):
+                return all(plain(v) for v in value)
+            if isinstance(value, dict):
+                return all(isinstance(k, str) and plain(v) for k, v in value.items())
+            return isinstance(value, str | int | bool) or (isinstance(value, float) and math.isfinite(value))
+
+        bad = sorted(key for key, value in options.items() if not plain(value))
+        if bad:
+            raise ValueError(f"option(s) {', '.join(bad)}: values must be strings, finite numbers, booleans, lists or tables")
+        return options
 
     @field_validator("prompt_template")
     @classmethod
@@ -177,6 +209,15 @@ class SimConfig(_Section):
 
     generate_per_request: float = Field(0.0, ge=0.0)
     generate_base: float = Field(0.0, ge=0.0)
+    # per token of the longest completion in a generate call (a batched decode runs until its
+    # longest sequence ends): with lognormal lengths, a heavy-tailed generation latency
+    generate_per_token: float = Field(0.0, ge=0.0)
+    # completion lengths: "uniform" on [1, rollout.max_new_tokens], or "lognormal" (heavy-tailed)
+    # with median length_median tokens and log-space standard deviation length_sigma, clipped to
+    # [1, rollout.max_new_tokens]; both are a pure function of the seed
+    length_dist: Literal["uniform", "lognormal"] = "uniform"
+    length_median: float = Field(32.0, gt=0.0)  # tokens (lognormal only)
+    length_sigma: float = Field(1.0, ge=0.0)  # lognormal only; 0 = every completion length_median tokens
     train_step: float = Field(0.0, ge=0.0)
     optim_step: float = Field(0.0, ge=0.0)
     get_metrics: float = Field(0.0, ge=0.0)
@@ -246,6 +287,8 @@ class Config(_Section):
                 )
         if self.task.kind == "jsonl" and not self.task.path:
             raise ValueError("task.path must name a JSONL file when task.kind = 'jsonl'")
+        if self.task.kind == "reasoning_gym" and not self.task.dataset:
+            raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")
         return self
 
 

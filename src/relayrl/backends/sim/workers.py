@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import threading
 from collections import deque
@@ -47,12 +48,28 @@ class SimSampler:
     def success_rate(self, version: int) -> float:
         return min(0.95, self._cfg.base_success + self._cfg.learn_rate * version)
 
+    def completion_length(self, rng: random.Random) -> int:
+        """Tokens of one completion, drawn from `rng`: uniform on [1, max_new_tokens], or lognormal
+        (median `length_median`, log-space spread `length_sigma`) clipped to that range."""
+        if self._cfg.length_dist == "uniform":
+            return rng.randint(1, self._max_new_tokens)
+        z = rng.normalvariate(math.log(self._cfg.length_median), self._cfg.length_sigma)  # log of the length
+        if z >= math.log(self._max_new_tokens):  # clipped in log space: exp never overflows
+            return self._max_new_tokens
+        return max(1, round(math.exp(z)))
+
+    def generation_delay(self, num_requests: int, longest: int) -> float:
+        """Simulated seconds of one generate call of `num_requests` requests whose longest
+        completion has `longest` tokens: a batched decode runs until its longest sequence ends."""
+        c = self._cfg
+        return c.generate_base + c.generate_per_request * num_requests + c.generate_per_token * longest
+
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         version = self._version
         self.generate_calls += 1
-        await _sleep(self._cfg.generate_base + self._cfg.generate_per_request * len(requests))
         p = self.success_rate(version)
         results: list[GenerateResult] = []
+        longest = 0
         for req in requests:
             rng = random.Random(self._seed * 1_000_003 + req.group_id * 7919 + version)
             wrong = str(int(req.prompt.answer) + 1) if req.prompt.answer.lstrip("-").isdigit() else "?"
@@ -61,10 +78,13 @@ class SimSampler:
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     await asyncio.sleep(0)  # a huge request must not hold the event loop for seconds
                 text = req.prompt.answer if rng.random() < p else wrong
-                n = rng.randint(1, self._max_new_tokens)
+                n = self.completion_length(rng)
+                longest = max(longest, n)
                 tokens = [rng.randrange(2, 64) for _ in range(n)]
                 completions.append(Completion(tokens=tokens, logprobs=[-rng.random()] * n, text=text))
             results.append(GenerateResult(req, completions, version, self._replica))
+        # the outputs are drawn first (the delay depends on their lengths), then the device time passes
+        await _sleep(self.generation_delay(len(requests), longest))
         return results
 
     async def load_weights(self, weights: Weights) -> None:
