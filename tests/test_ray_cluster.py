@@ -1,10 +1,11 @@
 """Several Ray nodes on one machine (`ray.cluster_utils.Cluster`): a head without CPUs and two
 worker nodes, each with one CPU, one `sampler` slot and its own marker resource; a sim run whose
 two sampler replicas ask for one `sampler` slot each lands one replica on each node, completes,
-balances its ledger and passes the trace checker."""
+balances its ledger and passes the trace checker; replicas that could share a node are spread."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -78,3 +79,13 @@ def test_sampler_replicas_on_two_nodes_complete_a_balanced_checked_run(cluster: 
     assert settled == ledger["groups_dispatched"]
     assert check_run_dir(tmp_path / "run").ok
     assert ray.is_initialized()  # the run joined the cluster and left it running
+
+
+def test_sampler_replicas_that_fit_on_one_node_are_spread_over_both(cluster: Any) -> None:
+    # a tenth of a CPU each: both fit on one node, and Ray's default policy would pack them there
+    cfg = sim_config("ray.enabled=true", f"ray.address={cluster.address}", "rollout.num_samplers=2", "ray.sampler_resources={CPU=0.1}")
+    program = build_program(cfg, run_dir=None)
+    try:
+        assert sorted(_node_of(s.actor) for s in program.backend.samplers) == ["node_a", "node_b"]  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(program.backend.close())

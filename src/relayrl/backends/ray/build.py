@@ -108,7 +108,8 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         collator = SimCollator(cfg.sim, abort)
         tokenize = SimTokenizer(cfg.sim.prompt_tokens)
         host_work = SimHostWork(cfg)
-    sampler_opts = actor_options(cfg.ray.sampler_resources)
+    # replicas spread over the nodes that can hold them (best effort), rather than packed onto one
+    sampler_opts = {**actor_options(cfg.ray.sampler_resources), "scheduling_strategy": "SPREAD"}
     trainer_opts = actor_options(cfg.ray.trainer_resources)
     trainer_actor = TrainerActor.options(**trainer_opts).remote(trainer_factory)
     actors.append(trainer_actor)
