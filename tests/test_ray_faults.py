@@ -7,6 +7,7 @@ the module."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.backends.sim.workers import SimTrainer  # noqa: E402
 from relayrl.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
 from relayrl.config import load_config  # noqa: E402
-from relayrl.replicas import SamplerRestartedWarning  # noqa: E402
+from relayrl.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
 from relayrl.run import build_program  # noqa: E402
 from relayrl.telemetry.checker import check_run_dir  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest  # noqa: E402
@@ -73,6 +74,34 @@ def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothin
     assert [r["replica"] for r in summary["samplers_restarted"]] == [0], summary["samplers_restarted"]
     assert summary["samplers_retired"] == []
     assert summary["samplers_restarted"][0]["version"] >= 0
+
+
+def test_a_sampler_actor_that_cannot_be_restarted_is_retired_and_the_run_completes(cluster: RayCluster, tmp_path: Path) -> None:
+    cfg = sim_config("ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "run.steps=8", "sim.generate_per_request=0.02")
+    program = build_program(cfg, run_dir=tmp_path / "run")
+    sampler = program.backend.samplers[0]
+    assert isinstance(sampler, RaySampler)
+    generate, calls = sampler.generate, []
+
+    async def generate_then_kill(requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        calls.append(len(requests))
+        if len(calls) == 3:  # the actor dies for good while this call generates (Ray will not restart it)
+            asyncio.get_running_loop().call_later(0.01, functools.partial(ray.kill, sampler.actor, no_restart=True))
+        return await generate(requests)
+
+    sampler.generate = generate_then_kill  # type: ignore[method-assign]
+    with pytest.warns(SamplerRetiredWarning, match="replica 0"):
+        result = asyncio.run(asyncio.wait_for(program.run(), 60))
+    ledger = result.ledger.as_dict()
+    assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step  # the other replica did the rest
+    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
+    assert settled == ledger["groups_dispatched"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert [r["replica"] for r in summary["samplers_retired"]] == [0], summary["samplers_retired"]
+    assert "dead for good" in summary["samplers_retired"][0]["error"]  # told at once, not after the 60 s restart bound
+    report = check_run_dir(tmp_path / "run")
+    assert report.ok, report.violations
 
 
 def test_a_killed_trainer_actor_fails_the_run_naming_it_and_keeps_the_newest_checkpoint(cluster: RayCluster, tmp_path: Path) -> None:

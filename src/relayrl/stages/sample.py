@@ -39,9 +39,10 @@ async def sampler_stage(
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
             if isinstance(sampler, Restartable) and sampler.restartable(exc):
                 await inbox.put(requests)  # the other replicas sample them while this one restarts
-                if await _restart(slot, sampler, exc, tracer, pool):
+                failed = await _restart(slot, sampler, exc, tracer, pool)
+                if failed is None:
                     continue
-                pool.retire(slot, exc, "generate", [r.group_id for r in requests])
+                pool.retire(slot, failed, "restart", [r.group_id for r in requests])
                 return
             pool.retire(slot, exc, "generate", [r.group_id for r in requests])
             await inbox.put(requests)  # another replica samples them
@@ -51,9 +52,9 @@ async def sampler_stage(
         await outbox.put(results)
 
 
-async def _restart(slot: SamplerSlot, sampler: Restartable, exc: Exception, tracer: Tracer, pool: ReplicaPool) -> bool:
+async def _restart(slot: SamplerSlot, sampler: Restartable, exc: Exception, tracer: Tracer, pool: ReplicaPool) -> Exception | None:
     """Bring a replica whose worker died back into service holding the version the sync stage
-    pushes (`pool.target`) or newer; False when it cannot be restarted."""
+    pushes (`pool.target`) or newer; returns why it cannot be restarted (None: it serves again)."""
     lane = f"sampler/{slot.replica}"
     slot.restarting = True  # sync rounds skip it: it loads the newest weights itself
     start = tracer.now()
@@ -63,10 +64,10 @@ async def _restart(slot: SamplerSlot, sampler: Restartable, exc: Exception, trac
             version = await sampler.restart(pool.target)
     except Exception as restart_exc:
         tracer.complete(lane, "restart_failed", start, tracer.now(), error=f"{type(restart_exc).__name__}: {restart_exc}")
-        return False
+        return restart_exc
     finally:
         slot.restarting = False
     slot.version = version
     tracer.complete(lane, "restart", start, tracer.now(), version=version)
     pool.record_restart(slot, exc, "generate", version)
-    return True
+    return None

@@ -17,7 +17,8 @@ Invariants:
   fetches it (zero-copy on one node) and copies it into its model;
 - a sampler actor whose process dies is restarted by Ray (`SAMPLER_MAX_RESTARTS`; its constructor
   builds a fresh worker) and refuses to sample (`SamplerNeedsWeightsError`) until the orchestrator
-  has loaded the current weights into it (`RaySampler.restart`, called by the sample stage); a
+  has loaded the current weights into it (`RaySampler.restart`, called by the sample stage; an
+  actor dead for good, or not alive again within RESTART_TIMEOUT_S, is retired by it instead); a
   weight load lost with a dead process does the same on the driver side;
 - every call's span inside the actor (`Timed`) is traced onto the driver's clock, next to the
   driver's own span of it (`relayrl.backends.ray.spans`);
@@ -268,11 +269,17 @@ class RaySampler:
             raise RuntimeError(f"sampler replica {self.replica} cannot be restarted: it has no trainer to fetch weights from")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.restart_timeout_s
+        died = 0  # pings answered "dead" in a row: a restarting actor is "unavailable" instead
         while True:
             try:
                 await asyncio.wait_for(self.actor.ping.remote(), max(0.1, deadline - loop.time()))
                 break
             except (TimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                died = died + 1 if isinstance(exc, ray.exceptions.ActorDiedError) else 0
+                if died >= 2:
+                    raise RuntimeError(
+                        f"sampler replica {self.replica}'s actor is dead for good (its restarts are used up or it was killed): {exc}"
+                    ) from exc
                 if loop.time() >= deadline:
                     raise TimeoutError(
                         f"sampler replica {self.replica}'s actor was not alive again within {self.restart_timeout_s:.0f}s"
