@@ -48,8 +48,9 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Reference log-probs of the sampling distribution, written independently of the code."""
+def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Reference log-probs of the distribution tokens are drawn from (the top-p nucleus,
+    renormalised), written independently of the code."""
     logp = torch.log_softmax(logits.double() / temperature, dim=-1)
     if top_p >= 1.0:
         return logp
@@ -67,10 +68,10 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return out
 
 
-def teacher_forced(model: Qwen2ForCausalLM, prompt: list[int], seq: SampledSequence, temperature: float, top_p: float) -> torch.Tensor:
+def teacher_forced(model: Qwen2ForCausalLM, prompt: list[int], seq: SampledSequence, temperature: float, top_p: float = 1) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + seq.tokens])).logits[0]
-    ref = sampling_logprobs(logits[len(prompt) - 1 : -1], temperature, top_p)
+    ref = nucleus_logprobs(logits[len(prompt) - 1 : -1], temperature, top_p)
     return ref.gather(-1, torch.tensor(seq.tokens)[:, None]).squeeze(-1)
 
 
@@ -96,8 +97,11 @@ def test_logprobs_match_teacher_forced_forward(model: Qwen2ForCausalLM, temperat
     for prompt, group in zip(PROMPTS, groups, strict=True):
         for seq in group:
             assert len(seq.tokens) == len(seq.logprobs) >= 1
-            expected = teacher_forced(model, prompt, seq, temperature, top_p)
+            # reported under the policy's full softmax (what the trainer scores), whatever top_p
+            expected = teacher_forced(model, prompt, seq, temperature)
             assert torch.allclose(torch.tensor(seq.logprobs, dtype=torch.float64), expected, atol=1e-4)
+            # and drawn from the nucleus: every token lies inside it
+            assert torch.isfinite(teacher_forced(model, prompt, seq, temperature, top_p)).all()
             finished_early += len(seq.tokens) < params.max_new_tokens
     assert finished_early >= 2  # the pruning path was exercised
 
@@ -123,7 +127,7 @@ def test_tiny_top_p_equals_greedy(model: Qwen2ForCausalLM) -> None:
     for g, group in zip(greedy, nucleus, strict=True):
         for seq in group:
             assert seq.tokens == g[0].tokens
-            assert seq.logprobs == pytest.approx([0.0] * len(seq.tokens), abs=1e-6)
+            assert seq.logprobs == pytest.approx(g[0].logprobs, abs=1e-5)  # the policy's log-prob of the argmax
     # Greedy reports the argmax's log-prob under the plain softmax.
     for prompt, g in zip(PROMPTS, greedy, strict=True):
         expected = teacher_forced(model, prompt, g[0], 1.0, 1.0)

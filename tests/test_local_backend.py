@@ -72,6 +72,17 @@ def test_on_policy_sampler_and_trainer_agree(short_run: tuple[Path, object]) -> 
     assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-3 for r in rows)
 
 
+def test_on_policy_ratio_is_one_with_top_p(tmp_path: Path) -> None:
+    """top_p < 1 truncates what is sampled, not the log-probs the sampler reports: at staleness 0
+    the trainer's ratio to the sampler's log-probs is 1 (a nucleus-renormalised "old" would put
+    it near 0.7 on this model at top_p 0.7)."""
+    cfg = load_config(None, [*QUICK, "run.steps=2", "rollout.max_staleness=0", "rollout.top_p=0.7", "eval.enabled=false"])
+    run_checked(build_program(cfg, run_dir=tmp_path / "run"), timeout=120)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["train/logprob_diff_max"] for r in rows) < 1e-3
+    assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-3 for r in rows)
+
+
 def test_kl_reference_and_truncated_is_in_a_real_run(tmp_path: Path) -> None:
     """KL to a frozen reference and truncated IS, end to end on the local backend: the first
     step's policy is the reference (KL 0), later steps have moved away from it (KL > 0); the IS

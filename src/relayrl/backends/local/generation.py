@@ -1,7 +1,7 @@
 """Batched sampling with a KV cache for Hugging Face causal LMs (Qwen2, Llama, ...), on torch.
 
 Job: given a batch of prompts and how many samples each needs, return every sample's tokens and
-the log-probability of each token under the distribution it was drawn from.
+the log-probability of each token under the policy that drew it.
 
 Invariants:
 - each distinct prompt is prefilled exactly once; its KV-cache rows are then copied to its G
@@ -10,9 +10,12 @@ Invariants:
   make every row compute what it would compute alone (padding never changes a result);
 - a row stops at its first EOS token, which is kept; nothing is sampled after it, and finished
   rows leave the batch so later steps do not compute them;
-- `logprobs[i]` is log p(tokens[i]) under the SAMPLING distribution: softmax(logits / temperature)
-  restricted to the top-p nucleus and renormalised. In greedy mode it is the log-prob of the
-  argmax under the plain temperature-1 softmax (no nucleus), which is what the policy assigns it.
+- `logprobs[i]` is log p(tokens[i]) under the POLICY's distribution, softmax(logits /
+  temperature), the one the trainer scores: with `top_p < 1` the token is drawn from the nucleus
+  (truncated, renormalised) but its log-prob is not renormalised, so at staleness 0 the training
+  ratio is exactly 1 and clipping / truncated IS act only on policy change (as TRL and verl,
+  which recompute "old" log-probs with the full softmax). In greedy mode it is the log-prob of
+  the argmax under the plain temperature-1 softmax, which is what the policy assigns it.
 """
 
 from __future__ import annotations
@@ -77,15 +80,15 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, logprobs
     scaled = logits / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)  # the policy's: what the token's log-prob is reported under
+    probs = logp.exp()
     if params.top_p < 1.0:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the tokens ranked above it already reach top_p (the top one never is).
         outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
         drop = torch.zeros_like(outside).scatter_(-1, order, outside)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    logp = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        probs = probs.masked_fill(drop, 0.0)  # multinomial renormalises the nucleus
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
