@@ -110,6 +110,10 @@ def test_kl_reference_and_truncated_is_in_a_real_run(tmp_path: Path) -> None:
         if r["staleness_max"] == 0:  # on-policy: trainer and sampler agree, weight exp(0) = 1
             assert r["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert any(r["staleness_max"] == 1 and abs(r["train/tis_weight_mean"] - 1.0) > 1e-4 for r in trained)
+    # decoupled PPO: the clip never binds, so no clip fraction is logged; the cap's share is
+    for r in trained:
+        assert "train/clip_frac_high" not in r and "train/clip_frac_low" not in r
+        assert 0.0 <= r["train/tis_capped_frac"] <= 1.0
 
 
 def test_trainer_update_changes_weights_and_fills_the_slot() -> None:

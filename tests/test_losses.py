@@ -94,7 +94,6 @@ def test_accumulation_over_microbatches_equals_one_batch(aggregation: Aggregatio
         whole["seq"],
         cfg,
         ref_logprobs=whole["ref"],
-        sampler_logprobs=whole["sampler"],
     ).loss.backward()
 
     params = leaf(whole["logp"])  # one parameter tensor, sliced into the two micro-batches
@@ -110,7 +109,6 @@ def test_accumulation_over_microbatches_equals_one_batch(aggregation: Aggregatio
             num_tokens_in_step=n_tokens,
             num_seqs_in_step=n_seqs,
             ref_logprobs=part["ref"],
-            sampler_logprobs=part["sampler"],
         )
         out.loss.backward()
         total += out.loss.item()
@@ -124,7 +122,6 @@ def test_accumulation_over_microbatches_equals_one_batch(aggregation: Aggregatio
         whole["seq"],
         cfg,
         ref_logprobs=whole["ref"],
-        sampler_logprobs=whole["sampler"],
     ).loss.item()
     assert total == pytest.approx(whole_loss, rel=1e-5)
 
@@ -202,27 +199,36 @@ def test_kl_k3_value_and_off_by_default() -> None:
         policy_loss(logp, logp, torch.zeros(2), mask, torch.arange(2), LossConfig(kl_beta=0.1))
 
 
-def test_tis_cap_bounds_the_weight() -> None:
+def test_tis_cap_is_decoupled_ppo_with_a_truncated_weight_and_reports_what_it_did() -> None:
     cap = 2.0
-    old = torch.tensor([-1.0, -1.0, -1.0, -1.0])
-    sampler = torch.tensor([-1.0, -1.5, -4.0, -0.5])  # weights exp(old − sampler): 1, 1.65, 20, 0.61
+    current = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    behaviour = torch.tensor([-1.0, -1.5, -4.0, -0.5])  # weights exp(current − behaviour): 1, 1.65, 20, 0.61
     adv = torch.tensor([1.0, 1.0, 1.0, -1.0])
     mask = torch.ones(4)
-    logp = leaf(old)
-    out = policy_loss(logp, old, adv, mask, torch.arange(4), LossConfig(tis_cap=cap), sampler_logprobs=sampler)
+    logp = leaf(current)
+    out = policy_loss(logp, behaviour, adv, mask, torch.arange(4), LossConfig(tis_cap=cap))
     out.loss.backward()
-    weights = torch.exp(old - sampler).clamp(max=cap)
+    weights = torch.exp(current - behaviour).clamp(max=cap)
     assert weights[2].item() == cap
     assert out.loss.item() == pytest.approx(-(adv * weights).mean().item(), rel=1e-6)
     assert out.tis_weight_mean == pytest.approx(weights.mean().item(), rel=1e-6)
-    assert out.tis_weight_mean is not None and out.tis_weight_mean <= cap
+    assert out.tis_capped_frac == pytest.approx(0.25)  # only the third token's weight hit the cap
     assert logp.grad is not None  # the weight is detached: the gradient is the weighted PG gradient
     torch.testing.assert_close(logp.grad, -(adv * weights) / 4)
-    # |Δ log-prob| between trainer and sampler
+    # the ratio the metrics report is current over behaviour (uncapped), in both modes
+    assert out.ratio_max == pytest.approx(math.exp(3.0), rel=1e-6)
     assert out.logprob_diff_max == pytest.approx(3.0)
     assert out.logprob_diff_mean == pytest.approx((0 + 0.5 + 3 + 0.5) / 4)
-    with pytest.raises(ValueError, match="no sampler_logprobs"):
-        policy_loss(logp, old, adv, mask, torch.arange(4), LossConfig(tis_cap=cap))
+    # the clip never binds in this mode, so no clip fraction is reported (it would always read 0)
+    assert out.clip_frac_low is None and out.clip_frac_high is None
+    assert "clip_frac_high" not in out.metrics() and "tis_capped_frac" in out.metrics()
+    # plain PPO on the same tokens clips the third (A > 0, r = 20 > 1 + ε_high): no gradient there
+    ppo_logp = leaf(current)
+    ppo = policy_loss(ppo_logp, behaviour, adv, mask, torch.arange(4), LossConfig())
+    ppo.loss.backward()
+    assert ppo_logp.grad is not None and ppo_logp.grad[2].item() == 0.0 and logp.grad[2].item() < 0.0
+    assert ppo.clip_frac_high == pytest.approx(0.5)  # tokens 1 (r 1.65) and 2 (r 20)
+    assert ppo.tis_weight_mean is None and ppo.tis_capped_frac is None
 
 
 def test_masked_positions_cannot_poison_loss_or_gradient() -> None:

@@ -9,10 +9,28 @@ with explicit step normalisers (`num_tokens_in_step`, `num_seqs_in_step`) the su
 of a step's micro-batches equals the loss of the whole step computed at once, so accumulating
 gradients over micro-batches is exact.
 
-Per completion token t of sequence s (advantage A, ratio r = exp(logp − old_logp)):
+Per completion token t of sequence s, with advantage A, the current policy's log-prob logp and the
+behaviour policy's `old_logp` (the sampler's, which drew the token), one objective in two modes:
 
-    pg_t  = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)) · w_t          (PPO / DAPO clip-higher)
-    w_t   = min(exp(old_logp − sampler_logp), tis_cap), detached          (only if tis_cap is set)
+- `tis_cap` unset — clipped PPO against the behaviour policy (DAPO clip-higher):
+      r_t   = exp(logp − old_logp)
+      pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high))
+  The trust region is around the policy that sampled: staleness and any sampler/trainer mismatch
+  both move r away from 1, and the clip acts on them.
+- `tis_cap` set — decoupled PPO (Hilton et al., 2021) with the proximal policy π_prox = the
+  trainer's policy at the start of the step (logp, detached) and a truncated importance weight
+  from the behaviour policy to it:
+      r_t   = exp(logp − logp.detach())            (1 in value; its gradient is ∇logp)
+      w_t   = min(exp(logp.detach() − old_logp), tis_cap), detached
+      pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high)) · w_t
+  relayrl updates once per batch, so r_t = 1 where the gradient is taken and the clip never
+  binds: the gradient is the truncated-IS policy gradient −A·w_t·∇logp, correcting staleness and
+  the sampler/trainer mismatch with a bounded weight instead of a clip. Clip fractions are
+  therefore not reported in this mode (they would read 0); `tis_weight_mean` and
+  `tis_capped_frac` say what the weight did.
+
+In both modes `ratio_*` is exp(logp − old_logp), the current policy over the behaviour policy, and
+
     kl_t  = exp(ref − logp) − (ref − logp) − 1                            (k3; only if beta > 0)
     ℓ_t   = pg_t + beta·kl_t
 
@@ -36,6 +54,8 @@ import torch
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[Aggregation, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
+# statistics a call reports only when they apply (see LossOutput)
+OPTIONAL_STATS = ("clip_frac_low", "clip_frac_high", "entropy_mean", "kl_mean", "tis_weight_mean", "tis_capped_frac")
 # |log ratio| beyond this is clamped before exp so a wild token cannot overflow to inf.
 MAX_LOG_RATIO = 20.0
 
@@ -50,12 +70,9 @@ class LossConfig:
     - `max_completion_tokens`: the constant normaliser of "seq_mean_token_sum_norm" (required
       there; usually the sampler's max new tokens).
     - `kl_beta`: weight of the k3 KL estimate to a frozen reference policy; 0 turns it off.
-    - `tis_cap`: truncated importance sampling. When set, each token's policy-gradient term is
-      multiplied by min(exp(old_logprobs − sampler_logprobs), tis_cap), detached. It corrects for
-      the sampler (inference engine) and the trainer assigning different probabilities to the
-      same token under the same weights: `old_logprobs` must then be the trainer's recomputed
-      log-probs of the sampling policy and `sampler_logprobs` the engine's. Only the
-      policy-gradient term is weighted, not the KL term. None turns it off.
+    - `tis_cap`: None = clipped PPO against the behaviour policy; a cap = decoupled PPO with a
+      truncated importance weight min(π_prox / π_behaviour, tis_cap) (see the module docstring).
+      Only the policy-gradient term is weighted, not the KL term.
     """
 
     clip_eps_low: float = 0.2
@@ -89,43 +106,42 @@ class LossOutput:
 
     Means are over `num_tokens` tokens: to combine micro-batches, weight them by `num_tokens`;
     combine `*_min` / `*_max` with min / max. With no loss token, ratios read 1 and diffs 0.
-    - `clip_frac_low`: share of tokens with A < 0 and r < 1 − ε_low (clipped: no gradient).
-    - `clip_frac_high`: share of tokens with A > 0 and r > 1 + ε_high (clipped: no gradient).
-    - `logprob_diff_mean` / `_max`: |current trainer log-prob − sampler log-prob| (sampler
-      log-probs are `sampler_logprobs`, or `old_logprobs` when those are not given).
-    - `ratio_*`: r = exp(logp − old_logp).
+    - `logprob_diff_mean` / `_max`: |current trainer log-prob − behaviour (sampler) log-prob|.
+    - `ratio_*`: exp(logp − old_logp), the current policy over the behaviour policy.
+    - `clip_frac_low`: share of tokens with A < 0 and r < 1 − ε_low (clipped: no gradient);
+      `clip_frac_high`: A > 0 and r > 1 + ε_high. PPO mode only (None with `tis_cap`).
+    - `tis_weight_mean`: mean truncated-IS weight; `tis_capped_frac`: share of tokens whose
+      weight the cap bound. With `tis_cap` only (else None).
     - `entropy_mean`: mean of the given per-token entropy; None when not given.
     - `kl_mean`: mean k3 KL to the reference; None when no `ref_logprobs` were given.
-    - `tis_weight_mean`: mean truncated-IS weight; None when `tis_cap` is unset.
     """
 
     loss: torch.Tensor
     num_tokens: int
-    clip_frac_low: float
-    clip_frac_high: float
     logprob_diff_mean: float
     logprob_diff_max: float
     ratio_mean: float
     ratio_min: float
     ratio_max: float
+    clip_frac_low: float | None = None
+    clip_frac_high: float | None = None
     entropy_mean: float | None = None
     kl_mean: float | None = None
     tis_weight_mean: float | None = None
+    tis_capped_frac: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics (detached floats); optional statistics only when present."""
         out: dict[str, float] = {
             "loss": float(self.loss.detach().item()),
             "num_loss_tokens": float(self.num_tokens),
-            "clip_frac_low": self.clip_frac_low,
-            "clip_frac_high": self.clip_frac_high,
             "logprob_diff_mean": self.logprob_diff_mean,
             "logprob_diff_max": self.logprob_diff_max,
             "ratio_mean": self.ratio_mean,
             "ratio_min": self.ratio_min,
             "ratio_max": self.ratio_max,
         }
-        for name in ("entropy_mean", "kl_mean", "tis_weight_mean"):
+        for name in OPTIONAL_STATS:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -143,17 +159,16 @@ def policy_loss(
     num_tokens_in_step: float | None = None,
     num_seqs_in_step: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    sampler_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Clipped policy-gradient loss of one micro-batch (see module docstring for the formula).
+    """The policy loss of one micro-batch (see the module docstring for both modes).
 
     All tensors share one shape. `logprobs` carries the gradient; `old_logprobs` are the
-    behaviour log-probs the ratio is taken against (the sampler's, or the trainer's recomputed
-    ones); `seq_index` names each token's sequence (>= 0 on loss tokens, unique per sequence
-    within this call). `num_tokens_in_step` / `num_seqs_in_step` are the step-wide normalisers
-    (completion tokens / sequences with at least one completion token, over all micro-batches of
-    the step); when None this call's own counts are used, i.e. the micro-batch is the whole step.
+    behaviour policy's (the sampler's log-probs of the tokens it drew); `seq_index` names each
+    token's sequence (>= 0 on loss tokens, unique per sequence within this call).
+    `num_tokens_in_step` / `num_seqs_in_step` are the step-wide normalisers (completion tokens /
+    sequences with at least one completion token, over all micro-batches of the step); when None
+    this call's own counts are used, i.e. the micro-batch is the whole step.
     """
     shape = logprobs.shape
     for name, t in (
@@ -162,34 +177,34 @@ def policy_loss(
         ("loss_mask", loss_mask),
         ("seq_index", seq_index),
         ("ref_logprobs", ref_logprobs),
-        ("sampler_logprobs", sampler_logprobs),
         ("entropy", entropy),
     ):
         if t is not None and t.shape != shape:
             raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
     if cfg.kl_beta > 0 and ref_logprobs is None:
         raise ValueError("policy_loss: loss.kl_beta > 0 needs ref_logprobs")
-    if cfg.tis_cap is not None and sampler_logprobs is None:
-        raise ValueError("policy_loss: loss.tis_cap is set but no sampler_logprobs were given")
 
     mask = loss_mask > 0
     n_tokens = int(mask.sum().item())
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     adv = torch.where(mask, advantages.to(logprobs.dtype), zero)
-    old = old_logprobs.detach().to(logprobs.dtype)
+    behaviour = old_logprobs.detach().to(logprobs.dtype)
+    decoupled = cfg.tis_cap is not None
+    anchor = logprobs.detach() if decoupled else behaviour  # what the clipped ratio is taken against
 
     # Masked positions get log-ratio 0 *before* exp, so garbage there cannot become inf/NaN in
     # the forward pass nor in the backward pass.
-    log_ratio = torch.where(mask, logprobs - old, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = torch.where(mask, logprobs - anchor, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
 
     tis_weight: torch.Tensor | None = None
+    uncapped: torch.Tensor | None = None
     if cfg.tis_cap is not None:
-        assert sampler_logprobs is not None
-        log_w = torch.where(mask, old - sampler_logprobs.detach().to(logprobs.dtype), zero)
-        tis_weight = torch.exp(log_w.clamp(max=MAX_LOG_RATIO)).clamp(max=cfg.tis_cap).detach()
+        log_w = torch.where(mask, anchor - behaviour, zero)
+        uncapped = torch.exp(log_w.clamp(max=MAX_LOG_RATIO))
+        tis_weight = uncapped.clamp(max=cfg.tis_cap).detach()
         pg = pg * tis_weight
 
     per_token = pg
@@ -207,13 +222,11 @@ def policy_loss(
     # ---- detached statistics, fetched with one device sync ----
     with torch.no_grad():
         denom = max(n_tokens, 1)
-        sampler = (sampler_logprobs if sampler_logprobs is not None else old_logprobs).detach()
-        diff = torch.where(mask, (logprobs.detach() - sampler.to(logprobs.dtype)).abs(), zero)
+        delta_b = torch.where(mask, logprobs.detach() - behaviour, zero)
+        diff = delta_b.abs()
+        r = torch.exp(delta_b.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # current over behaviour, both modes
         one = torch.ones((), dtype=logprobs.dtype, device=logprobs.device)
-        r = ratio.detach()
         stats = [
-            ((adv < 0) & (r < 1.0 - cfg.clip_eps_low) & mask).sum() / denom,
-            ((adv > 0) & (r > 1.0 + cfg.clip_eps_high) & mask).sum() / denom,
             diff.sum() / denom,
             diff.max() if diff.numel() else zero,
             torch.where(mask, r, zero).sum() / denom if n_tokens else one,
@@ -221,27 +234,26 @@ def policy_loss(
             torch.where(mask, r, torch.full_like(r, -torch.inf)).max() if n_tokens else one,
         ]
         optional: list[torch.Tensor | None] = [
+            None if decoupled else ((adv < 0) & (r < 1.0 - cfg.clip_eps_low) & mask).sum() / denom,
+            None if decoupled else ((adv > 0) & (r > 1.0 + cfg.clip_eps_high) & mask).sum() / denom,
             None if entropy is None else torch.where(mask, entropy.detach().to(logprobs.dtype), zero).sum() / denom,
             None if kl is None else kl.detach().sum() / denom,
             None if tis_weight is None else torch.where(mask, tis_weight, zero).sum() / denom,
+            None if uncapped is None or cfg.tis_cap is None else ((uncapped > cfg.tis_cap) & mask).sum() / denom,
         ]
         present = [s for s in optional if s is not None]
         values = torch.stack([s.to(torch.float64) for s in stats + present]).tolist()
     fixed, rest = values[: len(stats)], iter(values[len(stats) :])
-    opt = [None if s is None else next(rest) for s in optional]
+    opt = dict(zip(OPTIONAL_STATS, (None if s is None else next(rest) for s in optional), strict=True))
     return LossOutput(
         loss=loss,
         num_tokens=n_tokens,
-        clip_frac_low=fixed[0],
-        clip_frac_high=fixed[1],
-        logprob_diff_mean=fixed[2],
-        logprob_diff_max=fixed[3],
-        ratio_mean=fixed[4],
-        ratio_min=fixed[5],
-        ratio_max=fixed[6],
-        entropy_mean=opt[0],
-        kl_mean=opt[1],
-        tis_weight_mean=opt[2],
+        logprob_diff_mean=fixed[0],
+        logprob_diff_max=fixed[1],
+        ratio_mean=fixed[2],
+        ratio_min=fixed[3],
+        ratio_max=fixed[4],
+        **opt,
     )
 
 

@@ -10,10 +10,9 @@ thread-safe (`metrics`, `committed_weights`, `save_state`) only read what `optim
 under a lock, so the host calls them outside that thread and they never wait behind a running
 train step (a Ray actor would give them their own concurrency group).
 
-On-policy the sampler's log-probs serve as the old log-probs: no extra forward pass. With
-`tis_cap` set, the trainer's own log-probs (detached) become the proximal "old" policy and each
-token's policy-gradient term is weighted by min(exp(trainer − sampler), cap): truncated
-importance sampling that corrects both staleness and the sampler/trainer mismatch.
+The sampler's log-probs are the behaviour policy's: no extra forward pass. The objective is
+clipped PPO against them, or with `tis_cap` decoupled PPO with a truncated importance weight
+(algorithms/losses.py says exactly what each computes and reports).
 
 Invariant: exactly one optimizer update per `optim_step`, which overwrites the metrics slot with
 that step's figures and returns the new policy version (= number of updates so far).
@@ -149,13 +148,9 @@ class TrainerCompute:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref, _ = token_logprobs(self.ref_model, batch, self.settings.temperature)
-        if cfg.tis_cap is not None:
-            old, sampler = logp.detach(), batch.old_logprobs
-        else:
-            old, sampler = batch.old_logprobs, None
         out = policy_loss(
             logp,
-            old,
+            batch.old_logprobs,
             batch.advantages,
             batch.loss_mask,
             batch.seq_index,
@@ -163,7 +158,6 @@ class TrainerCompute:
             num_tokens_in_step=float(max(1, tb.step_completion_tokens)),
             num_seqs_in_step=float(max(1, tb.step_sequences)),
             ref_logprobs=ref,
-            sampler_logprobs=sampler,
             entropy=entropy,
         )
         out.loss.backward()
