@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from relayrl.config import load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.recipes import default_recipe
 from relayrl.run import build_program
+from relayrl.types import TrainBatch
 from simutil import run_checked
 
 QUICK = [
@@ -159,6 +161,59 @@ def test_trainer_update_changes_weights_and_fills_the_slot() -> None:
     assert metrics["completion_tokens"] == 4.0 and metrics["microbatches"] == 1.0
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "optim_step did not change any weight"
+
+
+def _tiny_batch(tok: Any, advantages: tuple[float, float]) -> TrainBatch:
+    """A collated one-step micro-batch of two completions of "12+7=" with these advantages."""
+    from relayrl.backends.local.collate import TorchCollator
+    from relayrl.packing import build_microbatch, plan
+    from relayrl.types import Prompt, Trajectory
+
+    prompt_ids = tok("12+7=", add_special_tokens=False)["input_ids"]
+    trajs = [
+        Trajectory(
+            group_id=0,
+            sample_index=i,
+            prompt=Prompt("p", "12+7=", "19"),
+            prompt_tokens=prompt_ids,
+            completion_tokens=tok(c, add_special_tokens=False)["input_ids"],
+            sampler_logprobs=[-1.0] * len(c),
+            completion_text=c,
+            policy_version=0,
+            replica=0,
+            advantage=a,
+        )
+        for i, (c, a) in enumerate(zip(("19", "18"), advantages, strict=True))
+    ]
+    mb = build_microbatch(0, 0, trajs, plan(trajs, 64, 4))
+    mb.payload = TorchCollator(pad_token_id=tok.pad_token_id).collate(mb)
+    return mb.train_batch()
+
+
+@pytest.mark.parametrize("policy", ["skip", "fail"])
+def test_a_non_finite_loss_never_reaches_the_weights(policy: str) -> None:
+    from relayrl.backends.local.trainer import NonFiniteStepError, TrainerCompute
+
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    settings = TrainerSettings(learning_rate=1e-2, total_steps=4, loss=LossConfig(), on_nonfinite=policy)
+    trainer = TrainerCompute(model, settings)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train_step(_tiny_batch(tok, (float("nan"), -1.0)))
+    if policy == "fail":
+        with pytest.raises(NonFiniteStepError, match=r"step 0: the loss \(nan\)"):
+            trainer.optim_step()
+    else:
+        assert trainer.optim_step() == 1  # the step commits (its update skipped) and the run goes on
+        slot = trainer.metrics()
+        assert slot["skipped_nonfinite"] == 1.0 and slot["nonfinite_steps"] == 1.0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert not trainer._optimizer.state  # no NaN reached the optimizer's moments either
+    if policy == "skip":  # a finite step afterwards updates as usual
+        trainer.train_step(_tiny_batch(tok, (1.0, -1.0)))
+        assert trainer.optim_step() == 2
+        assert trainer.metrics()["skipped_nonfinite"] == 0.0 and trainer.metrics()["nonfinite_steps"] == 1.0
+        assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+        assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_lr_schedule() -> None:

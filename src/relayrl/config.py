@@ -148,7 +148,9 @@ class AlgorithmConfig(_Section):
     clip_eps_high: float = Field(0.28, ge=0.0)  # > clip_eps_low: DAPO clip-higher
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     kl_beta: float = Field(0.0, ge=0.0)  # KL to a frozen reference; 0 = off (no reference kept)
-    tis_cap: float | None = Field(None, gt=0.0)  # truncated importance sampling; None = off
+    # None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
+    # weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)
+    tis_cap: float | None = Field(None, gt=0.0)
 
 
 class TrainConfig(_Section):
@@ -164,6 +166,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # a step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
+    # train/nonfinite_steps; the run goes on) or "fail" the run naming the step
+    on_nonfinite: Literal["skip", "fail"] = "skip"
     # trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
     # time and share the process's torch threads (at least 1 each; see local/build.split_threads)
     torch_threads: int = Field(0, ge=0)

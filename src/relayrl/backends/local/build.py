@@ -146,6 +146,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrai
         warmup_steps=t.warmup_steps,
         lr_schedule=t.lr_schedule,
         max_grad_norm=t.max_grad_norm,
+        on_nonfinite=t.on_nonfinite,
         temperature=r.temperature,
         torch_threads=threads,
     )

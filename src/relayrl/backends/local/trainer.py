@@ -24,6 +24,7 @@ import asyncio
 import functools
 import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,11 @@ class TrainerSettings:
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     torch_threads: int = 0
+    on_nonfinite: str = "skip"  # a step whose loss or gradient is not finite: "skip" its update, or "fail"
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient was NaN or infinite and `train.on_nonfinite = "fail"`."""
 
 
 @dataclass(slots=True)
@@ -95,6 +101,7 @@ class TrainerCompute:
         )
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
         self._stats = _StepStats()
+        self._nonfinite_steps = 0  # steps whose update was skipped (loss or gradient not finite)
         self._slot: dict[str, float] = {}
         self._snapshot: Weights | None = None
         self._slot_lock = threading.Lock()
@@ -121,6 +128,7 @@ class TrainerCompute:
             "model": snapshot.payload,
             "optimizer": self._optimizer.state_dict(),
             "scheduler": self._scheduler.state_dict(),
+            "nonfinite_steps": self._nonfinite_steps,
         }
         torch.save(state, directory / "trainer.pt")
 
@@ -131,6 +139,7 @@ class TrainerCompute:
         self._optimizer.load_state_dict(state["optimizer"])
         self._scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+        self._nonfinite_steps = int(state.get("nonfinite_steps", 0))
         snapshot = self.export()
         with self._slot_lock:
             self._snapshot = snapshot
@@ -183,8 +192,21 @@ class TrainerCompute:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
         lr = self._scheduler.get_last_lr()[0]
-        self._optimizer.step()
-        self._scheduler.step()
+        finite = math.isfinite(grad_norm) and math.isfinite(self._stats.loss)
+        if finite:
+            self._optimizer.step()
+        else:  # nothing of this step reaches the weights or the optimizer's moments
+            self._optimizer.zero_grad(set_to_none=True)
+            if self.settings.on_nonfinite == "fail":
+                loss, self._stats = self._stats.loss, _StepStats()
+                raise NonFiniteStepError(
+                    f"step {self.version}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite "
+                    "(train.on_nonfinite = 'fail'; 'skip' skips such a step's update and goes on)"
+                )
+            self._nonfinite_steps += 1
+        with warnings.catch_warnings():  # after a skipped update torch warns the schedule ran first: it is meant to
+            warnings.simplefilter("ignore", UserWarning)
+            self._scheduler.step()  # the schedule follows the run's steps, skipped or not
         self._optimizer.zero_grad(set_to_none=True)
         st = self._stats
         denom = max(1, st.loss_tokens)
@@ -196,6 +218,8 @@ class TrainerCompute:
             "tokens": float(st.tokens),
             "completion_tokens": float(st.loss_tokens),
             "microbatches": float(st.microbatches),
+            "skipped_nonfinite": 0.0 if finite else 1.0,
+            "nonfinite_steps": float(self._nonfinite_steps),
         }
         slot.update({k: v / denom for k, v in st.sums.items()})
         slot.update(st.maxes)
