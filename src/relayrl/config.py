@@ -134,6 +134,10 @@ class RolloutConfig(_Section):
     # a replica whose generate / load_weights raises is retired and its requests go to the others;
     # the run fails only when none is left (false: the first failure fails the run)
     sampler_failover: bool = True
+    # bounds (seconds; 0 = none), generous so as never to fire on a healthy run: a generate call or
+    # a weight load that exceeds its bound fails that replica as if it had raised
+    generate_timeout_s: float = Field(1800.0, ge=0.0)
+    weight_load_timeout_s: float = Field(600.0, ge=0.0)
     sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = auto (see train.torch_threads)
     sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
     max_new_tokens: int = Field(8, ge=1)
@@ -169,6 +173,9 @@ class TrainConfig(_Section):
     # a step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
     # train/nonfinite_steps; the run goes on) or "fail" the run naming the step
     on_nonfinite: Literal["skip", "fail"] = "skip"
+    # a trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
+    # does not return within this many seconds fails the run naming the call; 0 = no bound
+    call_timeout_s: float = Field(1800.0, ge=0.0)
     # trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
     # time and share the process's torch threads (at least 1 each; see local/build.split_threads)
     torch_threads: int = Field(0, ge=0)

@@ -28,6 +28,7 @@ from relayrl.callbacks import Callback
 from relayrl.checkpoint import PromptSource, ResumePoint
 from relayrl.checkpointing import Checkpointer, LoggedSteps, restore
 from relayrl.config import Config
+from relayrl.deadlines import BoundedTrainer
 from relayrl.deferred import DeferredJobs
 from relayrl.eval_schedule import EvalSchedule
 from relayrl.evaluation import EvalResult
@@ -106,6 +107,8 @@ class Program:
         self.cfg = cfg
         self.lock = lock  # the run directory's lock (run.build_program took it); released when the run ends
         self.backend = backend
+        # every trainer call bounded by train.call_timeout_s (the stages call it through this)
+        self.trainer = BoundedTrainer(lambda: self.backend.trainer, cfg.train.call_timeout_s)
         self.resume = resume
         self.start_step = resume.next_step if resume else 0
         self.prompts = PromptSource(prompts, resume.in_flight, resume.prompts_drawn) if resume else PromptSource(prompts)
@@ -152,7 +155,7 @@ class Program:
         )
         self.eval_schedule = EvalSchedule(
             evaluator=backend.evaluator,
-            trainer=backend.trainer,
+            trainer=self.trainer,
             every=cfg.eval.every_steps,
             steps=cfg.run.steps,
             run_dir=run_dir,
@@ -167,7 +170,7 @@ class Program:
             steps=cfg.run.steps,
             keep=cfg.orchestrator.keep_checkpoints,
             backend_name=cfg.run.backend,
-            trainer=backend.trainer,
+            trainer=self.trainer,
             workers=workers,
             tracer=self.tracer,
             logged=self._logged,
@@ -267,7 +270,10 @@ class Program:
                         name="dispatch",
                     ),
                     *[
-                        tg.create_task(sampler_stage(s, requests, generated, self.tracer, self.replicas), name=f"sampler/{s.replica}")
+                        tg.create_task(
+                            sampler_stage(s, requests, generated, self.tracer, self.replicas, cfg.rollout.generate_timeout_s),
+                            name=f"sampler/{s.replica}",
+                        )
                         for s in self.replicas.slots
                     ],
                     tg.create_task(collect_stage(generated, collected), name="collect"),
@@ -277,7 +283,9 @@ class Program:
                         name="advantages",
                     ),
                     tg.create_task(
-                        sync_stage(backend.trainer, self.replicas, committed, window, self.tracer, sync_times, start),
+                        sync_stage(
+                            self.trainer, self.replicas, committed, window, self.tracer, sync_times, start, cfg.rollout.weight_load_timeout_s
+                        ),
                         name="weight-sync",
                     ),
                 ]
@@ -299,7 +307,7 @@ class Program:
                 self.loop = TrainLoop(
                     start_step=start,
                     steps=cfg.run.steps,
-                    trainer=backend.trainer,
+                    trainer=self.trainer,
                     collator=backend.collator,
                     taker=GroupTaker(ready, cfg.rollout.groups_per_step, cfg.rollout.max_staleness, self.ledger, window, self.tracer),
                     jobs=jobs,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+from relayrl.deadlines import bounded
 from relayrl.replicas import ReplicaPool, Restartable, SamplerSlot
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest
@@ -25,7 +26,10 @@ async def sampler_stage(
     outbox: asyncio.Queue[list[GenerateResult]],
     tracer: Tracer,
     pool: ReplicaPool,
+    timeout_s: float = 0.0,
 ) -> None:
+    """Serve `slot`'s replica: each generate call bounded by `timeout_s` (0: none); one that
+    exceeds it fails the replica like one that raised."""
     lane, sampler = f"sampler/{slot.replica}", slot.worker
     while pool.serves(slot):
         requests = await inbox.get()
@@ -34,7 +38,9 @@ async def sampler_stage(
             return
         start = tracer.now()
         try:
-            results = await sampler.generate(requests)
+            results = await bounded(
+                sampler.generate(requests), timeout_s, f"sampler replica {slot.replica}: generate", "rollout.generate_timeout_s"
+            )
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
             if isinstance(sampler, Restartable) and sampler.restartable(exc):

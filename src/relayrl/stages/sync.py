@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 
 from relayrl.backends.protocols import Trainer
+from relayrl.deadlines import bounded
 from relayrl.replicas import ReplicaPool, Restartable
 from relayrl.telemetry.tracer import Tracer
 from relayrl.window import DispatchWindow
+
+LOAD_KEY = "rollout.weight_load_timeout_s"
 
 
 class VersionSignal:
@@ -58,14 +61,20 @@ async def sync_stage(
     tracer: Tracer,
     times: SyncTimes,
     synced: int = 0,
+    load_timeout_s: float = 0.0,
 ) -> None:
+    """Push each newly committed version to every replica in service; a load that raises or
+    exceeds `load_timeout_s` (0: no bound) fails its replica."""
     while True:
         await committed.newer_than(synced)
         start = tracer.now()
         weights = await trainer.export_weights()
         pool.target = max(pool.target, weights.version)  # a replica restarting now loads this or newer
         slots = [s for s in pool.slots if not s.restarting]  # a restarting replica loads the newest weights itself
-        outcomes = await asyncio.gather(*(s.worker.load_weights(weights) for s in slots), return_exceptions=True)
+        loads = [
+            bounded(s.worker.load_weights(weights), load_timeout_s, f"sampler replica {s.replica}: load_weights", LOAD_KEY) for s in slots
+        ]
+        outcomes = await asyncio.gather(*loads, return_exceptions=True)
         for slot, outcome in zip(slots, outcomes):
             if isinstance(outcome, asyncio.CancelledError):
                 task = asyncio.current_task()

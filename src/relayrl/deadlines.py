@@ -1,0 +1,100 @@
+"""Bounds on worker calls: a call that does not return in time fails with a message naming the
+call and the config key that bounds it, instead of hanging the run.
+
+`bounded` bounds one awaitable; `BoundedTrainer` bounds every call of a `Trainer`
+(`train.call_timeout_s`). The sample and sync stages bound `generate` and `load_weights`
+(`rollout.generate_timeout_s`, `rollout.weight_load_timeout_s`); a replica that exceeds them is
+failed over like one that raised.
+
+Invariant: a timed-out call is cancelled, and waited for (its worker stops at its next abort
+check) for at most CANCEL_GRACE_S; a call still running after that (a worker stuck in native
+code) is kept referenced until it ends and its outcome is retrieved, so it neither blocks the
+run's failure nor leaves an unretrieved exception. A bound of 0 means none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from relayrl.backends.protocols import Trainer
+from relayrl.types import TrainBatch, Weights
+
+T = TypeVar("T")
+CANCEL_GRACE_S = 5.0
+_abandoned: set[asyncio.Future[object]] = set()  # timed-out calls still running (see module)
+
+
+class CallTimeoutError(TimeoutError):
+    """A worker call did not return within its bound."""
+
+
+def _forget(future: asyncio.Future[object]) -> None:
+    _abandoned.discard(future)
+    if not future.cancelled():
+        future.exception()  # retrieved: its outcome no longer matters
+
+
+async def bounded(call: Awaitable[T], seconds: float, what: str, key: str) -> T:
+    """Await `call`; past `seconds` (> 0), cancel it and raise `CallTimeoutError` naming `what`
+    and the config `key` that sets the bound."""
+    if seconds <= 0:
+        return await call
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:  # the caller is cancelled: so is the call, as with a plain await
+        await _cancel(task, CANCEL_GRACE_S)
+        raise
+    if done:
+        return task.result()
+    await _cancel(task, min(CANCEL_GRACE_S, seconds))
+    raise CallTimeoutError(f"{what} did not return within {seconds:g}s ({key})")
+
+
+async def _cancel(task: asyncio.Future[T], grace: float) -> None:
+    """Cancel `task` and wait up to `grace` for it to end; one still running is abandoned (see module)."""
+    task.cancel()
+    _abandoned.add(task)  # type: ignore[arg-type]  # referenced until it ends, its outcome then dropped
+    task.add_done_callback(_forget)  # type: ignore[arg-type]
+    await asyncio.wait({task}, timeout=grace)
+
+
+class BoundedTrainer:
+    """A `Trainer` whose every call is bounded by `seconds` (`train.call_timeout_s`); exceeding it
+    fails the run naming the call. Each call goes to the trainer `source()` returns when the call
+    is made (the backend's, even if it was replaced after the program was built)."""
+
+    def __init__(self, source: Callable[[], Trainer], seconds: float) -> None:
+        self._source = source
+        self.seconds = seconds
+
+    @property
+    def inner(self) -> Trainer:
+        return self._source()
+
+    def _bound(self, call: Awaitable[T], name: str) -> Awaitable[T]:
+        return bounded(call, self.seconds, f"trainer call {name}", "train.call_timeout_s")
+
+    async def train_step(self, batch: TrainBatch) -> None:
+        await self._bound(self.inner.train_step(batch), f"train_step(step {batch.step}, microbatch {batch.index})")
+
+    async def optim_step(self) -> int:
+        return await self._bound(self.inner.optim_step(), "optim_step")
+
+    async def get_metrics(self) -> dict[str, float]:
+        return await self._bound(self.inner.get_metrics(), "get_metrics")
+
+    async def export_weights(self) -> Weights:
+        return await self._bound(self.inner.export_weights(), "export_weights")
+
+    async def save_state(self, directory: Path) -> None:
+        await self._bound(self.inner.save_state(directory), "save_state")
+
+    async def load_state(self, directory: Path) -> int:
+        return await self._bound(self.inner.load_state(directory), "load_state")
+
+    async def close(self) -> None:
+        await self.inner.close()
