@@ -1,12 +1,15 @@
 """Bounds on worker calls (relayrl.deadlines): a generate or weight load that never returns fails
 its replica over; a trainer call that never returns fails the run naming the call; the bound
-itself cancels what it gave up on and leaves no task or unretrieved error behind."""
+itself cancels what it gave up on and leaves no task or unretrieved error behind. The stall
+watchdog (relayrl.watchdog) ends a run in which no step commits, saying where it is stuck."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -18,6 +21,7 @@ from relayrl.backends.sim.workers import SimSampler
 from relayrl.deadlines import CallTimeoutError, bounded
 from relayrl.replicas import SamplerRetiredWarning
 from relayrl.types import GenerateResult, SampleRequest, Weights
+from relayrl.watchdog import StallError
 from simutil import make_program, run_checked, sim_config
 
 
@@ -123,3 +127,54 @@ def test_bounded_cancels_what_it_gives_up_on_and_abandons_only_what_ignores_canc
         warnings.simplefilter("error")
         asyncio.run(main())
         gc.collect()
+
+
+# -- the stall watchdog (orchestrator.stall_timeout_s) ------------------------------------------
+
+
+def test_a_stalled_run_writes_where_it_is_stuck_and_fails(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    class Stuck(SimSampler):  # no bound on generate here: only the watchdog can end this run
+        async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+            if self.generate_calls >= 3:
+                await _forever()
+            return await super().generate(requests)
+
+    cfg = sim_config("orchestrator.stall_timeout_s=1", "rollout.generate_timeout_s=0", "run.steps=6")
+    program = make_program(cfg, tmp_path)
+    program.backend.samplers[0] = Stuck(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
+    with pytest.raises(StallError, match=r"no step committed for \ds \(orchestrator.stall_timeout_s = 1\)"):
+        asyncio.run(asyncio.wait_for(program.run(), 30))
+    stall = (tmp_path / "run" / "stall.txt").read_text()
+    assert "=== threads ===" in stall and "MainThread" in stall
+    assert "=== asyncio tasks ===" in stall and "_forever" in stall  # the stuck await, by name
+    assert "tasks are at:" in capfd.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "StallError" in summary["error"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("relayrl-")]
+
+
+BLOCKED_LOOP = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from relayrl.callbacks import Callback
+from simutil import make_program, sim_config
+from pathlib import Path
+import asyncio
+
+class Blocks(Callback):
+    def on_step_begin(self, step):
+        if step == 2:
+            time.sleep(600)  # blocks the event loop itself
+
+cfg = sim_config("orchestrator.stall_timeout_s=1", "orchestrator.stop_grace_s=1")
+asyncio.run(make_program(cfg, Path({tmp!r}), [Blocks()]).run())
+"""
+
+
+def test_a_stall_that_blocks_the_event_loop_ends_the_process(tmp_path: Path) -> None:
+    script = BLOCKED_LOOP.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "the event loop is blocked" in res.stderr
+    stall = (tmp_path / "run" / "stall.txt").read_text()
+    assert "in on_step_begin" in stall  # the loop thread's stack shows what blocks it (the callback)

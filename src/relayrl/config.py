@@ -210,6 +210,9 @@ class OrchestratorConfig(_Section):
     # after Ctrl-C / SIGTERM the run is cancelled cleanly; if it has not wound down after this
     # many seconds (e.g. the event loop is stuck in one long call) the process exits at once
     stop_grace_s: float = Field(10.0, gt=0.0)
+    # no step committed for this many seconds: write every thread's and task's stack to
+    # stall.txt in the run directory, print where it is stuck and fail the run (0 = never)
+    stall_timeout_s: float = Field(1800.0, ge=0.0)
     # a run whose trajectories are estimated to need more host memory than this is refused up
     # front (sizing.py); 0 = half of this machine's memory
     max_host_memory_gb: float = Field(0.0, ge=0.0)

@@ -57,6 +57,7 @@ from relayrl.types import (
     StepRecord,
     StepResult,
 )
+from relayrl.watchdog import StallWatchdog
 from relayrl.window import DispatchWindow
 
 
@@ -248,6 +249,7 @@ class Program:
         committed = VersionSignal(start)
         sync_times = SyncTimes()
         lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
+        watchdog = StallWatchdog(cfg.orchestrator.stall_timeout_s, self.run_dir, cfg.orchestrator.stop_grace_s)
         try:
             if self.resume is not None:
                 weights = await restore(backend, self.resume)
@@ -257,6 +259,7 @@ class Program:
             async with asyncio.TaskGroup() as tg:
                 background = [
                     tg.create_task(lag.run(), name="loop-lag"),
+                    tg.create_task(watchdog.run(), name="stall-watchdog"),
                     tg.create_task(
                         dispatch_stage(
                             self.prompts,
@@ -284,7 +287,14 @@ class Program:
                     ),
                     tg.create_task(
                         sync_stage(
-                            self.trainer, self.replicas, committed, window, self.tracer, sync_times, start, cfg.rollout.weight_load_timeout_s
+                            self.trainer,
+                            self.replicas,
+                            committed,
+                            window,
+                            self.tracer,
+                            sync_times,
+                            start,
+                            cfg.rollout.weight_load_timeout_s,
                         ),
                         name="weight-sync",
                     ),
@@ -294,6 +304,7 @@ class Program:
 
                 def on_commit(record: StepRecord) -> None:
                     committed.set(record.policy_version)
+                    watchdog.progress()
                     self._logged.committed(record.step, self.ledger.as_dict())
                     record.weight_sync_time = sync_times.drain()
                     record.loop_lag_max_ms = lag.take_max_ms()
