@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.callbacks import Callback
 from relayrl.config import ConfigError
 from relayrl.telemetry import sinks as sinks_mod
 from relayrl.telemetry.sinks import (
@@ -302,3 +303,56 @@ def test_numeric_filter() -> None:
     assert numeric == {"b": 1, "c": 1.5, "d": 2, "f": 4, "g": 0.5}
     assert type(numeric["f"]) is int and type(numeric["g"]) is float
     assert sinks_mod._flatten({"a": {"b": 1, "c": "x"}, "d": [1, 2]}) == {"a.b": "1", "a.c": "x", "d": "[1, 2]"}
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, step: int, result: object) -> None:
+        if step == self.step:
+            raise RuntimeError(f"crash at step {step}")
+
+
+def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: None) -> None:
+    """A run with every sink crashes after step 4 (newest checkpoint: step 3) and is resumed to
+    step 5: steps 4's rows from the crashed run are not kept next to the redone ones, and the
+    steps before the checkpoint are all still there, in every sink."""
+    import asyncio
+
+    from mlflow.tracking import MlflowClient
+    from tensorboardX.proto import event_pb2
+
+    from relayrl.run import build_program
+    from simutil import sim_config
+
+    sets = ['telemetry.sinks=["tensorboard", "wandb", "mlflow"]', "orchestrator.checkpoint_every=2"]
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="crash at step 4"):
+        asyncio.run(build_program(sim_config(*sets, "run.steps=6"), [_CrashAt(4)], run_dir=run_dir).run())
+    asyncio.run(build_program(sim_config(*sets, "run.steps=6"), run_dir=run_dir, resume=True).run())
+    steps = list(range(6))
+    assert [r["step"] for r in _read_jsonl(run_dir / "metrics.jsonl")] == steps
+
+    tb_steps = []
+    for event_file in (run_dir / "tensorboard").glob("events.out.tfevents.*"):
+        for record in _tfrecords(event_file):
+            event = event_pb2.Event.FromString(record)
+            tb_steps += [event.step for v in event.summary.value if v.tag == "reward_mean"]
+    assert sorted(tb_steps) == steps
+
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")  # the crashed run's record is gone
+    (run_file,) = offline.glob("run-*.wandb")
+    wb_steps = []
+    for record in _wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":  # type: ignore[attr-defined]
+            items = record.history.item  # type: ignore[attr-defined]
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+            if "reward_mean" in row:
+                wb_steps.append(int(row["_step"]))
+    assert sorted(wb_steps) == steps
+
+    client = MlflowClient(tracking_uri=f"file:{run_dir / 'mlruns'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "relayrl"]
+    (live,) = client.search_runs([experiment.experiment_id])  # the crashed run's is marked deleted
+    assert [m.step for m in client.get_metric_history(live.info.run_id, "reward_mean")] == steps

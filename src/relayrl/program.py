@@ -146,7 +146,14 @@ class Program:
             log_trajectories=cfg.orchestrator.log_trajectories,
             release=cfg.orchestrator.release_memory,
             trim=cfg.orchestrator.malloc_trim,
-            sinks=build_sinks(run_dir, cfg.telemetry.sinks, cfg.run.name, cfg.model_dump(), project=cfg.telemetry.project)
+            sinks=build_sinks(
+                run_dir,
+                cfg.telemetry.sinks,
+                cfg.run.name,
+                cfg.model_dump(),
+                project=cfg.telemetry.project,
+                resume_step=self.start_step if resume else None,  # each sink's record restarts at the checkpoint
+            )
             if run_dir is not None
             else None,
         )

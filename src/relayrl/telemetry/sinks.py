@@ -7,6 +7,12 @@ construction, at `log` or at `close`) is reported once, naming the sink and the 
 sink is then disabled while the run goes on. No sink touches the network: W&B runs offline and
 MLflow writes a file store inside the run directory.
 
+Resume: metrics.jsonl is rewound to the checkpoint and the redone steps are appended; every
+other sink starts its record afresh (TensorBoard's event files in `tensorboard/`, W&B's offline
+runs in `wandb/`, the MLflow runs tagged with this run directory: removed, or marked deleted) and
+is given the rows of the steps before the checkpoint again from metrics.jsonl, so no step appears
+twice in any of them and none is missing.
+
 Sinks are called from the bookkeeping thread only (never on the event loop); they are not
 thread-safe and need not be.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from relayrl.config import OPTIONAL_SINKS, SINK_EXTRAS, ConfigError
-from relayrl.jsonl import JsonlWriter
+from relayrl.jsonl import JsonlWriter, read_rows
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -36,6 +43,7 @@ Metrics = Mapping[str, MetricValue]
 Reporter = Callable[[str], None]
 
 DEFAULT_PROJECT = "relayrl"
+RUN_DIR_TAG = "relayrl.run_dir"  # MLflow tag naming the run directory that wrote a run
 
 
 class SinkDisabledWarning(RuntimeWarning):
@@ -124,12 +132,15 @@ class TensorBoardSink:
 
     name = "tensorboard"
 
-    def __init__(self, logdir: Path, *, config: Mapping[str, object] | None = None) -> None:
+    def __init__(self, logdir: Path, *, config: Mapping[str, object] | None = None, fresh: bool = False) -> None:
         try:
             from tensorboardX import SummaryWriter
         except ImportError as exc:
             raise _missing_extra(self.name, exc) from exc
         logdir.mkdir(parents=True, exist_ok=True)
+        if fresh:  # a resumed run: the earlier event files hold steps that are being redone
+            for old in logdir.glob("events.out.tfevents.*"):
+                old.unlink()
         self.logdir = logdir
         self._writer: SummaryWriter = SummaryWriter(logdir=str(logdir), flush_secs=3600)
         if config:
@@ -153,12 +164,23 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, *, run_name: str, project: str = DEFAULT_PROJECT, config: Mapping[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        run_name: str,
+        project: str = DEFAULT_PROJECT,
+        config: Mapping[str, object] | None = None,
+        fresh: bool = False,
+    ) -> None:
         try:
             import wandb
         except ImportError as exc:
             raise _missing_extra(self.name, exc) from exc
         run_dir.mkdir(parents=True, exist_ok=True)
+        if fresh:  # a resumed run: the earlier offline runs hold steps that are being redone
+            for old in (run_dir / "wandb").glob("offline-run-*"):
+                shutil.rmtree(old)
         settings = wandb.Settings(
             mode="offline",
             silent=True,
@@ -209,6 +231,7 @@ class MlflowSink:
         experiment: str = DEFAULT_PROJECT,
         config: Mapping[str, object] | None = None,
         tracking_uri: str | None = None,
+        fresh: bool = False,
     ) -> None:
         self.tracking_uri = tracking_uri or f"file:{(run_dir / 'mlruns').resolve()}"
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -223,7 +246,12 @@ class MlflowSink:
         self._client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
         found = self._client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
-        self.run_id: str = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        tag = {RUN_DIR_TAG: str(run_dir.resolve())}
+        if fresh:  # a resumed run: this run directory's earlier MLflow runs hold steps being redone
+            query = f"tags.`{RUN_DIR_TAG}` = '{tag[RUN_DIR_TAG]}'"
+            for old in self._client.search_runs([experiment_id], filter_string=query):
+                self._client.delete_run(old.info.run_id)
+        self.run_id: str = self._client.create_run(experiment_id, run_name=run_name, tags=tag).info.run_id
         params = [Param(k, v[: self._MAX_PARAM_LEN]) for k, v in _flatten(_jsonable(config or {})).items()]
         for i in range(0, len(params), self._MAX_PARAMS):
             self._client.log_batch(self.run_id, params=params[i : i + self._MAX_PARAMS])
@@ -327,14 +355,28 @@ class SinkSet:
         self.jsonl.close()
 
 
-def _construct(name: str, run_dir: Path, run_name: str, config: Mapping[str, object], project: str) -> MetricSink:
+def _construct(name: str, run_dir: Path, run_name: str, config: Mapping[str, object], project: str, fresh: bool) -> MetricSink:
     if name == "tensorboard":
-        return TensorBoardSink(run_dir / "tensorboard", config=config)
+        return TensorBoardSink(run_dir / "tensorboard", config=config, fresh=fresh)
     if name == "wandb":
-        return WandbSink(run_dir, run_name=run_name, project=project, config=config)
+        return WandbSink(run_dir, run_name=run_name, project=project, config=config, fresh=fresh)
     if name == "mlflow":
-        return MlflowSink(run_dir, run_name=run_name, experiment=project, config=config)
+        return MlflowSink(run_dir, run_name=run_name, experiment=project, config=config, fresh=fresh)
     raise AssertionError(name)  # names are validated before construction
+
+
+def _logged_rows(path: Path, before: int) -> list[tuple[int, dict[str, MetricValue]]]:
+    """The (step, metrics) rows of metrics.jsonl for steps before `before` (a resumed run's
+    rewound file), to give a sink that starts afresh."""
+    if not path.exists():
+        return []
+    rows, _ = read_rows(path, strict=False)
+    out: list[tuple[int, dict[str, MetricValue]]] = []
+    for row in rows:
+        step = row.get("step")
+        if isinstance(step, int) and step < before:
+            out.append((step, {k: v for k, v in row.items() if k != "step" and (v is None or isinstance(v, int | float))}))
+    return out
 
 
 def validate_sink_names(names: Sequence[str]) -> list[str]:
@@ -359,22 +401,28 @@ def build_sinks(
     *,
     project: str = DEFAULT_PROJECT,
     report: Reporter = warn_reporter,
+    resume_step: int | None = None,
 ) -> SinkSet:
     """metrics.jsonl in `run_dir` plus each named optional sink ("tensorboard", "wandb",
     "mlflow"). `config` is the resolved run config, recorded as the run's hyperparameters;
     `project` is the W&B project and the MLflow experiment. A sink that cannot be built
     (missing package, bad settings, unwritable directory) is reported once via `report` and
-    left out; the JSONL sink's own errors propagate."""
+    left out; the JSONL sink's own errors propagate. `resume_step`: the run resumes at that step
+    (metrics.jsonl already rewound): each optional sink starts afresh and is given the rows of
+    the steps before it (see the module docstring)."""
     chosen = validate_sink_names(names)
     run_dir.mkdir(parents=True, exist_ok=True)
     sinks = SinkSet(JsonlSink(run_dir / "metrics.jsonl"), report=report)
+    replay = _logged_rows(run_dir / "metrics.jsonl", resume_step) if resume_step is not None and chosen else []
     for name in chosen:
         try:
-            sink = _construct(name, run_dir, run_name, config, project)
+            sink = _construct(name, run_dir, run_name, config, project, fresh=resume_step is not None)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             sinks.disabled[name] = error
             report(f"metric sink {name!r} disabled: it could not be started: {error}; the run goes on (metrics.jsonl is unaffected)")
             continue
         sinks.add(name, sink)
+        for step, metrics in replay:
+            sinks.optional[-1].log(step, metrics)  # guarded: a failure disables this sink only
     return sinks
