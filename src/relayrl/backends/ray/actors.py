@@ -340,7 +340,8 @@ class RayTrainer:
             await self.spans.sync(self.actor)
         except ACTOR_GONE as exc:
             raise self._gone(exc, method) from exc
-        sent = _Sent(method, getattr(self.actor, method).remote(self._turn, *args), self.spans.now(), span_args)
+        start = self.spans.now()  # before the call goes out: the actor may start at once
+        sent = _Sent(method, getattr(self.actor, method).remote(self._turn, *args), start, span_args)
         self._turn += 1
         return sent
 
@@ -364,7 +365,8 @@ class RayTrainer:
         """An "io" call (answered while a train step runs): await it and trace its span."""
         try:
             await self.spans.sync(self.actor)
-            sent = _Sent(method, getattr(self.actor, method).remote(*args), self.spans.now(), {})
+            start = self.spans.now()
+            sent = _Sent(method, getattr(self.actor, method).remote(*args), start, {})
         except ACTOR_GONE as exc:
             raise self._gone(exc, method) from exc
         return await self._result(sent)
