@@ -229,3 +229,17 @@ def test_cancelled_generate_leaves_no_work_running() -> None:
             await sampler.close()
 
     asyncio.run(main())
+
+
+def test_per_prompt_generators_make_a_prompts_samples_independent_of_its_batch(model: Qwen2ForCausalLM) -> None:
+    """With one generator per prompt, a prompt's samples depend on its generator's seed only: the
+    same whether it is sampled alone or beside other prompts (which finish at other steps, so rows
+    are pruned at other times), and different under another seed."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, eos_token_ids=(EOS, 2, 3, 4))
+    together = sample(model, PROMPTS, [3, 5, 2, 4], params, None, generators=[gen(10 + i) for i in range(len(PROMPTS))])
+    for i, prompt in enumerate(PROMPTS):
+        alone = sample(model, [prompt], [[3, 5, 2, 4][i]], params, None, generators=[gen(10 + i)])[0]
+        assert [s.tokens for s in alone] == [s.tokens for s in together[i]]
+        assert [s.logprobs for s in alone] == [pytest.approx(s.logprobs, abs=1e-5) for s in together[i]]
+    reseeded = sample(model, PROMPTS, [3, 5, 2, 4], params, None, generators=[gen(99 + i) for i in range(len(PROMPTS))])
+    assert [[s.tokens for s in g] for g in reseeded] != [[s.tokens for s in g] for g in together]

@@ -69,10 +69,18 @@ class SampledSequence:
     finish_reason: str
 
 
-def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    per_group: Sequence[tuple[torch.Generator, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row of `logits` ([B, V]); return (tokens [B], logprobs [B]).
 
-    Greedy never touches `generator`, so evaluation does not shift the sampling RNG stream.
+    With `per_group`, (generator, row indices) pairs, each group's rows are drawn, in order, from
+    its own generator, and rows in no group (finished ones riding along) get the argmax, drawing
+    nothing; otherwise every row draws from `generator`. Greedy draws from no generator, so
+    evaluation does not shift a sampling RNG stream.
     """
     logits = logits.float()
     if params.is_greedy:
@@ -88,7 +96,13 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
         drop = torch.zeros_like(outside).scatter_(-1, order, outside)
         probs = probs.masked_fill(drop, 0.0)  # multinomial renormalises the nucleus
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if per_group is None:
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    else:
+        tokens = probs.argmax(dim=-1)
+        for group_generator, index in per_group:
+            if index.numel():
+                tokens[index] = torch.multinomial(probs[index], 1, generator=group_generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -115,8 +129,14 @@ def sample(
     share_prefill: bool = True,
     pad_token_id: int = 0,
     abort: threading.Event | None = None,
+    generators: Sequence[torch.Generator] | None = None,
 ) -> list[list[SampledSequence]]:
     """Sample `num_samples` completions of every prompt; result[i][j] is prompt i's j-th sample.
+
+    `generators` (one per prompt) draws each prompt's samples from its own generator, only for
+    its rows still sampling: what a prompt samples then depends on its generator's seed and the
+    weights only, not on the other prompts of the batch or when rows are pruned (`generator` is
+    then unused). Otherwise every row draws from `generator`.
 
     `num_samples` is one count for all prompts or one per prompt. Identical prompts are prefilled
     once. `share_prefill=False` prefills one copy per sample instead (for benchmarks and tests:
@@ -130,6 +150,8 @@ def sample(
         raise ValueError(f"num_samples must be >= 0, got {counts}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token; got an empty prompt")
+    if generators is not None and len(generators) != len(prompts):
+        raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts")
     total = sum(counts)
     if total == 0:
         return [[] for _ in prompts]
@@ -191,8 +213,13 @@ def sample(
         next_pos = attention.sum(dim=-1)  # position of the token about to be fed
         rows = torch.arange(total, device=device)  # sample row of each batch row
         alive = torch.ones(total, dtype=torch.bool, device=device)  # batch rows still sampling
+        prompt_of = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=device)
         for step in range(params.max_new_tokens):
-            tokens, logprobs = pick_tokens(logits, params, generator)
+            per_group = None
+            if generators is not None and not params.is_greedy:
+                owner = prompt_of[rows]  # the prompt of each batch row
+                per_group = [(g, ((owner == i) & alive).nonzero().squeeze(-1)) for i, g in enumerate(generators) if counts[i]]
+            tokens, logprobs = pick_tokens(logits, params, generator, per_group)
             # Rows that already stopped still ride along until pruned; their writes land past
             # their length and are cut off below.
             out_tokens[rows, step] = tokens

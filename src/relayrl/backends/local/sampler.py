@@ -16,12 +16,15 @@ Invariants:
   copied, so a bad payload leaves the previous version intact;
 - a cancelled call does not return before its worker-thread work has stopped (sampling checks an
   abort flag between decode steps), so cancellation never leaves compute running behind the caller;
-- sampling is reproducible: the RNG is seeded from (seed, replica) and only sampling draws from it.
+- sampling is reproducible: each request draws from its own RNG, seeded by (run seed, prompt id,
+  policy version), so what a group samples depends on those and the weights only — not on the
+  replica, the batch it rides in, the timing, or a resume (which re-dispatches in-flight prompts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -69,7 +72,8 @@ class SamplerCompute:
 
     `params` sets temperature, top-p and the token budget of `generate`; when its
     `eos_token_ids` is empty, the tokenizer's and the model's generation-config EOS ids are used.
-    `replica` and `seed` seed the sampling RNG and name the replica in its results and errors.
+    `replica` names the replica in its results and errors; `seed` (the run's) seeds each
+    request's RNG with the request's prompt id and the policy version (see the module docstring).
     """
 
     def __init__(
@@ -89,8 +93,7 @@ class SamplerCompute:
         self.params = params
         self.replica = replica
         self.version = version  # the policy version whose weights are loaded now
-        self._generator = torch.Generator(device=model.device)
-        self._generator.manual_seed(seed * 1_000_003 + replica)
+        self.seed = seed
         self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         state = model.state_dict()
         self._shapes = {name: tuple(t.shape) for name, t in state.items()}
@@ -114,14 +117,20 @@ class SamplerCompute:
             [r.prompt_tokens for r in requests],
             [r.num_samples for r in requests],
             self.params,
-            self._generator,
+            None,
             pad_token_id=self._pad_token_id,
             abort=abort,
+            generators=[self._rng(r.prompt.prompt_id, version) for r in requests],
         )
         return [
             GenerateResult(request=request, completions=self._completions(group), policy_version=version, replica=self.replica)
             for request, group in zip(requests, groups)
         ]
+
+    def _rng(self, prompt_id: str, version: int) -> torch.Generator:
+        """The RNG one request samples from: seeded by (run seed, prompt id, version)."""
+        digest = hashlib.blake2b(f"{self.seed}\x00{prompt_id}\x00{version}".encode(), digest_size=8).digest()
+        return torch.Generator(device=self.model.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int, abort: threading.Event | None = None) -> list[list[int]]:
         """Greedy completion tokens (EOS included when produced) of each prompt, for evaluation.
