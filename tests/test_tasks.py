@@ -140,7 +140,7 @@ def test_jsonl_loads_fields_numbers_and_ids(tmp_path: Path) -> None:
     assert load_jsonl_prompts(path) == [
         Prompt("q-a", "2+2=", "4"),
         Prompt("prompts-3", "half of 1", "0.5"),  # no id: file stem and 1-based row
-        Prompt("17", "3*3=", "9"),
+        Prompt("17", "3*3=", "9", metadata={"extra": [1]}),  # other fields: the prompt's metadata
     ]
 
 

@@ -1,10 +1,12 @@
 """Command line: `relayrl train | check-trace | report | runs | bench ...`.
 
 Invariant: bad input (config key, file, value, run directory) prints one line naming what and
-where and exits 2; a failed check, or a run stopped by a file-system error (disk full: path and
-errno), exits 1; a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly
-(summary "cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s;
-either way the checkpoint to resume from is named; nothing else is printed as an error.
+where and exits 2 (a reward function that cannot be resolved too); a failed check, a run stopped
+by a file-system error (disk full: path and errno), by a failed reward call under
+task.strict_rewards (function and trajectory) or by a reward worker that cannot start, exits 1;
+a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly (summary
+"cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s; either
+way the checkpoint to resume from is named; nothing else is printed as an error.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def train(
 
     from relayrl.checkpoint import CheckpointError
     from relayrl.packing import PackingError
+    from relayrl.rewardpool import RewardPoolError
     from relayrl.run import build_program, run_dir_for
+    from relayrl.scoring import RewardError
     from relayrl.signals import Stopped, run_until_stopped
     from relayrl.telemetry.progress import ProgressPrinter
 
@@ -87,7 +91,7 @@ def train(
         result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
     except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
         _fail(str(exc))
-    except OSError as exc:  # disk full, a file-size limit, a run directory removed under the run
+    except (OSError, RewardError, RewardPoolError) as exc:  # disk full, ...; a reward under strict_rewards; no reward worker
         progress.close()
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         _stopped(run_dir, cfg, 1)

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -83,8 +84,49 @@ class TaskConfig(_Section):
     dataset_seed: int | None = None
     heldout_seed: int | None = None
     heldout_size: int = Field(200, ge=0)
+    # each entry: a built-in name (tasks/rewards.py), "package.module:function" or
+    # "path/to/file.py:function" (relative to the recipe's directory, else the working directory;
+    # recorded as an absolute path); the reward is the weighted sum of the functions' values
     reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
+    reward_weights: list[float] | None = None  # one per reward function; None = all 1
+    # user reward functions (sync ones named by module or file) run in this many worker processes
+    reward_workers: int = Field(2, ge=1)
+    reward_timeout_s: float = Field(30.0, gt=0.0)  # per call (worker processes and async functions)
+    reward_concurrency: int = Field(32, ge=1)  # calls of async reward functions in flight at once
+    reward_memory_mb: int = Field(0, ge=0)  # address-space limit of each reward worker (RLIMIT_AS); 0 = none
+    reward_cpu_s: float = Field(0.0, ge=0.0)  # CPU seconds per call in a reward worker (RLIMIT_CPU); 0 = none
+    # a reward call that fails (timeout, raised, crashed, non-finite) fails the run instead of
+    # its trajectory (reward 0, counted)
+    strict_rewards: bool = False
     prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
+
+    @field_validator("reward_functions")
+    @classmethod
+    def _anchor_reward_files(cls, entries: list[str], info: ValidationInfo) -> list[str]:
+        """A `file.py:function` entry with a relative path names the file in the recipe's
+        directory (when loading a recipe) or else in the working directory; it is recorded as an
+        absolute path, so a resume finds the same file. A file found in neither place is left as
+        written (the run is refused before it starts, naming the entry)."""
+        recipe_dir = (info.context or {}).get("recipe_dir")
+        anchored: list[str] = []
+        for entry in entries:
+            target, sep, function = entry.rpartition(":")
+            if sep and target.endswith(".py") and not Path(target).is_absolute():
+                bases = [Path(recipe_dir)] if recipe_dir is not None else []
+                for base in [*bases, Path.cwd()]:
+                    if (base / target).is_file():
+                        entry = f"{(base / target).resolve()}:{function}"
+                        break
+            anchored.append(entry)
+        return anchored
+
+    @field_validator("reward_weights")
+    @classmethod
+    def _one_weight_per_function(cls, weights: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        functions = info.data.get("reward_functions")
+        if weights is not None and functions is not None and len(weights) != len(functions):
+            raise ValueError(f"{len(weights)} weight(s) for {len(functions)} reward function(s) (task.reward_functions): give one each")
+        return weights
 
     @field_validator("dataset_config")
     @classmethod
@@ -448,8 +490,8 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
         keys, value = parse_override(item)
         _apply(data, keys, value, item)
         overridden.add(tuple(keys))
-    try:
-        return Config.model_validate(data)
+    try:  # the recipe's directory anchors relative reward files (TaskConfig._anchor_reward_files)
+        return Config.model_validate(data, context={"recipe_dir": Path(path).parent.resolve() if path is not None else None})
     except ValidationError as exc:
         raise ConfigError(_format_error(exc, source, overridden)) from None
 

@@ -5,6 +5,10 @@ Invariant: every dispatched group reaches exactly one of trained, filtered (by r
 The prompts of the groups in flight are kept, so a checkpoint can hand them to the resumed run;
 a resumed ledger starts from the settled counts of the checkpoint it resumes.
 
+Failed rewards are counted per function (`reward_errors`) and per function and reason
+(`reward_failures`: timeout, raised, crashed, non_finite); a checkpoint written before reasons
+were counted resumes with its counts as `raised`, the only reason there was then.
+
 Memory: the ledger holds counts and the groups in flight (bounded by the dispatch window), never a
 per-group record of settled groups: group ids are allocated in order, so an id below the next one
 that is no longer in flight is one that was settled already.
@@ -28,7 +32,8 @@ class Ledger:
     trajectories_dispatched: int = 0
     trajectories_trained: int = 0
     trajectories_failed: int = 0
-    reward_errors: Counter[str] = field(default_factory=Counter)
+    reward_errors: Counter[str] = field(default_factory=Counter)  # failed calls by function
+    reward_failures: Counter[tuple[str, str]] = field(default_factory=Counter)  # ... by (function, reason)
     _outcomes: Counter[str] = field(default_factory=Counter)  # settled in this run, by outcome
     _pending_filtered: list[FilteredGroup] = field(default_factory=list)
     _in_flight: dict[int, tuple[Prompt, int]] = field(default_factory=dict)  # id -> (prompt, group size)
@@ -46,6 +51,20 @@ class Ledger:
             self._in_flight[gid] = (prompt, group_size)
         return ids
 
+    def count_reward_failures(self, calls: list[tuple[str, str]], trajectories: int) -> None:
+        """Count failed reward calls, each `(function, reason)`, on `trajectories` trajectories."""
+        for function, reason in calls:
+            self.reward_errors[function] += 1
+            self.reward_failures[function, reason] += 1
+        self.trajectories_failed += trajectories
+
+    def failures_by_function(self) -> dict[str, dict[str, int]]:
+        """`reward_failures` as {function: {reason: count}}, sorted."""
+        out: dict[str, dict[str, int]] = {}
+        for (function, reason), n in sorted(self.reward_failures.items()):
+            out.setdefault(function, {})[reason] = n
+        return out
+
     def in_flight(self) -> list[Prompt]:
         """Prompts of the dispatched groups not settled yet, in dispatch order."""
         return [prompt for prompt, _ in self._in_flight.values()]
@@ -60,6 +79,7 @@ class Ledger:
             "trajectories_trained": self.trajectories_trained,
             "trajectories_failed": self.trajectories_failed,
             "reward_errors": dict(self.reward_errors),
+            "reward_failures": self.failures_by_function(),
         }
 
     @classmethod
@@ -73,6 +93,14 @@ class Ledger:
             trajectories_failed=int(state["trajectories_failed"]),  # type: ignore[call-overload]
             reward_errors=Counter({str(k): int(v) for k, v in dict(state["reward_errors"]).items()}),  # type: ignore[call-overload]
         )
+        raw_failures = state.get("reward_failures")
+        if isinstance(raw_failures, dict):
+            for function, reasons in raw_failures.items():
+                for reason, n in dict(reasons).items():
+                    ledger.reward_failures[str(function), str(reason)] = int(n)
+        else:  # a checkpoint from before failures had reasons: every failure then was a raise
+            for function, n in ledger.reward_errors.items():
+                ledger.reward_failures[function, "raised"] = n
         ledger._settled_before = outcomes
         ledger._next_id = ledger._base_ids = int(state["next_group_id"])  # type: ignore[call-overload]
         return ledger
@@ -109,4 +137,5 @@ class Ledger:
             "trajectories_trained": self.trajectories_trained,
             "trajectories_failed": self.trajectories_failed,
             "reward_errors": dict(self.reward_errors),
+            "reward_failures": self.failures_by_function(),
         }

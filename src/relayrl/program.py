@@ -31,10 +31,11 @@ from relayrl.config import Config
 from relayrl.deadlines import BoundedTrainer
 from relayrl.deferred import DeferredJobs
 from relayrl.eval_schedule import EvalSchedule
-from relayrl.evaluation import EvalResult
+from relayrl.evaluation import EvalResult, HeldoutEvaluator
 from relayrl.ledger import Ledger
 from relayrl.replicas import ReplicaPool
 from relayrl.rundir import RunDirLock
+from relayrl.scoring import Scorer, ScorerSettings
 from relayrl.stages.advantage import advantage_stage
 from relayrl.stages.collect import collect_stage
 from relayrl.stages.dispatch import dispatch_stage
@@ -42,7 +43,7 @@ from relayrl.stages.sample import sampler_stage
 from relayrl.stages.score import score_stage
 from relayrl.stages.sync import SyncTimes, VersionSignal, sync_stage
 from relayrl.stages.train_loop import GroupTaker, PackingSpec, StepHooks, TrainLoop
-from relayrl.tasks.rewards import RewardFunction
+from relayrl.tasks.rewards import ResolvedReward
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
 from relayrl.telemetry.sinks import build_sinks
@@ -97,7 +98,7 @@ class Program:
         cfg: Config,
         backend: Backend,
         prompts: Iterator[Prompt],
-        reward_fns: Sequence[RewardFunction],
+        rewards: Sequence[ResolvedReward],
         *,
         run_dir: Path | None,
         workers: Workers,
@@ -113,9 +114,15 @@ class Program:
         self.resume = resume
         self.start_step = resume.next_step if resume else 0
         self.prompts = PromptSource(prompts, resume.in_flight, resume.prompts_drawn) if resume else PromptSource(prompts)
-        self.reward_fns = list(reward_fns)
         self.run_dir = run_dir
         self.workers = workers
+        t = cfg.task
+        settings = ScorerSettings(t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s)
+        # the reward functions, on the scoring thread, in worker processes (started at their first
+        # call, ended with the run) or on the loop; the held-out evaluator judges through it too
+        self.scorer = Scorer(rewards, settings, workers)
+        if isinstance(backend.evaluator, HeldoutEvaluator):
+            backend.evaluator.attach_scorer(self.scorer)
         self.callbacks = list(callbacks)
         self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
         self._logged = LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, self.ledger.as_dict())
@@ -209,7 +216,10 @@ class Program:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            self.workers.shutdown()
+            try:
+                self.workers.shutdown()
+            finally:
+                self.scorer.close()  # after the scoring thread stopped: no reward process outlives the run
             closing = self._finish(status, error)
         if closing:  # the run completed but its files could not be closed (e.g. disk full)
             raise closing[0]
@@ -287,7 +297,7 @@ class Program:
                         for s in self.replicas.slots
                     ],
                     tg.create_task(collect_stage(generated, collected), name="collect"),
-                    tg.create_task(score_stage(collected, scored, self.reward_fns, self.workers, self.ledger), name="score"),
+                    tg.create_task(score_stage(collected, scored, self.scorer, self.ledger, cfg.task.strict_rewards), name="score"),
                     tg.create_task(
                         advantage_stage(scored, ready, cfg.algorithm.advantage, cfg.algorithm.dynamic_sampling, self.ledger, window),
                         name="advantages",

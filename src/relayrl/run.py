@@ -1,9 +1,10 @@
 """Build a run from a config: run directory, backend, prompts, reward functions.
 
-Invariant: everything that can be rejected (config, task data, model path, the checkpoint to
-resume, a config change a resumed run cannot take) is checked here, before the run directory is
-written; the run directory is locked (rundir.py) before anything in it is changed, and only a
-directory proven to be a relayrl run directory is ever cleared.
+Invariant: everything that can be rejected (config, task data, reward functions — each entry
+imported and found callable —, model path, the checkpoint to resume, a config change a resumed run
+cannot take) is checked here, before the run directory is written; the run directory is locked
+(rundir.py) before anything in it is changed, and only a directory proven to be a relayrl run
+directory is ever cleared.
 """
 
 from __future__ import annotations
@@ -35,9 +36,19 @@ def build_program(
     run_dir: Path | None = None,
     backend: Backend | None = None,
     resume: bool = False,
+    reward_fns: Sequence[rewards.RewardEntry] | None = None,
 ) -> Program:
     """A program for `cfg`; with `resume`, one that continues `run_dir` from its newest checkpoint
-    (CheckpointError, a ValueError, if there is none or the run already did `run.steps`)."""
+    (CheckpointError, a ValueError, if there is none or the run already did `run.steps`).
+
+    `reward_fns` replaces `task.reward_functions`: names, specs or callables (sync ones run in
+    this process's scoring thread, async ones on the event loop), weighted by `task.reward_weights`.
+    The run's config.toml records a callable as `module:qualname`."""
+    if reward_fns is not None:
+        if not reward_fns:
+            raise ValueError("reward_fns: give at least one reward function")
+        cfg = cfg.model_copy(deep=True)
+        cfg.task.reward_functions = [f if isinstance(f, str) else rewards.callable_name(f) for f in reward_fns]
     lock = RunDirLock(run_dir) if run_dir is not None else None
     built: Backend | None = None  # a backend built here, released here if the program is not made
     try:
@@ -60,7 +71,8 @@ def build_program(
                 )
             changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.next_step)
         check_fits(cfg)
-        reward_fns = rewards.resolve(cfg.task.reward_functions)
+        entries = list(reward_fns) if reward_fns is not None else list(cfg.task.reward_functions)
+        resolved = rewards.resolve_rewards(entries, cfg.task.reward_weights)
         task = build_task(cfg)
         workers = Workers()
         if backend is None:
@@ -91,7 +103,7 @@ def build_program(
             cfg,
             backend,
             task.stream,
-            reward_fns,
+            resolved,
             run_dir=run_dir,
             workers=workers,
             callbacks=callbacks,
@@ -120,6 +132,13 @@ RESUMABLE_KEYS = (
     "rollout.sampler_nice",
     "rollout.sampler_failover",
     "train.torch_threads",
+    # how reward functions are hosted and bounded, and whether a failed call fails the run
+    "task.reward_workers",
+    "task.reward_timeout_s",
+    "task.reward_concurrency",
+    "task.reward_memory_mb",
+    "task.reward_cpu_s",
+    "task.strict_rewards",
     "sim.generate",
     "sim.train_step",
     "sim.optim_step",

@@ -15,13 +15,22 @@ from enum import StrEnum
 
 class TrajectoryStatus(StrEnum):
     OK = "ok"
-    FAILED = "failed"  # a reward function raised; reward forced to 0
+    FAILED = "failed"  # a reward function failed (see RewardFailure); reward forced to 0
+
+
+class RewardFailure(StrEnum):
+    """Why a reward function gave a trajectory no reward (counted per function in the ledger)."""
+
+    TIMEOUT = "timeout"  # no result within task.reward_timeout_s
+    RAISED = "raised"  # it raised (or returned something that is not a number)
+    CRASHED = "crashed"  # its worker process died: a signal, os._exit, the CPU or memory limit
+    NON_FINITE = "non_finite"  # it returned NaN or an infinity
 
 
 class FilterReason(StrEnum):
     ZERO_VARIANCE = "zero_variance"  # dynamic sampling: all rewards equal
     STALE = "stale"  # sampled by a policy older than the staleness window allows
-    ALL_FAILED = "all_failed"  # every trajectory's reward function raised
+    ALL_FAILED = "all_failed"  # every trajectory's reward failed
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +77,9 @@ class GenerateResult:
 
 @dataclass(slots=True)
 class Trajectory:
+    """One sampled completion of a prompt: what a reward function receives (README, "Writing a
+    reward function"). Picklable, so it can be sent to a reward worker process."""
+
     group_id: int
     sample_index: int
     prompt: Prompt

@@ -1,14 +1,15 @@
 """Group + advantages: group-relative advantages, and the groups that must not train.
 
 Invariant: a group leaves either to the train queue with advantages set, or to the ledger as
-filtered (all failed; zero reward variance under dynamic sampling), returning its window credit.
+filtered (all failed; zero reward variance under dynamic sampling, NaN-safe), returning its
+window credit. Advantages are finite whatever the rewards (algorithms/advantages.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from relayrl.algorithms.advantages import AdvantageKind, group_advantages
+from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
 from relayrl.ledger import Ledger
 from relayrl.types import FilteredGroup, FilterReason, Group, TrajectoryStatus
 from relayrl.window import DispatchWindow
@@ -18,7 +19,7 @@ def filter_reason(group: Group, dynamic_sampling: bool) -> FilterReason | None:
     trajs = group.trajectories
     if all(t.status is TrajectoryStatus.FAILED for t in trajs):
         return FilterReason.ALL_FAILED
-    if dynamic_sampling and len({t.reward for t in trajs}) <= 1:
+    if dynamic_sampling and rewards_tie([t.reward for t in trajs]):
         return FilterReason.ZERO_VARIANCE
     return None
 

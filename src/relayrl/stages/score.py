@@ -1,52 +1,34 @@
-"""Score: reward functions, run in the scoring thread (never on the event loop).
+"""Score: the run's reward functions on each batch of groups (scoring.py runs them: in the
+scoring thread, in reward worker processes, or awaited on the loop for async ones).
 
-Invariant: every trajectory leaves with a reward; a reward function that raises marks that
-trajectory failed with reward 0, and the failure is counted in the ledger by function name.
+Invariant: every trajectory leaves with a finite reward; one on which a reward function failed
+(timed out, raised, crashed, returned NaN/inf) is marked failed with reward 0 and each failed
+call is counted in the ledger by function and reason, before the batch moves on. With
+`task.strict_rewards` the first failed call fails the run instead (a `RewardError` naming the
+function and the trajectory), after it was counted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections import Counter
-from collections.abc import Sequence
 
 from relayrl.ledger import Ledger
-from relayrl.tasks.rewards import RewardFunction
-from relayrl.threads import Workers
-from relayrl.types import Group, TrajectoryStatus
-
-
-def score_groups(groups: Sequence[Group], reward_fns: Sequence[RewardFunction]) -> Counter[str]:
-    """Set each trajectory's reward (sum over functions); returns failures by function name."""
-    failures: Counter[str] = Counter()
-    for group in groups:
-        for traj in group.trajectories:
-            total = 0.0
-            for fn in reward_fns:
-                try:
-                    total += float(fn(traj))
-                except Exception as exc:  # a user's reward function may raise anything
-                    failures[fn.__name__] += 1
-                    traj.status = TrajectoryStatus.FAILED
-                    traj.error = f"{fn.__name__}: {type(exc).__name__}: {exc}"
-                    total = 0.0
-                    break
-            traj.reward = total
-    return failures
+from relayrl.scoring import Scorer, strict_error
+from relayrl.types import Group
 
 
 async def score_stage(
     inbox: asyncio.Queue[list[Group]],
     outbox: asyncio.Queue[list[Group]],
-    reward_fns: Sequence[RewardFunction],
-    workers: Workers,
+    scorer: Scorer,
     ledger: Ledger,
+    strict: bool = False,
 ) -> None:
     while True:
         groups = await inbox.get()
-        failures = await workers.run("score", functools.partial(score_groups, groups, reward_fns))
-        if failures:
-            ledger.reward_errors.update(failures)
-            ledger.trajectories_failed += sum(failures.values())
+        failed = await scorer.score([t for g in groups for t in g.trajectories])
+        if failed:
+            ledger.count_reward_failures([(f.function, f.reason.value) for f in failed], len({id(f.trajectory) for f in failed}))
+            if strict:
+                raise strict_error(failed)
         await outbox.put(groups)

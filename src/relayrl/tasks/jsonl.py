@@ -1,4 +1,5 @@
-"""Prompts from a JSONL file: one JSON object per line with ``prompt``, ``answer`` and optional ``id``.
+"""Prompts from a JSONL file: one JSON object per line with ``prompt``, ``answer``, optional ``id``
+and any other fields, which become the prompt's ``metadata`` (what a reward function may read).
 
 Job: validate the file up front and serve its rows as `Prompt`s — an endless training stream that
 cycles over the rows (shuffled per epoch with a seed, or in file order) and a held-out split (the
@@ -52,6 +53,7 @@ class JsonlTaskConfig:
             raise ValueError("jsonl: set heldout_path or heldout_last, not both")
 
 
+_FIELDS = ("prompt", "answer", "id")  # a row's other fields are the prompt's metadata
 _JSON_WHITESPACE = " \t\r"  # what may surround a JSON value on a row besides the "\n" that ends it
 
 
@@ -84,7 +86,8 @@ def load_jsonl_prompts(path: str | os.PathLike[str], id_prefix: str | None = Non
     number. A UTF-8 byte-order mark is ignored. ``prompt`` must be a
     non-empty string; ``answer`` a string or a number (numbers become ``str(value)``); ``id``, if
     present, a string or an integer, unique in the file. Rows without ``id`` get
-    ``"<id_prefix>-<row>"`` (``id_prefix`` defaults to the file's stem).
+    ``"<id_prefix>-<row>"`` (``id_prefix`` defaults to the file's stem). Every other field is
+    kept, as parsed, in the prompt's ``metadata``.
     """
     p = Path(path)
     prefix = id_prefix if id_prefix is not None else p.stem
@@ -139,7 +142,8 @@ def load_jsonl_prompts(path: str | os.PathLike[str], id_prefix: str | None = Non
         if prompt_id in first_row_of_id:
             raise TaskDataError(f"{where}: duplicate id {prompt_id!r} (first used in row {first_row_of_id[prompt_id]})")
         first_row_of_id[prompt_id] = row
-        prompts.append(Prompt(prompt_id=prompt_id, text=text, answer=answer))
+        metadata = {k: v for k, v in obj.items() if k not in _FIELDS}
+        prompts.append(Prompt(prompt_id=prompt_id, text=text, answer=answer, metadata=metadata))
     if not prompts:
         raise TaskDataError(f"{p}: no prompts (the file is empty or has only blank lines)")
     return prompts

@@ -184,7 +184,9 @@ def make_evaluator(
         make_tokenize(cfg, tokenizer),
         _Decode(copy.deepcopy(tokenizer)),
         cfg.eval.max_new_tokens,
-        rewards.resolve(cfg.task.reward_functions),
+        # a run judges through its scorer (Program attaches it: user functions isolated, async
+        # ones awaited); these in-process built-ins are the fallback for standalone use
+        [rewards.REWARD_FUNCTIONS[n] for n in cfg.task.reward_functions if n in rewards.REWARD_FUNCTIONS] or [rewards.exact_match],
     )
 
 
