@@ -286,6 +286,7 @@ class Program:
                             requests,
                             cfg.rollout.num_generations,
                             cfg.rollout.prompts_per_request,
+                            backend.max_prompt_tokens,
                         ),
                         name="dispatch",
                     ),
@@ -299,7 +300,15 @@ class Program:
                     tg.create_task(collect_stage(generated, collected), name="collect"),
                     tg.create_task(score_stage(collected, scored, self.scorer, self.ledger, cfg.task.strict_rewards), name="score"),
                     tg.create_task(
-                        advantage_stage(scored, ready, cfg.algorithm.advantage, cfg.algorithm.dynamic_sampling, self.ledger, window),
+                        advantage_stage(
+                            scored,
+                            ready,
+                            cfg.algorithm.advantage,
+                            cfg.algorithm.dynamic_sampling,
+                            self.ledger,
+                            window,
+                            cfg.train.row_tokens,
+                        ),
                         name="advantages",
                     ),
                     tg.create_task(

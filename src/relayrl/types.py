@@ -31,6 +31,9 @@ class FilterReason(StrEnum):
     ZERO_VARIANCE = "zero_variance"  # dynamic sampling: all rewards equal
     STALE = "stale"  # sampled by a policy older than the staleness window allows
     ALL_FAILED = "all_failed"  # every trajectory's reward failed
+    # a trajectory longer than a packed row (train.row_tokens), or a prompt that leaves no room for
+    # rollout.max_new_tokens in the model's context (never sampled)
+    TOO_LONG = "too_long"
 
 
 @dataclass(slots=True, frozen=True)

@@ -28,6 +28,9 @@ class Backend:
     startup: dict[str, float] = field(default_factory=dict)
     # runs after the workers closed, even when closing one failed (e.g. shut down a Ray cluster)
     cleanup: Callable[[], None] | None = None
+    # prompt tokens the model's context leaves room for after rollout.max_new_tokens (None: no
+    # bound); longer prompts are filtered at dispatch, never sampled
+    max_prompt_tokens: int | None = None
     # given the run's tracer once it exists, by workers that trace spans of their own (Ray actors)
     attach_tracer: Callable[[Tracer], None] | None = None
 

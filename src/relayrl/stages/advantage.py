@@ -1,7 +1,8 @@
 """Group + advantages: group-relative advantages, and the groups that must not train.
 
 Invariant: a group leaves either to the train queue with advantages set, or to the ledger as
-filtered (all failed; zero reward variance under dynamic sampling, NaN-safe), returning its
+filtered (all failed; zero reward variance under dynamic sampling, NaN-safe; a trajectory too
+long for a packed row), returning its
 window credit. Advantages are finite whatever the rewards (algorithms/advantages.py).
 """
 
@@ -15,8 +16,12 @@ from relayrl.types import FilteredGroup, FilterReason, Group, TrajectoryStatus
 from relayrl.window import DispatchWindow
 
 
-def filter_reason(group: Group, dynamic_sampling: bool) -> FilterReason | None:
+def filter_reason(group: Group, dynamic_sampling: bool, row_tokens: int | None = None) -> FilterReason | None:
+    """Why `group` must not train (None: it trains). `row_tokens`: a trajectory longer than a
+    packed row cannot be packed, so its group is filtered rather than failing its step."""
     trajs = group.trajectories
+    if row_tokens is not None and any(t.num_tokens > row_tokens for t in trajs):
+        return FilterReason.TOO_LONG
     if all(t.status is TrajectoryStatus.FAILED for t in trajs):
         return FilterReason.ALL_FAILED
     if dynamic_sampling and rewards_tie([t.reward for t in trajs]):
@@ -31,10 +36,11 @@ async def advantage_stage(
     dynamic_sampling: bool,
     ledger: Ledger,
     window: DispatchWindow,
+    row_tokens: int | None = None,
 ) -> None:
     while True:
         for group in await inbox.get():
-            reason = filter_reason(group, dynamic_sampling)
+            reason = filter_reason(group, dynamic_sampling, row_tokens)
             if reason is not None:
                 ledger.filtered(FilteredGroup(group, reason))
                 window.release_filtered()

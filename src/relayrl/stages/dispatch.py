@@ -3,18 +3,25 @@
 Invariant: a group is dispatched only with a window credit, and each dispatched group gets a
 fresh ledger id, so every dispatched prompt is accounted for downstream. Prompts are encoded
 here, on the event loop, by the backend's `PromptEncoder` (a tokenizer: cheap, orchestrator-side).
+A prompt longer than `max_prompt_tokens` (no room left for the completions in the model's
+context) is never sent to a sampler: its group is filtered as `too_long`, once warned about.
 """
 
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Iterator
 from itertools import islice
 
 from relayrl.backends.protocols import PromptEncoder
 from relayrl.ledger import Ledger
-from relayrl.types import Prompt, SampleRequest
+from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, SampleRequest
 from relayrl.window import DispatchWindow
+
+
+class PromptTooLongWarning(RuntimeWarning):
+    """Prompts too long for the model's context are being filtered (see the module docstring)."""
 
 
 async def dispatch_stage(
@@ -25,11 +32,29 @@ async def dispatch_stage(
     outbox: asyncio.Queue[list[SampleRequest]],
     num_generations: int,
     prompts_per_request: int,
+    max_prompt_tokens: int | None = None,
 ) -> None:
+    warned = False
     while True:
         n = await window.acquire(prompts_per_request)
         batch = list(islice(prompts, n))
         if len(batch) < n:
             raise RuntimeError("the prompt stream ended before the run's last step (task data exhausted)")
-        ids = ledger.dispatch(batch, num_generations)
-        await outbox.put([SampleRequest(gid, p, tokenize(p.text), num_generations) for gid, p in zip(ids, batch)])
+        requests: list[SampleRequest] = []
+        for gid, prompt in zip(ledger.dispatch(batch, num_generations), batch):
+            tokens = tokenize(prompt.text)
+            if max_prompt_tokens is None or len(tokens) <= max_prompt_tokens:
+                requests.append(SampleRequest(gid, prompt, tokens, num_generations))
+                continue
+            if not warned:
+                warnings.warn(
+                    f"prompt {prompt.prompt_id!r} has {len(tokens)} tokens, more than the {max_prompt_tokens} the model's context leaves "
+                    "after rollout.max_new_tokens: such prompts are not sampled (their groups are filtered as too_long)",
+                    PromptTooLongWarning,
+                    stacklevel=1,
+                )
+                warned = True
+            ledger.filtered(FilteredGroup(Group(gid, []), FilterReason.TOO_LONG))
+            window.release_filtered()
+        if requests:
+            await outbox.put(requests)

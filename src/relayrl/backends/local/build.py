@@ -206,7 +206,15 @@ def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
         collator=make_collator(cfg, tokenizer),
         tokenize=make_tokenize(cfg, tokenizer),
         evaluator=evaluator,
+        max_prompt_tokens=max_prompt_tokens(cfg, model),
     )
+
+
+def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
+    """Prompt tokens the model's context (`max_position_embeddings`) leaves after
+    `rollout.max_new_tokens`; None when the model names no context length."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    return max(0, int(context) - cfg.rollout.max_new_tokens) if isinstance(context, int) else None
 
 
 def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:

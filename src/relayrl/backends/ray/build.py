@@ -90,8 +90,9 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
     tokenize: PromptEncoder
     evaluator: Evaluator | None = None
     host_work: HostWork | None = None
+    prompt_bound: int | None = None
     if cfg.run.backend == "local":
-        from relayrl.backends.local.build import load_base, make_collator, make_evaluator, make_tokenize, worker_threads
+        from relayrl.backends.local.build import load_base, make_collator, make_evaluator, make_tokenize, max_prompt_tokens, worker_threads
 
         model, tokenizer = load_base(cfg)  # the driver's copy: tokenizer, collator, evaluator
         trainer_threads, sampler_threads = worker_threads(cfg)
@@ -100,6 +101,7 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         collator = make_collator(cfg, tokenizer)
         tokenize = make_tokenize(cfg, tokenizer)
         evaluator = make_evaluator(cfg, model, tokenizer, heldout, sampler_threads, wrap=ResolvingEngine)
+        prompt_bound = max_prompt_tokens(cfg, model)
     else:
         from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimTokenizer
 
@@ -138,6 +140,7 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         startup={"ray_start": cluster.start_seconds},
         cleanup=cluster.close,
         attach_tracer=functools.partial(attach_tracer, [trainer, *samplers]),
+        max_prompt_tokens=prompt_bound,
     )
 
 
