@@ -5,7 +5,9 @@ checkpoint directory alike go through ``from_pretrained(dir)``; nothing is fetch
 
 Invariants:
 - ``load_model_and_tokenizer`` reads only local files; a missing directory raises
-  ``FileNotFoundError`` naming the path. The returned tokenizer always has a pad token.
+  ``FileNotFoundError`` naming the path, files that cannot be loaded or a tokenizer larger than
+  the model's embedding raise ``ModelLoadError`` (one line naming the directory and
+  ``model.path``). The returned tokenizer always has a pad token.
 - ``greedy_accuracy`` is deterministic for given weights: greedy decoding, left padding, and a
   completion counts only if its text up to the first EOS equals the answer (outer whitespace
   ignored).
@@ -21,11 +23,16 @@ from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from relayrl.types import Prompt
 
 SHIPPED_MODELS_PACKAGE = "relayrl.models"
 ASSETS_DIR = "assets"
+
+
+class ModelLoadError(ValueError):
+    """A model directory whose files cannot be loaded, or whose tokenizer does not fit its weights."""
 
 
 def shipped_model_dir(name: str = "tiny-arith") -> Path:
@@ -58,8 +65,25 @@ def load_model_and_tokenizer(
         raise FileNotFoundError(f"GGUF file not found: {model_dir / gguf_file}")
     if gguf_file is None and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {model_dir}")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a failed load's multi-line report: the error below says it in one line
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
+    except Exception as exc:  # a broken or partial checkpoint: from_pretrained raises many kinds (e.g. SafetensorError)
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        if "ignore_mismatched_sizes" in first:
+            first = "the weights' shapes do not match config.json (e.g. vocab_size or hidden_size)"
+        raise ModelLoadError(f"cannot load the model in {model_dir} (model.path): {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    embedding = model.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ModelLoadError(
+            f"the tokenizer in {model_dir} has {len(tokenizer)} tokens but the model's embedding only {rows} (model.path): "
+            "the tokenizer and the weights do not belong together"
+        )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer in {model_dir} has neither a pad nor an EOS token")
