@@ -1,7 +1,8 @@
 """Optional dependencies: which pip extra a config needs, checked before anything imports it.
 
 Invariant: a config that selects something an absent optional package provides (the local
-backend: torch and transformers; a metric sink: its package) is refused up front with one
+backend: torch and transformers; a metric sink: its package; a reasoning-gym task or the
+`reasoning_gym` / `math_verify` reward: the `tasks` extra) is refused up front with one
 `MissingExtra` line naming the package, what needs it and the install command — never a
 `ModuleNotFoundError` traceback from deep inside a run. Checking imports nothing: it only asks
 the import system whether the module can be found.
@@ -15,6 +16,8 @@ from relayrl.config import SINK_EXTRAS, SINK_MODULES, Config
 
 #: modules the local backend imports, all provided by the `local` extra
 LOCAL_BACKEND_MODULES = ("torch", "transformers")
+#: built-in rewards that need a package of the `tasks` extra: reward name → module
+TASK_REWARD_MODULES = {"reasoning_gym": "reasoning_gym", "math_verify": "math_verify"}
 
 
 class MissingExtra(ValueError):
@@ -51,6 +54,11 @@ def needed(cfg: Config) -> list[tuple[str, str, str]]:
         found.append(("ray", "ray", "Ray scale-out (ray.enabled / --ray)"))
     for sink in cfg.telemetry.sinks:
         found.append((SINK_MODULES[sink], SINK_EXTRAS[sink], f"the {sink} metric sink (telemetry.sinks)"))
+    if cfg.task.kind == "reasoning_gym":
+        found.append(("reasoning_gym", "tasks", "the reasoning_gym task (task.kind = 'reasoning_gym')"))
+    for name, module in TASK_REWARD_MODULES.items():
+        if name in cfg.task.reward_functions:
+            found.append((module, "tasks", f"the {name} reward (task.reward_functions)"))
     return found
 
 

@@ -1,1 +1,1 @@
-"""Tasks: prompt streams with verifiable answers (synthetic, arithmetic, JSONL) and rewards."""
+"""Tasks: prompt streams with verifiable answers (synthetic, arithmetic, JSONL, reasoning-gym) and rewards."""

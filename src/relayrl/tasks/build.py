@@ -34,6 +34,21 @@ def build_task(cfg: Config) -> TaskData:
         except ValueError as exc:
             raise ValueError(str(exc).replace("arithmetic.", "task.").replace("max_digits", "digits")) from None
         return TaskData(task.stream(), task.heldout(t.heldout_size))
+    if t.kind == "reasoning_gym":
+        from relayrl.tasks.reasoning_gym import ReasoningGymConfig, ReasoningGymTask
+
+        assert t.dataset is not None  # the config validator requires it for reasoning_gym
+        rg_task = ReasoningGymTask(
+            ReasoningGymConfig(
+                dataset=t.dataset,
+                options=t.dataset_config,
+                size=t.dataset_size,
+                seed=cfg.run.seed if t.dataset_seed is None else t.dataset_seed,
+                heldout_size=t.heldout_size,
+                heldout_seed=t.heldout_seed,
+            )
+        )
+        return TaskData(rg_task.stream(), rg_task.heldout())
     from relayrl.tasks.jsonl import JsonlTask, JsonlTaskConfig
 
     assert t.path is not None  # the config validator requires it for jsonl

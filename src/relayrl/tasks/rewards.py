@@ -82,7 +82,10 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 #: name → "module:function". Register one with one line, e.g.
 #: "math_verify": "relayrl.tasks.math_verify:math_verify". Like every built-in they run in the
 #: scoring thread; a user who wants one isolated with a timeout names its "module:function".
-OPTIONAL_REWARDS: dict[str, str] = {}
+OPTIONAL_REWARDS: dict[str, str] = {
+    "reasoning_gym": "relayrl.tasks.reasoning_gym:reasoning_gym_reward",  # the `tasks` extra
+    "math_verify": "relayrl.tasks.math_verify:math_verify",  # the `tasks` extra
+}
 
 
 class RewardSpecError(ValueError):
