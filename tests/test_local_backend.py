@@ -120,36 +120,14 @@ def test_kl_reference_and_truncated_is_in_a_real_run(tmp_path: Path) -> None:
 
 
 def test_trainer_update_changes_weights_and_fills_the_slot() -> None:
-    from relayrl.backends.local.collate import TorchCollator
-    from relayrl.packing import build_microbatch, plan
-    from relayrl.types import Prompt, Trajectory
-
     model, tok = load_model_and_tokenizer(shipped_model_dir())
     settings = TrainerSettings(learning_rate=1e-2, total_steps=4, loss=LossConfig(), warmup_steps=2)
     trainer = LocalTrainer(model, settings)
-    prompt_ids = tok("12+7=", add_special_tokens=False)["input_ids"]
-    trajs = [
-        Trajectory(
-            group_id=0,
-            sample_index=i,
-            prompt=Prompt("p", "12+7=", "19"),
-            prompt_tokens=prompt_ids,
-            completion_tokens=tok(c, add_special_tokens=False)["input_ids"],
-            sampler_logprobs=[-1.0] * len(c),
-            completion_text=c,
-            policy_version=0,
-            replica=0,
-            advantage=a,
-        )
-        for i, (c, a) in enumerate([("19", 1.0), ("18", -1.0)])
-    ]
-    p = plan(trajs, 64, 4)
-    mb = build_microbatch(0, 0, trajs, p)
-    mb.payload = TorchCollator(pad_token_id=tok.pad_token_id).collate(mb)
+    batch = _tiny_batch(tok, (1.0, -1.0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     async def main() -> tuple[int, dict[str, float], int]:
-        await trainer.train_step(mb.train_batch())
+        await trainer.train_step(batch)
         version = await trainer.optim_step()
         metrics = await trainer.get_metrics()
         weights = await trainer.export_weights()

@@ -21,11 +21,11 @@ import codecs
 import json
 import math
 import os
-import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.tasks.epochs import EpochCycle
 from relayrl.types import Prompt
 
 
@@ -152,7 +152,7 @@ def load_jsonl_prompts(path: str | os.PathLike[str], id_prefix: str | None = Non
 class JsonlTask:
     """Prompts of a JSONL file: ``stream()`` for training, ``heldout(n)`` for evaluation."""
 
-    __slots__ = ("config", "train_prompts", "heldout_prompts")
+    __slots__ = ("config", "train_prompts", "heldout_prompts", "_cycle")
 
     def __init__(self, config: JsonlTaskConfig) -> None:
         self.config: JsonlTaskConfig = config
@@ -166,31 +166,15 @@ class JsonlTask:
             rows, heldout = rows[: -config.heldout_last], rows[-config.heldout_last :]
         self.train_prompts: tuple[Prompt, ...] = tuple(rows)
         self.heldout_prompts: tuple[Prompt, ...] = tuple(heldout)
-
-    def _epoch_order(self, epoch: int) -> Sequence[int]:
-        order = list(range(len(self.train_prompts)))
-        if self.config.shuffle:
-            random.Random(f"jsonl:{self.config.seed}:{epoch}").shuffle(order)
-        return order
+        self._cycle = EpochCycle(self.train_prompts, f"jsonl:{config.seed}" if config.shuffle else None)
 
     def train_prompt(self, index: int) -> Prompt:
         """Training item number ``index`` (epoch ``index // rows``; random access for resuming)."""
-        if index < 0:
-            raise ValueError(f"training prompt index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self.train_prompts))
-        return self.train_prompts[self._epoch_order(epoch)[pos]]
+        return self._cycle.prompt_at(index)
 
     def stream(self, start: int = 0) -> Iterator[Prompt]:
         """Endless training prompts from item ``start`` on, cycling over the training rows."""
-        if start < 0:
-            raise ValueError(f"training prompt index must be >= 0, got {start}")
-        n = len(self.train_prompts)
-        epoch, pos = divmod(start, n)
-        while True:
-            order = self._epoch_order(epoch)
-            for i in order[pos:]:
-                yield self.train_prompts[i]
-            epoch, pos = epoch + 1, 0
+        return self._cycle.stream(start)
 
     def heldout(self, n: int | None = None) -> list[Prompt]:
         """The first ``n`` held-out prompts (all of them when ``n`` is None); fixed order."""

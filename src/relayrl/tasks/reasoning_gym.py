@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import random
 import re
 import threading
 from collections.abc import Iterator, Mapping
@@ -37,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from relayrl.config import ConfigError
+from relayrl.tasks.epochs import EpochCycle
 from relayrl.types import Prompt, Trajectory
 
 METADATA_KEY = "reasoning_gym"
@@ -115,7 +115,7 @@ class ReasoningGymConfig:
 class ReasoningGymTask:
     """Prompts of one reasoning-gym dataset: ``stream()`` for training, ``heldout(n)`` for evaluation."""
 
-    __slots__ = ("config", "train_prompts", "heldout_prompts")
+    __slots__ = ("config", "train_prompts", "heldout_prompts", "_cycle")
 
     def __init__(self, config: ReasoningGymConfig) -> None:
         self.config: ReasoningGymConfig = config
@@ -153,6 +153,7 @@ class ReasoningGymTask:
                 )
         self.train_prompts: tuple[Prompt, ...] = tuple(train)
         self.heldout_prompts: tuple[Prompt, ...] = tuple(heldout)
+        self._cycle = EpochCycle(self.train_prompts, f"reasoning_gym:{config.seed}")
 
     def _prompt(self, dataset: Any, options: dict[str, object], index: int, prompt_id: str) -> Prompt:
         name = self.config.dataset
@@ -178,27 +179,13 @@ class ReasoningGymTask:
             metadata={METADATA_KEY: {"dataset": name, "config": options, "entry": entry}},
         )
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.train_prompts)))
-        random.Random(f"reasoning_gym:{self.config.seed}:{epoch}").shuffle(order)
-        return order
-
     def train_prompt(self, index: int) -> Prompt:
         """Training item number ``index`` (epoch ``index // dataset_size``; random access for resuming)."""
-        if index < 0:
-            raise ValueError(f"training prompt index must be >= 0, got {index}")
-        epoch, pos = divmod(index, len(self.train_prompts))
-        return self.train_prompts[self._epoch_order(epoch)[pos]]
+        return self._cycle.prompt_at(index)
 
     def stream(self, start: int = 0) -> Iterator[Prompt]:
         """Endless training prompts from item ``start`` on: every entry once per epoch, reshuffled."""
-        if start < 0:
-            raise ValueError(f"training prompt index must be >= 0, got {start}")
-        epoch, pos = divmod(start, len(self.train_prompts))
-        while True:
-            for i in self._epoch_order(epoch)[pos:]:
-                yield self.train_prompts[i]
-            epoch, pos = epoch + 1, 0
+        return self._cycle.stream(start)
 
     def heldout(self, n: int | None = None) -> list[Prompt]:
         """The first ``n`` held-out prompts (all of them when ``n`` is None); fixed order."""
