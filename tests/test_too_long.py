@@ -70,3 +70,17 @@ def test_a_local_run_with_a_prompt_longer_than_the_context_completes_counting_it
     ledger = result.ledger.as_dict()
     assert ledger["groups_filtered"] == {"too_long": 1}  # type: ignore[comparison-overlap]
     assert ledger["groups_trained"] == 8
+
+
+def test_a_huge_jsonl_line_loads_exactly_and_a_torn_one_is_one_short_error(tmp_path: Path) -> None:
+    from relayrl.tasks.jsonl import JsonlTask, JsonlTaskConfig, TaskDataError
+
+    big = "7+" * 1_500_000 + "7="  # a 3 MB prompt
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps({"prompt": big, "answer": "1"}) + "\n")
+    assert JsonlTask(JsonlTaskConfig(path=path)).train_prompts[1].text == big
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + '{"prompt": "' + big + '", "answer": "1"\n')
+    with pytest.raises(TaskDataError) as info:
+        JsonlTask(JsonlTaskConfig(path=path))
+    message = str(info.value)
+    assert message.startswith(f"{path}, row 2: invalid JSON") and len(message) < 300  # names the row, never echoes it
