@@ -40,6 +40,24 @@ def actor_options(resources: dict[str, float]) -> dict[str, Any]:
     return options
 
 
+def spread(replicas: int, resources: dict[str, float]) -> list[dict[str, Any]]:
+    """Per replica, the scheduling option that spreads the replicas round robin over the alive
+    nodes holding the resources they ask for (soft node affinity: Ray places a replica elsewhere
+    if its node cannot take it). Ray's own SPREAD strategy is only a hint, and packs replicas
+    that fit on one node there. One such node: no option (Ray's default)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(
+        str(node["NodeID"])
+        for node in ray.nodes()
+        if node.get("Alive") and all(node.get("Resources", {}).get(name, 0.0) >= amount for name, amount in resources.items())
+    )
+    if len(nodes) < 2:
+        return [{} for _ in range(replicas)]
+    return [{"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True)} for i in range(replicas)]
+
+
 # -- factories, run inside the actor's process --------------------------------------------------
 def _sim_sampler(cfg: Config, replica: int) -> Any:
     from relayrl.backends.sim.workers import SimSampler
@@ -110,14 +128,13 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         collator = SimCollator(cfg.sim, abort)
         tokenize = SimTokenizer(cfg.sim.prompt_tokens)
         host_work = SimHostWork(cfg)
-    # replicas spread over the nodes that can hold them (best effort), rather than packed onto one
-    sampler_opts = {**actor_options(cfg.ray.sampler_resources), "scheduling_strategy": "SPREAD"}
+    sampler_opts = actor_options(cfg.ray.sampler_resources)
     trainer_opts = actor_options(cfg.ray.trainer_resources)
     trainer_actor = TrainerActor.options(**trainer_opts).remote(trainer_factory)
     actors.append(trainer_actor)
     sampler_actors = []
-    for factory in sampler_factories:
-        actor = SamplerActor.options(**sampler_opts).remote(factory)
+    for factory, placement in zip(sampler_factories, spread(len(sampler_factories), cfg.ray.sampler_resources), strict=True):
+        actor = SamplerActor.options(**sampler_opts, **placement).remote(factory)
         actors.append(actor)
         sampler_actors.append(actor)
     ready = [a.ready.remote() for a in actors]
