@@ -28,6 +28,21 @@ def sim_config(*overrides: str) -> Config:
     return load_config(None, base + list(overrides))
 
 
+class Stopped(Exception):
+    """Raised by `StopAt`: the run failed, as if its process had been killed after a step."""
+
+
+class StopAt(Callback):
+    """Fails the run at the end of step `step` (after its logs and any checkpoint of it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, step: int, result: object) -> None:
+        if step == self.step:
+            raise Stopped(f"stopped at step {step}")
+
+
 def make_program(cfg: Config, tmp_path: Path, callbacks: Sequence[Callback] = ()) -> Program:
     return build_program(cfg, callbacks, run_dir=tmp_path / "run")
 

@@ -18,14 +18,13 @@ import pandas as pd
 import pytest
 import torch
 
-from relayrl.callbacks import Callback
 from relayrl.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
 from relayrl.config import load_config
 from relayrl.ledger import Ledger
 from relayrl.run import build_program
 from relayrl.telemetry.checker import check_run_dir
 from relayrl.types import FilteredGroup, FilterReason, Group, Prompt
-from simutil import run_checked, sim_config
+from simutil import StopAt, Stopped, run_checked, sim_config
 
 STEPS = 30
 GROUPS_PER_STEP = 4
@@ -150,21 +149,6 @@ def test_fresh_run_refuses_a_used_run_directory_without_overwrite(tmp_path: Path
         build_program(keep, run_dir=tmp_path / "r")
 
 
-class _Crash(Exception):
-    pass
-
-
-class _StopAt(Callback):
-    """Fails the run at the end of a step, as a crash would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, step: int, result: object) -> None:
-        if step == self.step:
-            raise _Crash(f"stopped at step {step}")
-
-
 def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -> None:
     """Checkpoint every step, groups filtered out of order (dynamic sampling), crash twice, resume
     twice. The first run has a fast sampler and a slow trainer, so 16 groups are in flight at
@@ -187,8 +171,8 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
     run_dir = tmp_path / "r"
     # a crash in on_step_end(N) comes before checkpoint N: the resumes start at steps 3 and 4
     for crash_at, resume, cfg in ((3, False, fast), (4, True, slow)):
-        with pytest.raises(_Crash):
-            asyncio.run(build_program(cfg, [_StopAt(crash_at)], run_dir=run_dir, resume=resume).run())
+        with pytest.raises(Stopped):
+            asyncio.run(build_program(cfg, [StopAt(crash_at)], run_dir=run_dir, resume=resume).run())
     state = json.loads((run_dir / CHECKPOINTS / "step-000003" / "state.json").read_text())
     assert len(state["in_flight"]) > 3  # replays that were still waiting are carried on
     result = run_checked(build_program(fast, run_dir=run_dir, resume=True))

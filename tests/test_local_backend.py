@@ -13,13 +13,12 @@ import torch
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings, lr_multiplier
-from relayrl.callbacks import Callback
 from relayrl.config import load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.recipes import default_recipe
 from relayrl.run import build_program
 from relayrl.types import TrainBatch
-from simutil import run_checked
+from simutil import StopAt, Stopped, run_checked
 
 QUICK = [
     "run.backend=local",
@@ -257,15 +256,6 @@ def test_missing_model_directory_is_named(tmp_path: Path) -> None:
         build_program(cfg, run_dir=tmp_path / "run")
 
 
-class _CrashAfter(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, step: int, result: object) -> None:
-        if step == self.step:
-            raise RuntimeError(f"crash after step {step}")
-
-
 def test_a_torch_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path) -> None:
     """max_staleness 0, one torch thread: a run that crashes after step k and is resumed from its
     checkpoint trains exactly what the uninterrupted run trains — identical rewards and token
@@ -281,8 +271,8 @@ def test_a_torch_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: 
     whole = rows(tmp_path / "whole")
     for crash in (1, 3):
         run_dir = tmp_path / f"crash{crash}"
-        with pytest.raises(RuntimeError, match=f"crash after step {crash}"):
-            asyncio.run(build_program(load_config(None, sets), [_CrashAfter(crash)], run_dir=run_dir).run())
+        with pytest.raises(Stopped, match=f"stopped at step {crash}"):
+            asyncio.run(build_program(load_config(None, sets), [StopAt(crash)], run_dir=run_dir).run())
         run_checked(build_program(load_config(None, sets), run_dir=run_dir, resume=True), timeout=120)
         resumed = rows(run_dir)
         assert [r["step"] for r in resumed] == [r["step"] for r in whole] == list(range(5))

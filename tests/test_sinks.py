@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.callbacks import Callback
 from relayrl.config import ConfigError
 from relayrl.telemetry import sinks as sinks_mod
 from relayrl.telemetry.sinks import (
@@ -305,15 +304,6 @@ def test_numeric_filter() -> None:
     assert sinks_mod._flatten({"a": {"b": 1, "c": "x"}, "d": [1, 2]}) == {"a.b": "1", "a.c": "x", "d": "[1, 2]"}
 
 
-class _CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, step: int, result: object) -> None:
-        if step == self.step:
-            raise RuntimeError(f"crash at step {step}")
-
-
 def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: None) -> None:
     """A run with every sink crashes after step 4 (newest checkpoint: step 3) and is resumed to
     step 5: steps 4's rows from the crashed run are not kept next to the redone ones, and the
@@ -324,12 +314,12 @@ def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: 
     from tensorboardX.proto import event_pb2
 
     from relayrl.run import build_program
-    from simutil import sim_config
+    from simutil import StopAt, Stopped, sim_config
 
     sets = ['telemetry.sinks=["tensorboard", "wandb", "mlflow"]', "orchestrator.checkpoint_every=2"]
     run_dir = tmp_path / "run"
-    with pytest.raises(RuntimeError, match="crash at step 4"):
-        asyncio.run(build_program(sim_config(*sets, "run.steps=6"), [_CrashAt(4)], run_dir=run_dir).run())
+    with pytest.raises(Stopped, match="stopped at step 4"):
+        asyncio.run(build_program(sim_config(*sets, "run.steps=6"), [StopAt(4)], run_dir=run_dir).run())
     asyncio.run(build_program(sim_config(*sets, "run.steps=6"), run_dir=run_dir, resume=True).run())
     steps = list(range(6))
     assert [r["step"] for r in _read_jsonl(run_dir / "metrics.jsonl")] == steps

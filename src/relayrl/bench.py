@@ -356,7 +356,8 @@ def _bench_model(name: str) -> Any:
 @dataclass(slots=True)
 class TensorState:
     """The baseline payload: the state dict as torch tensors, pickled into the object store
-    (`to_transport` converts only a plain dict, so this one travels as it is)."""
+    (`backends.ray.transport.encode` converts a dict of tensors or a dataclass with tensor
+    fields; this one's only field is a dict, so it travels pickled as it is)."""
 
     tensors: dict[str, Any]
 
