@@ -188,3 +188,16 @@ def test_tensors_cross_as_numpy_arrays_and_come_back_equal() -> None:
     assert copied.ids.data_ptr() != sent.arrays["ids"].ctypes.data
     copied.ids += 1  # a batch the trainer may change in place
     assert encode(None) is None and encode({}) == {} and encode([1, 2]) == [1, 2]
+
+
+def test_multiturn_episodes_on_ray_actors(cluster: RayCluster, tmp_path: Path) -> None:
+    """Multi-turn episodes with sampler actors: each turn is one generate_turns call on the actor
+    (its lane shows them), the environment steps on the driver, and the run passes the checker."""
+    sets = ["ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "task.environment=arithmetic_feedback", "rollout.max_turns=3"]
+    result = run_checked(build_program(sim_config(*sets, "rollout.max_new_tokens=4"), run_dir=tmp_path / "run"))
+    assert any(float(r.metrics["turns_mean"]) > 1.0 for r in result.results)  # type: ignore[arg-type]
+    all_spans = timeline.spans(result.tracer.events)
+    actor_turns = [s for s in all_spans if s.lane.startswith("actor:sampler/") and s.name == "generate_turns"]
+    assert actor_turns and any(s.lane == "env" and s.name == "env_step" for s in all_spans)
+    for t in result.records[-1].trajectories:
+        assert t.turns and t.policy_version == min(turn.policy_version for turn in t.turns)

@@ -66,6 +66,19 @@ class RunConfig(_Section):
         return name
 
 
+def _anchor_file_spec(entry: str, info: ValidationInfo) -> str:
+    """`path/file.py:name` with a relative path → the absolute path of that file in the recipe's
+    directory (when loading a recipe) or else in the working directory; anything else as written."""
+    target, sep, name = entry.rpartition(":")
+    if sep and target.endswith(".py") and not Path(target).is_absolute():
+        recipe_dir = (info.context or {}).get("recipe_dir")
+        bases = [Path(recipe_dir)] if recipe_dir is not None else []
+        for base in [*bases, Path.cwd()]:
+            if (base / target).is_file():
+                return f"{(base / target).resolve()}:{name}"
+    return entry
+
+
 class TaskConfig(_Section):
     kind: Literal["synthetic", "arithmetic", "jsonl", "reasoning_gym"] = "synthetic"
     path: str | None = None  # jsonl: the prompt file (one JSON object per line: prompt, answer)
@@ -99,6 +112,14 @@ class TaskConfig(_Section):
     # its trajectory (reward 0, counted)
     strict_rewards: bool = False
     prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
+    # multi-turn episodes (envs/): a built-in environment name (envs/__init__.py), or
+    # "package.module:Class" / "path/to/file.py:Class" (anchored as reward files are), built with
+    # `environment_config` as keyword arguments; None: single completions. With an environment,
+    # reward_functions defaults to ["env"] (the environment's reward parts, summed)
+    environment: str | None = None
+    environment_config: dict[str, object] = Field(default_factory=dict)
+    # how an observation is shown to the policy before its next turn; {observation} is its text
+    observation_template: str = "{observation}"
 
     @field_validator("reward_functions")
     @classmethod
@@ -107,18 +128,13 @@ class TaskConfig(_Section):
         directory (when loading a recipe) or else in the working directory; it is recorded as an
         absolute path, so a resume finds the same file. A file found in neither place is left as
         written (the run is refused before it starts, naming the entry)."""
-        recipe_dir = (info.context or {}).get("recipe_dir")
-        anchored: list[str] = []
-        for entry in entries:
-            target, sep, function = entry.rpartition(":")
-            if sep and target.endswith(".py") and not Path(target).is_absolute():
-                bases = [Path(recipe_dir)] if recipe_dir is not None else []
-                for base in [*bases, Path.cwd()]:
-                    if (base / target).is_file():
-                        entry = f"{(base / target).resolve()}:{function}"
-                        break
-            anchored.append(entry)
-        return anchored
+        return [_anchor_file_spec(entry, info) for entry in entries]
+
+    @field_validator("environment")
+    @classmethod
+    def _anchor_environment_file(cls, entry: str | None, info: ValidationInfo) -> str | None:
+        """`file.py:Class` is anchored as reward function files are."""
+        return None if entry is None else _anchor_file_spec(entry, info)
 
     @field_validator("reward_weights")
     @classmethod
@@ -152,19 +168,30 @@ class TaskConfig(_Section):
     @field_validator("prompt_template")
     @classmethod
     def _check_template(cls, template: str) -> str:
-        """A `str.format` template whose only field is a plain `{text}` (at least once); literal
-        braces are written `{{` and `}}`. Checked here so that no backend fails at its first prompt."""
-        try:
-            fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
-        except ValueError as exc:  # "Single '{' encountered", "expected '}' before end of string"
-            raise ValueError(f"must be a format string with a {{text}} field ({exc}; write a literal brace as {{{{ or }}}})") from None
-        for name, spec, conv in fields:
-            if name != "text" or spec or conv:
-                field = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
-                raise ValueError(f"unknown field {field}: the only field allowed is {{text}} (write a literal brace as {{{{ or }}}})")
-        if not fields:
-            raise ValueError("must contain the field {text} (the task's prompt text)")
-        return template
+        return _check_format(template, "text", "the task's prompt text")
+
+    @field_validator("observation_template")
+    @classmethod
+    def _check_observation_template(cls, template: str) -> str:
+        return _check_format(template, "observation", "the environment's observation")
+
+
+def _check_format(template: str, field_name: str, what: str) -> str:
+    """A `str.format` template whose only field is a plain `{field_name}` (at least once); literal
+    braces are written `{{` and `}}`. Checked with the config so that no backend fails at its
+    first prompt."""
+    brace = "{" + field_name + "}"
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # "Single '{' encountered", "expected '}' before end of string"
+        raise ValueError(f"must be a format string with a {brace} field ({exc}; write a literal brace as {{{{ or }}}})") from None
+    for name, spec, conv in fields:
+        if name != field_name or spec or conv:
+            field = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"unknown field {field}: the only field allowed is {brace} (write a literal brace as {{{{ or }}}})")
+    if not fields:
+        raise ValueError(f"must contain the field {brace} ({what})")
+    return template
 
 
 class RolloutConfig(_Section):
@@ -182,9 +209,18 @@ class RolloutConfig(_Section):
     weight_load_timeout_s: float = Field(600.0, ge=0.0)
     sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = auto (see train.torch_threads)
     sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(8, ge=1)  # per policy turn
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # multi-turn episodes (task.environment): at most this many policy turns, and at most this
+    # many tokens in all (prompt, turns, observations; 0 = train.row_tokens): an episode ends when
+    # its next turn would not fit
+    max_turns: int = Field(1, ge=1)
+    max_total_tokens: int = Field(0, ge=0)
+    # the KV caches a sampler replica keeps between an episode's turns (read instead of
+    # recomputing the context), at most this many MiB; beyond it the least recently used are
+    # dropped and those episodes re-read their context (0: keep none)
+    episode_cache_mb: int = Field(1024, ge=0)
 
 
 class AlgorithmConfig(_Section):
@@ -344,6 +380,17 @@ class Config(_Section):
                 )
         if self.task.kind == "jsonl" and not self.task.path:
             raise ValueError("task.path must name a JSONL file when task.kind = 'jsonl'")
+        if self.task.environment is not None and "reward_functions" not in self.task.model_fields_set:
+            self.task.reward_functions = ["env"]
+        if self.task.environment is None and "env" in self.task.reward_functions:
+            raise ValueError("task.reward_functions names 'env', the environment's reward, but task.environment is not set")
+        if self.task.environment is None and self.rollout.max_turns > 1:
+            raise ValueError("rollout.max_turns > 1 needs a multi-turn environment (task.environment)")
+        if self.rollout.max_total_tokens > self.train.row_tokens:
+            raise ValueError(
+                f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds train.row_tokens = "
+                f"{self.train.row_tokens}: an episode that long could not be packed"
+            )
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")
         return self

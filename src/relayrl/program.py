@@ -30,6 +30,7 @@ from relayrl.checkpointing import Checkpointer, LoggedSteps, restore
 from relayrl.config import Config
 from relayrl.deadlines import BoundedTrainer
 from relayrl.deferred import DeferredJobs
+from relayrl.envs.base import Environment
 from relayrl.eval_schedule import EvalSchedule
 from relayrl.evaluation import EvalResult, HeldoutEvaluator
 from relayrl.ledger import Ledger
@@ -37,9 +38,9 @@ from relayrl.replicas import ReplicaPool
 from relayrl.rundir import RunDirLock
 from relayrl.scoring import Scorer, ScorerSettings
 from relayrl.stages.advantage import advantage_stage
-from relayrl.stages.collect import collect_stage
 from relayrl.stages.dispatch import dispatch_stage
-from relayrl.stages.sample import sampler_stage
+from relayrl.stages.episodes import EpisodeRunner, EpisodeSettings
+from relayrl.stages.sample import MultiTurn, Rollout, SingleTurn, sampler_stage
 from relayrl.stages.score import score_stage
 from relayrl.stages.sync import SyncTimes, VersionSignal, sync_stage
 from relayrl.stages.train_loop import GroupTaker, PackingSpec, StepHooks, TrainLoop
@@ -51,7 +52,6 @@ from relayrl.telemetry.stepbook import StepBookkeeper
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import (
-    GenerateResult,
     Group,
     Prompt,
     SampleRequest,
@@ -92,6 +92,16 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return errors[0] if errors else group
 
 
+def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSettings:
+    """Multi-turn limits: `rollout.max_total_tokens` (0: `train.row_tokens`), never beyond the
+    model's context (`max_prompt_tokens` + `rollout.max_new_tokens`)."""
+    r = cfg.rollout
+    total = r.max_total_tokens or cfg.train.row_tokens
+    if max_prompt_tokens is not None:
+        total = min(total, max_prompt_tokens + r.max_new_tokens)
+    return EpisodeSettings(r.max_turns, total, r.max_new_tokens, cfg.task.observation_template)
+
+
 class Program:
     def __init__(
         self,
@@ -105,8 +115,10 @@ class Program:
         callbacks: Sequence[Callback] = (),
         resume: ResumePoint | None = None,
         lock: RunDirLock | None = None,
+        environment: Environment | None = None,
     ) -> None:
         self.cfg = cfg
+        self.environment = environment  # multi-turn episodes (task.environment); None: single completions
         self.lock = lock  # the run directory's lock (run.build_program took it); released when the run ends
         self.backend = backend
         # every trainer call bounded by train.call_timeout_s (the stages call it through this)
@@ -144,6 +156,16 @@ class Program:
             backend.attach_tracer(self.tracer)
         for name, seconds in backend.startup.items():  # before the run's clock started: ends at 0
             self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
+        self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
+        if environment is not None:
+            if backend.encode_text is None:
+                raise ValueError(
+                    f"the {cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
+                )
+            limits = episode_settings(cfg, backend.max_prompt_tokens)
+            self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, workers, self.tracer)
+            if isinstance(backend.evaluator, HeldoutEvaluator):
+                backend.evaluator.attach_episodes(self.episodes)
         self.bookkeeper = StepBookkeeper(
             tracer=self.tracer,
             run_dir=run_dir,
@@ -256,7 +278,6 @@ class Program:
         cfg, backend = self.cfg, self.backend
         size = cfg.orchestrator.queue_size
         requests: asyncio.Queue[list[SampleRequest]] = asyncio.Queue(size)
-        generated: asyncio.Queue[list[GenerateResult]] = asyncio.Queue(size)
         collected: asyncio.Queue[list[Group]] = asyncio.Queue(size)
         scored: asyncio.Queue[list[Group]] = asyncio.Queue(size)
         ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
@@ -292,12 +313,11 @@ class Program:
                     ),
                     *[
                         tg.create_task(
-                            sampler_stage(s, requests, generated, self.tracer, self.replicas, cfg.rollout.generate_timeout_s),
+                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout()),
                             name=f"sampler/{s.replica}",
                         )
                         for s in self.replicas.slots
                     ],
-                    tg.create_task(collect_stage(generated, collected), name="collect"),
                     tg.create_task(score_stage(collected, scored, self.scorer, self.ledger, cfg.task.strict_rewards), name="score"),
                     tg.create_task(
                         advantage_stage(
@@ -369,6 +389,12 @@ class Program:
             raise _first_error(group) from None
         finally:
             await self.backend.close()
+
+    def _rollout(self) -> Rollout:
+        """Single completions, or multi-turn episodes when the task has an environment."""
+        if self.episodes is None:
+            return SingleTurn(self.tracer, self.cfg.rollout.generate_timeout_s)
+        return MultiTurn(self.episodes, self.cfg.rollout.generate_timeout_s)
 
     def _reward_mean_first(self) -> float | None:
         if self.resume is not None and self.resume.reward_mean_first is not None:

@@ -1,7 +1,7 @@
 """Build a run from a config: run directory, backend, prompts, reward functions.
 
 Invariant: everything that can be rejected (config, task data, reward functions — each entry
-imported and found callable —, model path, the checkpoint to resume, a config change a resumed run
+imported and found callable —, the environment, model path, the checkpoint to resume, a config change a resumed run
 cannot take) is checked here, before the run directory is written; the run directory is locked
 (rundir.py) before anything in it is changed, and only a directory proven to be a relayrl run
 directory is ever cleared.
@@ -17,6 +17,8 @@ from relayrl.backends.sim.build import build_sim_backend
 from relayrl.callbacks import Callback
 from relayrl.checkpoint import CheckpointError, load_resume_point, rewind_run_dir
 from relayrl.config import Config, ConfigError, load_config
+from relayrl.envs import build_environment
+from relayrl.envs.base import Environment
 from relayrl.program import Program
 from relayrl.rundir import MARKER, RunDirLock
 from relayrl.runfiles import append_config_changes
@@ -37,13 +39,17 @@ def build_program(
     backend: Backend | None = None,
     resume: bool = False,
     reward_fns: Sequence[rewards.RewardEntry] | None = None,
+    environment: Environment | None = None,
 ) -> Program:
     """A program for `cfg`; with `resume`, one that continues `run_dir` from its newest checkpoint
     (CheckpointError, a ValueError, if there is none or the run already did `run.steps`).
 
     `reward_fns` replaces `task.reward_functions`: names, specs or callables (sync ones run in
     this process's scoring thread, async ones on the event loop), weighted by `task.reward_weights`.
-    The run's config.toml records a callable as `module:qualname`."""
+    The run's config.toml records a callable as `module:qualname`.
+
+    `environment` is the multi-turn environment to use instead of building `task.environment`
+    (which must then be set too, naming it: the run's config.toml records that name)."""
     if reward_fns is not None:
         if not reward_fns:
             raise ValueError("reward_fns: give at least one reward function")
@@ -73,6 +79,10 @@ def build_program(
         check_fits(cfg)
         entries = list(reward_fns) if reward_fns is not None else list(cfg.task.reward_functions)
         resolved = rewards.resolve_rewards(entries, cfg.task.reward_weights)
+        if environment is None and cfg.task.environment is not None:
+            environment = build_environment(cfg.task.environment, cfg.task.environment_config, cfg.rollout.max_turns)
+        elif environment is not None and cfg.task.environment is None:
+            raise ValueError("environment: set task.environment too (its name is recorded in the run's config.toml)")
         task = build_task(cfg)
         workers = Workers()
         if backend is None:
@@ -109,6 +119,7 @@ def build_program(
             callbacks=callbacks,
             resume=point,
             lock=lock,
+            environment=environment,
         )
     except BaseException:
         if lock is not None:
@@ -131,6 +142,7 @@ RESUMABLE_KEYS = (
     "rollout.sampler_threads",
     "rollout.sampler_nice",
     "rollout.sampler_failover",
+    "rollout.episode_cache_mb",
     "train.torch_threads",
     # how reward functions are hosted and bounded, and whether a failed call fails the run
     "task.reward_workers",

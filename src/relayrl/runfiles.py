@@ -34,7 +34,29 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 
 def eval_row(result: EvalResult) -> dict[str, object]:
     """An evaluation as evals.jsonl (and a checkpoint's `evals`) records it."""
-    return {"version": result.version, "accuracy": result.accuracy, "num_prompts": result.num_prompts, "seconds": result.seconds}
+    row: dict[str, object] = {
+        "version": result.version,
+        "accuracy": result.accuracy,
+        "num_prompts": result.num_prompts,
+        "seconds": result.seconds,
+    }
+    if result.first_turn_accuracy is not None:
+        row["first_turn_accuracy"] = result.first_turn_accuracy
+        row["mean_turns"] = result.mean_turns
+    return row
+
+
+def _multiturn_evals(evals: Sequence[EvalResult]) -> dict[str, object]:
+    """Multi-turn tasks: first-turn accuracy and mean turns per episode, before and after."""
+    if not evals or evals[0].first_turn_accuracy is None:
+        return {}
+    last = evals[-1] if len(evals) > 1 else None
+    return {
+        "first_turn_accuracy_before": evals[0].first_turn_accuracy,
+        "first_turn_accuracy_after": last.first_turn_accuracy if last else None,
+        "mean_turns_before": evals[0].mean_turns,
+        "mean_turns_after": last.mean_turns if last else None,
+    }
 
 
 def append_eval(run_dir: Path, result: EvalResult) -> None:
@@ -89,6 +111,7 @@ def build_summary(
         "accuracy_before": evals[0].accuracy if evals else None,
         "accuracy_after": evals[-1].accuracy if len(evals) > 1 else None,
         "evals": [{"version": e.version, "accuracy": e.accuracy} for e in evals],
+        **_multiturn_evals(evals),
         "reward_mean_first": reward_mean_first,
         "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,
         "ledger": ledger,

@@ -88,7 +88,7 @@ class ThreadHost:
 class Workers:
     """The orchestrator's named thread hosts, sharing one abort flag."""
 
-    def __init__(self, names: tuple[str, ...] = ("bookkeeping", "pack", "score")) -> None:
+    def __init__(self, names: tuple[str, ...] = ("bookkeeping", "pack", "score", "env")) -> None:
         self.abort = threading.Event()
         self._hosts = {name: ThreadHost(name, abort=self.abort) for name in names}
 

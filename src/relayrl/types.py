@@ -79,6 +79,53 @@ class GenerateResult:
 
 
 @dataclass(slots=True)
+class TurnRequest:
+    """Ask a sampler for the next policy turn of one multi-turn episode.
+
+    `context` is every token of the episode so far (prompt, earlier turns, observations), so a
+    sampler that holds no cache for the episode (a new episode, weights changed since, a restart)
+    can re-read it; one that holds the episode's KV cache from its previous turn reads only the
+    tokens after what that cache covers. Identical contexts in one call (a group's first turns)
+    are prefilled once. `rng_key` seeds this turn's RNG together with the run seed and the policy
+    version, so what a turn samples depends on those and the weights only."""
+
+    episode: str  # unique in the run, e.g. "<group id>/<sample index>"
+    context: list[int]
+    rng_key: str
+    max_new_tokens: int
+    prompt: Prompt | None = None  # the episode's prompt, as a SampleRequest carries it (the sim reads its answer)
+
+
+@dataclass(slots=True)
+class TurnResult:
+    """One sampled policy turn: the version that sampled it and how many of its context tokens
+    came from the episode's KV cache instead of being computed again."""
+
+    episode: str
+    completion: Completion
+    policy_version: int
+    replica: int
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Turn:
+    """One policy turn of a multi-turn trajectory. Its action tokens are
+    `completion_tokens[start:end]` (trained on, with the sampler's log-probs); the observation the
+    environment answered with follows them as context-only tokens (no loss, no log-probs)."""
+
+    start: int
+    end: int
+    policy_version: int
+    replica: int
+    action: str
+    observation: str = ""  # "" when the episode ended after this turn
+    reward: float = 0.0  # the environment's reward part for this action
+    tool_call: bool = False
+    solved: bool = False
+
+
+@dataclass(slots=True)
 class Trajectory:
     """One sampled completion of a prompt: what a reward function receives (README, "Writing a
     reward function"). Picklable, so it can be sent to a reward worker process."""
@@ -97,10 +144,22 @@ class Trajectory:
     status: TrajectoryStatus = TrajectoryStatus.OK
     error: str | None = None
     finish_reason: str = "stop"
+    # multi-turn episodes: the policy turns (empty for a single completion); `loss_mask[i]` is 1
+    # where completion token i is the policy's (trained) and 0 where it is an observation
+    # (context only; its `sampler_logprobs` entry is 0.0); None: every token is the policy's
+    turns: list[Turn] = field(default_factory=list)
+    loss_mask: list[int] | None = None
+    env_reward: float | None = None  # the environment's reward parts summed (None: no environment)
+    env_time: float = 0.0  # seconds its environment steps took
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_tokens) + len(self.completion_tokens)
+
+    @property
+    def policy_tokens(self) -> int:
+        """Completion tokens the policy sampled (the ones trained on)."""
+        return len(self.completion_tokens) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass(slots=True)
@@ -176,8 +235,8 @@ class TrainBatch:
     num_tokens: int  # laid-out tokens (a shared prompt once), no padding
     num_sequences: int
     advantages: list[float]
-    step_completion_tokens: int  # over the whole step: the loss normaliser for accumulation
-    step_sequences: int  # trajectories of the step with at least one completion token
+    step_completion_tokens: int  # the policy's completion tokens over the whole step: the loss normaliser for accumulation
+    step_sequences: int  # trajectories of the step with at least one policy token
 
 
 @dataclass(slots=True)
@@ -191,8 +250,8 @@ class MicroBatch:
     rows: list[list[int]]  # indices into `trajectories`, per packed row
     padding: PaddingStats
     num_tokens: int
-    step_completion_tokens: int = 0  # over the whole step: the loss normaliser for accumulation
-    step_sequences: int = 0  # trajectories of the step with at least one completion token
+    step_completion_tokens: int = 0  # the policy's completion tokens over the whole step: the loss normaliser
+    step_sequences: int = 0  # trajectories of the step with at least one policy token
     share_prompt: bool = False  # rows are laid out as segments sharing a prompt (packing.segments)
     payload: object = None
 

@@ -31,6 +31,9 @@ class Backend:
     # prompt tokens the model's context leaves room for after rollout.max_new_tokens (None: no
     # bound); longer prompts are filtered at dispatch, never sampled
     max_prompt_tokens: int | None = None
+    # an observation's text → token ids, no special tokens (multi-turn episodes); None: the
+    # backend cannot run them
+    encode_text: Callable[[str], list[int]] | None = None
     # given the run's tracer once it exists, by workers that trace spans of their own (Ray actors)
     attach_tracer: Callable[[Tracer], None] | None = None
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from relayrl.types import GenerateResult, MicroBatch, SampleRequest, TrainBatch, Weights
+from relayrl.types import GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
 if TYPE_CHECKING:
     from relayrl.evaluation import EvalResult
@@ -33,6 +33,18 @@ class Sampler(Protocol):
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         """Sample every request with the weights loaded when the call starts; each result carries
         the version of those weights."""
+        ...
+
+    async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """Sample the next policy turn of each multi-turn episode (one completion per request),
+        with the weights loaded when the call starts. A sampler may keep each episode's KV cache
+        after the call, to read only the new tokens of its next turn's context; it must produce
+        what re-reading the whole context would (and re-read it when the cache does not cover a
+        prefix of the context or was computed with other weights)."""
+        ...
+
+    async def end_episodes(self, episodes: Sequence[str]) -> None:
+        """Forget the caches of these episodes (they are over). Unknown names are ignored."""
         ...
 
     async def load_weights(self, weights: Weights) -> None:

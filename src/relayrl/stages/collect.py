@@ -1,12 +1,11 @@
-"""Collect: finished rollouts → groups of trajectories (one group per request).
+"""Collect: a sampler's result for one request → its group of trajectories (single completions;
+multi-turn episodes are grouped by stages/episodes.py).
 
 Invariant: a group holds exactly the completions of one request, each trajectory tagged with the
 version and replica that sampled it.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from relayrl.types import GenerateResult, Group, Trajectory
 
@@ -31,12 +30,3 @@ def to_group(result: GenerateResult) -> Group:
             for i, c in enumerate(result.completions)
         ],
     )
-
-
-async def collect_stage(
-    inbox: asyncio.Queue[list[GenerateResult]],
-    outbox: asyncio.Queue[list[Group]],
-) -> None:
-    while True:
-        results = await inbox.get()
-        await outbox.put([to_group(r) for r in results])

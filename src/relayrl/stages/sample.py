@@ -1,9 +1,12 @@
-"""Sample: one task per sampler replica pulls request batches and generates them.
+"""Sample: one task per sampler replica pulls request batches and rolls them out into groups:
+single completions (`SingleTurn`: one `generate` call) or multi-turn episodes with an environment
+(`MultiTurn`: stages/episodes.py, one `generate_turns` call per turn).
 
-Invariant: each generate call is traced on its replica's lane with the version that sampled it
+Invariant: each sampling call is traced on its replica's lane with the version that sampled it
 (from the results; the replica number and, for an empty result, the version come from the
-orchestrator's `SamplerSlot`, never from the worker);
-results leave in the order the call returned them. A replica whose `generate` raises is retired
+orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s`;
+groups leave in the order the call returned them. An environment's error fails the run (it is
+the task's, not the replica's). A replica whose `generate` raises is retired
 (see `relayrl.replicas`) and its requests go back to the queue for the other replicas: no group
 is lost or sampled twice. A replica whose worker died and can be restarted (`Restartable`, the
 Ray backend) re-queues its requests, restarts holding the version the sync stage pushes or newer,
@@ -13,24 +16,68 @@ and samples again; one that cannot be restarted is retired.
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from relayrl.deadlines import bounded
 from relayrl.replicas import ReplicaPool, Restartable, SamplerSlot
+from relayrl.stages.collect import to_group
+from relayrl.stages.episodes import EnvironmentStepError, EpisodeRunner
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import GenerateResult, SampleRequest
+from relayrl.types import Group, SampleRequest, TurnRequest, TurnResult
+
+
+class Rollout(Protocol):
+    async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
+        """Sample `requests` on `slot`'s replica into groups, tracing each sampling call."""
+        ...
+
+
+class SingleTurn:
+    """One completion per sample: one `generate` call per batch, bounded by `timeout_s` (0: none)."""
+
+    def __init__(self, tracer: Tracer, timeout_s: float = 0.0) -> None:
+        self._tracer = tracer
+        self._timeout_s = timeout_s
+
+    async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
+        start = self._tracer.now()
+        results = await bounded(
+            slot.worker.generate(requests), self._timeout_s, f"sampler replica {slot.replica}: generate", "rollout.generate_timeout_s"
+        )
+        version = results[0].policy_version if results else slot.version
+        self._tracer.complete(f"sampler/{slot.replica}", "generate", start, self._tracer.now(), n=len(requests), version=version)
+        return [to_group(r) for r in results]
+
+
+class MultiTurn:
+    """Multi-turn episodes (stages/episodes.py): one `generate_turns` call per turn, each bounded
+    by `timeout_s` (0: none)."""
+
+    def __init__(self, runner: EpisodeRunner, timeout_s: float = 0.0) -> None:
+        self._runner = runner
+        self._timeout_s = timeout_s
+
+    async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
+        sampler, what = slot.worker, f"sampler replica {slot.replica}: generate_turns"
+
+        async def turn(asks: list[TurnRequest]) -> list[TurnResult]:
+            return await bounded(sampler.generate_turns(asks), self._timeout_s, what, "rollout.generate_timeout_s")
+
+        return await self._runner.run(requests, turn, lane=f"sampler/{slot.replica}", end=sampler.end_episodes)
 
 
 async def sampler_stage(
     slot: SamplerSlot,
     inbox: asyncio.Queue[list[SampleRequest]],
-    outbox: asyncio.Queue[list[GenerateResult]],
+    outbox: asyncio.Queue[list[Group]],
     tracer: Tracer,
     pool: ReplicaPool,
-    timeout_s: float = 0.0,
+    rollout: Rollout,
 ) -> None:
-    """Serve `slot`'s replica: each generate call bounded by `timeout_s` (0: none); one that
-    exceeds it fails the replica like one that raised."""
-    lane, sampler = f"sampler/{slot.replica}", slot.worker
+    """Serve `slot`'s replica: a sampling call that raises or exceeds its bound fails the
+    replica; an environment's error fails the run."""
+    lane = f"sampler/{slot.replica}"
+    sampler = slot.worker
     while pool.serves(slot):
         requests = await inbox.get()
         if not pool.serves(slot):  # retired by a failed weight load while it waited
@@ -38,9 +85,9 @@ async def sampler_stage(
             return
         start = tracer.now()
         try:
-            results = await bounded(
-                sampler.generate(requests), timeout_s, f"sampler replica {slot.replica}: generate", "rollout.generate_timeout_s"
-            )
+            groups = await rollout(slot, requests)
+        except EnvironmentStepError:
+            raise
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
             if isinstance(sampler, Restartable) and sampler.restartable(exc):
@@ -53,9 +100,7 @@ async def sampler_stage(
             pool.retire(slot, exc, "generate", [r.group_id for r in requests])
             await inbox.put(requests)  # another replica samples them
             return
-        version = results[0].policy_version if results else slot.version
-        tracer.complete(lane, "generate", start, tracer.now(), n=len(requests), version=version)
-        await outbox.put(results)
+        await outbox.put(groups)
 
 
 async def _restart(slot: SamplerSlot, sampler: Restartable, exc: Exception, tracer: Tracer, pool: ReplicaPool) -> Exception | None:

@@ -70,8 +70,16 @@ def last_integer_match(trajectory: Trajectory) -> float:
     return 1.0 if found and found[-1] == trajectory.prompt.answer.strip() else 0.0
 
 
+def env(trajectory: Trajectory) -> float:
+    """The environment's reward parts summed (multi-turn episodes, task.environment)."""
+    if trajectory.env_reward is None:
+        raise ValueError("the 'env' reward needs a multi-turn environment (task.environment): this trajectory has none")
+    return trajectory.env_reward
+
+
 #: built-in rewards, imported with relayrl; cheap, trusted: they run in the scoring thread
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "env": env,
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "first_integer_match": first_integer_match,

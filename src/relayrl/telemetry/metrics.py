@@ -57,6 +57,15 @@ def reduce_step(record: StepRecord) -> Metrics:
         "prompt_sharing_saving": 1.0 - real / unshared if unshared else 0.0,
         "loop_lag_max_ms": record.loop_lag_max_ms,
     }
+    episodes = [t for t in trajs if t.turns]
+    if episodes:  # multi-turn: per episode
+        n = len(episodes)
+        metrics["turns_mean"] = sum(len(t.turns) for t in episodes) / n
+        metrics["tool_calls_mean"] = sum(sum(turn.tool_call for turn in t.turns) for t in episodes) / n
+        metrics["solved_rate"] = sum(any(turn.solved for turn in t.turns) for t in episodes) / n
+        metrics["first_turn_solved_rate"] = sum(t.turns[0].solved for t in episodes) / n
+        metrics["env_time_sec"] = sum(t.env_time for t in episodes)  # summed over the step's episodes
+        metrics["policy_tokens_mean"] = sum(t.policy_tokens for t in episodes) / n
     for key, value in record.trainer_metrics.items():
         if key != "step":
             metrics[f"train/{key}"] = value

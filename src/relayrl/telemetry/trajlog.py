@@ -69,6 +69,9 @@ def trajectory_schema() -> pa.Schema:
             ("status", pa.string()),
             ("error", pa.string()),
             ("replica", pa.int32()),
+            # multi-turn episodes: policy turns (0: a single completion) and each turn's version
+            ("turns", pa.int32()),
+            ("turn_versions", pa.list_(pa.int32())),
         ]
     )
 
@@ -117,6 +120,8 @@ def trajectory_table(step: int, trained_version: int, trajectories: list[Traject
         "status": [status for _, status in pairs],
         "error": [t.error for t in ts],
         "replica": [t.replica for t in ts],
+        "turns": [len(t.turns) for t in ts],
+        "turn_versions": _token_lists([[turn.policy_version for turn in t.turns] for t in ts]),
     }
     schema = trajectory_schema()
     arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=schema.field(name).type) for name, c in columns.items()]

@@ -67,6 +67,16 @@ class _Tokenize:
         return [int(i) for i in ids]
 
 
+class EncodeText:
+    """Text → token ids with no special tokens (an observation of a multi-turn episode)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tok = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return [int(i) for i in self._tok(text, add_special_tokens=False)["input_ids"]]
+
+
 class _Decode:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tok = tokenizer
@@ -123,6 +133,7 @@ def make_sampler(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedToken
         seed=cfg.run.seed,
         torch_threads=threads,
         nice=cfg.rollout.sampler_nice,
+        max_session_bytes=cfg.rollout.episode_cache_mb * 2**20,
     )
 
 
@@ -133,7 +144,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrai
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
         aggregation=a.loss_aggregation,
-        max_completion_tokens=r.max_new_tokens,
+        max_completion_tokens=r.max_new_tokens * r.max_turns,  # the policy's tokens in one episode at most
         kl_beta=a.kl_beta,
         tis_cap=a.tis_cap,
     )
@@ -205,6 +216,7 @@ def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
         samplers=list(samplers),
         collator=make_collator(cfg, tokenizer),
         tokenize=make_tokenize(cfg, tokenizer),
+        encode_text=EncodeText(copy.deepcopy(tokenizer)),
         evaluator=evaluator,
         max_prompt_tokens=max_prompt_tokens(cfg, model),
     )

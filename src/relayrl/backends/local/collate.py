@@ -12,6 +12,10 @@ tokens of its own completion — never to another completion or segment. Padding
 only to themselves (so softmax stays defined and nothing becomes NaN) and are never attended to.
 The first completion token of every completion in a segment is predicted by the prompt's last
 position (shared); completion token j > 0 by the completion's own token j − 1.
+
+Multi-turn trajectories (`Trajectory.loss_mask`): observation tokens are laid out like any
+completion token (later actions attend to them) but are no loss tokens: only the policy's tokens
+are listed, so no observation token carries loss or log-probs.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ class PackedBatch:
     - `segment_ids`: the segment (numbered across the micro-batch) owning the position; -1 on pad.
     - `attention_mask`: (B, 1, L, L); bool (True = attend, for sdpa) or additive float
       (0 = attend, dtype min = blocked, for eager or sdpa).
-    Per loss token (one per completion token), shape (T,), in trajectory order and, within a
-    trajectory, in completion order:
+    Per loss token (one per policy token of a completion: every completion token, or those with
+    `loss_mask` 1), shape (T,), in trajectory order and, within a trajectory, in completion order:
     - `source_index`: flat index into (B·L) of the position whose logits predict the token.
     - `target_ids`, `old_logprobs` (the sampler's log-prob), `advantages` (the trajectory's),
       `seq_index` (index into the micro-batch's `trajectories`).
@@ -160,7 +164,7 @@ class TorchCollator:
         position_ids = [0] * (rows * length)
         segment_ids = [-1] * (rows * length)
         branch_ids = [-1] * (rows * length)
-        n_loss = sum(len(t.completion_tokens) for t in trajectories)
+        n_loss = sum(t.policy_tokens for t in trajectories)
         source = [0] * n_loss
         target = [0] * n_loss
         old = [0.0] * n_loss
@@ -168,7 +172,7 @@ class TorchCollator:
         seq = [0] * n_loss
         offsets = [0] * len(trajectories)  # first loss-token slot of each trajectory
         for i in range(1, len(trajectories)):
-            offsets[i] = offsets[i - 1] + len(trajectories[i - 1].completion_tokens)
+            offsets[i] = offsets[i - 1] + trajectories[i - 1].policy_tokens
 
         segment_id = 0
         for r, segs in enumerate(row_segments):
@@ -190,13 +194,21 @@ class TorchCollator:
                     segment_ids[p : p + n] = [segment_id] * n
                     branch_ids[p : p + n] = [i] * n
                     o = offsets[i]
-                    if n:
-                        source[o] = last_prompt
-                        source[o + 1 : o + n] = range(p, p + n - 1)
-                    target[o : o + n] = comp
-                    old[o : o + n] = traj.sampler_logprobs
-                    adv[o : o + n] = [traj.advantage] * n
-                    seq[o : o + n] = [i] * n
+                    if traj.loss_mask is None:
+                        if n:
+                            source[o] = last_prompt
+                            source[o + 1 : o + n] = range(p, p + n - 1)
+                        target[o : o + n] = comp
+                        old[o : o + n] = traj.sampler_logprobs
+                        k = n
+                    else:  # only the policy's tokens: token j is predicted from position j - 1
+                        picked = [j for j, m in enumerate(traj.loss_mask) if m]
+                        k = len(picked)
+                        source[o : o + k] = [last_prompt if j == 0 else p + j - 1 for j in picked]
+                        target[o : o + k] = [comp[j] for j in picked]
+                        old[o : o + k] = [traj.sampler_logprobs[j] for j in picked]
+                    adv[o : o + k] = [traj.advantage] * k
+                    seq[o : o + k] = [i] * k
                     p += n
                 segment_id += 1
 
@@ -224,5 +236,7 @@ def _check_trajectory(traj: Trajectory, i: int, mb: MicroBatch) -> None:
     where = f"micro-batch step={mb.step} index={mb.index}, trajectory {i} (group_id={traj.group_id}, sample_index={traj.sample_index})"
     if len(traj.sampler_logprobs) != len(traj.completion_tokens):
         raise ValueError(f"{where}: {len(traj.sampler_logprobs)} sampler_logprobs for {len(traj.completion_tokens)} completion tokens")
+    if traj.loss_mask is not None and len(traj.loss_mask) != len(traj.completion_tokens):
+        raise ValueError(f"{where}: {len(traj.loss_mask)} loss_mask entries for {len(traj.completion_tokens)} completion tokens")
     if traj.completion_tokens and not traj.prompt_tokens:
         raise ValueError(f"{where}: empty prompt_tokens; the first completion token has no predictor")

@@ -16,6 +16,20 @@ Invariants:
   ratio is exactly 1 and clipping / truncated IS act only on policy change (as TRL and verl,
   which recompute "old" log-probs with the full softmax). In greedy mode it is the log-prob of
   the argmax under the plain temperature-1 softmax, which is what the policy assigns it.
+
+`sample_turns` samples one policy turn per row of multi-turn episodes (the local sampler's
+`generate_turns`). A row starts from nothing (its whole context is prefilled; identical contexts
+once) or from its episode's saved `RowCache` plus the context tokens after what it covers. Its
+invariants, besides the ones above (which hold per row):
+- every row computes what it would compute alone: saved caches are left-padded to a common length
+  and suffixes left-padded inside the prefill chunk (so every row's last real token is the
+  chunk's last column), all padding with attention 0 and every real token at its own position
+  (position ids count only real tokens); the holes this leaves are never attended to;
+- a row that stopped (EOS or its own `max_new_tokens`) gets attention 0 on every later column,
+  so the cache it leaves holds no junk;
+- the returned cache of a row holds exactly the tokens fed (context + sampled tokens but the last,
+  which was never fed), in order, unpadded: extending it with later tokens computes what reading
+  the whole sequence at once would.
 """
 
 from __future__ import annotations
@@ -28,7 +42,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["SampledSequence", "SamplingAborted", "SamplingParams", "pick_tokens", "sample"]
+__all__ = [
+    "RowCache",
+    "SampledSequence",
+    "SamplingAborted",
+    "SamplingParams",
+    "TurnInput",
+    "TurnOutput",
+    "TurnStats",
+    "pick_tokens",
+    "sample",
+    "sample_turns",
+]
 
 # Finished rows leave the batch once they are at least 1/_PRUNE_FRACTION of it.
 _PRUNE_FRACTION = 8
@@ -73,13 +98,13 @@ def pick_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
-    per_group: Sequence[tuple[torch.Generator, torch.Tensor]] | None = None,
+    per_group: Sequence[tuple[torch.Generator | None, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row of `logits` ([B, V]); return (tokens [B], logprobs [B]).
 
     With `per_group`, (generator, row indices) pairs, each group's rows are drawn, in order, from
-    its own generator, and rows in no group (finished ones riding along) get the argmax, drawing
-    nothing; otherwise every row draws from `generator`. Greedy draws from no generator, so
+    its own generator (None: torch's default one), and rows in no group (finished ones riding
+    along) get the argmax, drawing nothing; otherwise every row draws from `generator`. Greedy draws from no generator, so
     evaluation does not shift a sampling RNG stream.
     """
     logits = logits.float()
@@ -117,6 +142,23 @@ def _new_cache(model: PreTrainedModel) -> DynamicCache:
         return DynamicCache(config=model.config)
     except TypeError:  # transformers < 4.56
         return DynamicCache()
+
+
+def _check_abort(abort: threading.Event | None) -> None:
+    if abort is not None and abort.is_set():
+        raise SamplingAborted("sampling aborted: the awaiting call was cancelled")
+
+
+def _left_padded(rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention) [len(rows), longest]: each row right-aligned, padding attention 0."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            input_ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+            attention[i, width - len(row) :] = 1
+    return input_ids.to(device), attention.to(device)
 
 
 def sample(
@@ -174,13 +216,7 @@ def sample(
         source = list(range(total))
 
     device = model.device
-    width = max(len(p) for p in prefill_rows)
-    input_ids = torch.full((len(prefill_rows), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(prefill_rows), width), dtype=torch.long)
-    for i, prompt in enumerate(prefill_rows):
-        input_ids[i, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        attention[i, width - len(prompt) :] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = _left_padded(prefill_rows, pad_token_id, device)
     positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)
 
     eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=device)
@@ -190,8 +226,7 @@ def sample(
     stopped = [False] * total
 
     def check_abort() -> None:
-        if abort is not None and abort.is_set():
-            raise SamplingAborted("sampling aborted: the awaiting call was cancelled")
+        _check_abort(abort)
 
     check_abort()
     cache_arg = _cache_kwarg(model)
@@ -273,3 +308,334 @@ def sample(
             row += 1
         results.append(group)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-turn: one policy turn per row, continuing saved KV caches.
+
+
+@dataclass(slots=True)
+class RowCache:
+    """The KV cache of one sequence, unpadded: per layer (keys, values), each
+    [kv_heads, len(tokens), head_dim], holding exactly `tokens` at positions 0..len(tokens)-1."""
+
+    tokens: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+@dataclass(slots=True)
+class TurnInput:
+    """One row of `sample_turns`: the whole context, its own token budget and generator, and
+    optionally the episode's saved cache, which must cover a proper prefix of `context`."""
+
+    context: Sequence[int]
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+    cache: RowCache | None = None
+
+
+@dataclass(slots=True)
+class TurnOutput:
+    """One row's sampled turn; `cache` covers context + sequence tokens but the last (None when
+    caches are not kept); `cached_tokens` context tokens were read from the input cache."""
+
+    sequence: SampledSequence
+    cache: RowCache | None
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class TurnStats:
+    """Counters `sample_turns` adds to when given one (cumulative over calls)."""
+
+    rows: int = 0  # turns sampled
+    prefill_rows: int = 0  # rows through a prefill forward (identical fresh contexts count once)
+    computed_tokens: int = 0  # context tokens those prefills computed (padding not counted)
+    padded_tokens: int = 0  # prefill slots, padding included
+    cached_tokens: int = 0  # context tokens read from saved caches instead
+    forward_passes: int = 0
+
+
+def _plain_layers(cache: DynamicCache) -> bool:
+    """True when every layer of `cache` keeps every token's keys and values (full attention):
+    no sliding window (which crops), no linear-attention state, no quantized store."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers < 4.56: key_cache / value_cache lists of full tensors
+        return hasattr(cache, "key_cache") and hasattr(cache, "value_cache")
+    return all(
+        not getattr(layer, "is_sliding", False) and not hasattr(layer, "conv_states") and not hasattr(layer, "_quantize")
+        for layer in layers
+    )
+
+
+def supports_row_caches(model: PreTrainedModel) -> bool:
+    """Whether `sample_turns` can save and continue this model's caches (full-attention layers)."""
+    return _plain_layers(_new_cache(model))
+
+
+def _layer_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys, values), each [batch, kv_heads, length, head_dim]."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return list(zip(cache.key_cache, cache.value_cache))  # type: ignore[attr-defined]
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def _cache_from(model: PreTrainedModel, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = _new_cache(model)
+    for index, (keys, values) in enumerate(kv):
+        cache.update(keys, values, index)
+    return cache
+
+
+def _stack_saved(saved: Sequence[RowCache], device: torch.device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Saved caches as one batch, each left-padded (zeros, attention 0) to the longest."""
+    width = max(len(c.tokens) for c in saved)
+    attention = torch.zeros((len(saved), width), dtype=torch.long)
+    for i, c in enumerate(saved):
+        attention[i, width - len(c.tokens) :] = 1
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer, (k0, v0) in enumerate(saved[0].layers):
+        keys = k0.new_zeros((len(saved), k0.shape[0], width, k0.shape[-1]), device=device)
+        values = v0.new_zeros((len(saved), v0.shape[0], width, v0.shape[-1]), device=device)
+        for i, c in enumerate(saved):
+            k, v = c.layers[layer]
+            keys[i, :, width - k.shape[1] :] = k
+            values[i, :, width - v.shape[1] :] = v
+        kv.append((keys, values))
+    return kv, attention.to(device)
+
+
+@dataclass(slots=True)
+class _Prefilled:
+    """One prefill forward's result: its cache, attention [rows, width], last logits [rows, V]."""
+
+    cache: DynamicCache
+    attention: torch.Tensor
+    logits: torch.Tensor
+
+
+def _merge(model: PreTrainedModel, parts: list[_Prefilled], order: list[tuple[int, int]]) -> _Prefilled:
+    """One batch whose row i is row order[i][1] of part order[i][0], the narrower parts
+    left-padded (zeros, attention 0) to the widest."""
+    device = parts[0].attention.device
+    if len(parts) == 1:
+        part = parts[0]
+        rows = [r for _, r in order]
+        if rows == list(range(part.attention.shape[0])):
+            return part
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        part.cache.batch_select_indices(index)
+        return _Prefilled(part.cache, part.attention[index], part.logits[index])
+    width = max(p.attention.shape[-1] for p in parts)
+    picks: list[tuple[torch.Tensor, torch.Tensor]] = []  # per part: (destination rows, source rows)
+    for p in range(len(parts)):
+        to_rows = [i for i, (q, _) in enumerate(order) if q == p]
+        from_rows = [r for q, r in order if q == p]
+        picks.append((torch.tensor(to_rows, dtype=torch.long, device=device), torch.tensor(from_rows, dtype=torch.long, device=device)))
+    kvs = [_layer_kv(p.cache) for p in parts]
+    merged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in range(len(kvs[0])):
+        pair: list[torch.Tensor] = []
+        for which in range(2):
+            first = kvs[0][layer][which]
+            out = first.new_zeros((len(order), first.shape[1], width, first.shape[-1]))
+            for kv, (dest, src) in zip(kvs, picks):
+                t = kv[layer][which]
+                out[dest, :, width - t.shape[-2] :] = t[src]
+            pair.append(out)
+        merged.append((pair[0], pair[1]))
+    attention = parts[0].attention.new_zeros((len(order), width))
+    logits = parts[0].logits.new_empty((len(order), parts[0].logits.shape[-1]))
+    for part, (dest, src) in zip(parts, picks):
+        attention[dest, width - part.attention.shape[-1] :] = part.attention[src]
+        logits[dest] = part.logits[src]
+    return _Prefilled(_cache_from(model, merged), attention, logits)
+
+
+def _extract(cache: DynamicCache, attention: torch.Tensor, row: int, tokens: list[int]) -> RowCache:
+    """Batch row `row`'s cache, only its attended columns (the tokens fed, in order)."""
+    columns = attention[row].nonzero().squeeze(-1)
+    if columns.numel() != len(tokens):
+        raise RuntimeError(f"internal: row {row} has {columns.numel()} cached tokens, expected {len(tokens)}")
+    return RowCache(tokens, [(k[row].index_select(-2, columns), v[row].index_select(-2, columns)) for k, v in _layer_kv(cache)])
+
+
+def sample_turns(
+    model: PreTrainedModel,
+    turns: Sequence[TurnInput],
+    params: SamplingParams,
+    *,
+    pad_token_id: int = 0,
+    abort: threading.Event | None = None,
+    keep_caches: bool = True,
+    stats: TurnStats | None = None,
+) -> list[TurnOutput]:
+    """Sample one completion per row (a policy turn), in one batch; result[i] is turns[i]'s.
+
+    A row with a saved `cache` reads only the context tokens after it; the others read their
+    whole context, identical contexts prefilled once. Each row stops at its first EOS (kept) or
+    at its own `max_new_tokens` (`params.max_new_tokens` is not used); unless greedy it draws
+    from its own `generator` only (one per row; a row without one draws from torch's default
+    RNG), so what it samples does not depend on the other rows. With `keep_caches` (and a model
+    whose layers all keep every token, `supports_row_caches`) each output carries the row's new
+    cache. `abort` is checked before every forward pass; once set, `SamplingAborted` is raised.
+    """
+    if not turns:
+        return []
+    for i, turn in enumerate(turns):
+        if turn.max_new_tokens < 1:
+            raise ValueError(f"turn {i}: max_new_tokens must be >= 1, got {turn.max_new_tokens}")
+        if not turn.context:
+            raise ValueError(f"turn {i}: the context needs at least one token")
+        if turn.cache is not None:
+            covered = len(turn.cache.tokens)
+            if not 0 < covered < len(turn.context) or list(turn.context[:covered]) != turn.cache.tokens:
+                raise ValueError(f"turn {i}: its cache does not cover a proper prefix of its context")
+    device = model.device
+    cache_arg = _cache_kwarg(model)
+    continuable = supports_row_caches(model)
+    if not continuable and any(t.cache is not None for t in turns):
+        raise ValueError("this model's cache keeps only some tokens (sliding window or linear attention): it cannot be continued")
+    keep_caches = keep_caches and continuable
+
+    # Prefill parts: 0 = fresh contexts (identical ones once), 1 = rows continuing a saved cache.
+    unique: dict[tuple[int, ...], int] = {}
+    fresh: list[Sequence[int]] = []
+    continuing: list[int] = []
+    where: list[tuple[bool, int]] = []  # per row: (continues a cache, its row in that part)
+    for i, turn in enumerate(turns):
+        if turn.cache is None:
+            key = tuple(turn.context)
+            if key not in unique:
+                unique[key] = len(fresh)
+                fresh.append(turn.context)
+            where.append((False, unique[key]))
+        else:
+            where.append((True, len(continuing)))
+            continuing.append(i)
+
+    parts: list[_Prefilled] = []
+    part_of: dict[bool, int] = {}
+    eos = set(params.eos_token_ids)
+    with torch.inference_mode():
+        if fresh:
+            _check_abort(abort)
+            input_ids, attention = _left_padded(fresh, pad_token_id, device)
+            positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)
+            cache = _new_cache(model)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_arg: cache},
+            )
+            part_of[False] = len(parts)
+            parts.append(_Prefilled(cache, attention, out.logits[:, -1, :]))
+            if stats is not None:
+                stats.prefill_rows += len(fresh)
+                stats.computed_tokens += sum(len(c) for c in fresh)
+                stats.padded_tokens += input_ids.numel()
+                stats.forward_passes += 1
+        if continuing:
+            _check_abort(abort)
+            saved = [turns[i].cache for i in continuing]
+            assert all(c is not None for c in saved)
+            saved_caches = [c for c in saved if c is not None]
+            kv, past_attention = _stack_saved(saved_caches, device)
+            suffixes = [turns[i].context[len(c.tokens) :] for i, c in zip(continuing, saved_caches)]
+            input_ids, chunk_attention = _left_padded(suffixes, pad_token_id, device)
+            attention = torch.cat([past_attention, chunk_attention], dim=-1)
+            positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)[:, past_attention.shape[-1] :]
+            cache = _cache_from(model, kv)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_arg: cache},
+            )
+            part_of[True] = len(parts)
+            parts.append(_Prefilled(cache, attention, out.logits[:, -1, :]))
+            if stats is not None:
+                stats.prefill_rows += len(continuing)
+                stats.computed_tokens += sum(len(s) for s in suffixes)
+                stats.padded_tokens += input_ids.numel()
+                stats.cached_tokens += sum(len(c.tokens) for c in saved_caches)
+                stats.forward_passes += 1
+        batch = _merge(model, parts, [(part_of[cont], r) for cont, r in where])
+        cache, attention, logits = batch.cache, batch.attention, batch.logits
+
+        n = len(turns)
+        limits = [t.max_new_tokens for t in turns]
+        tokens_of: list[list[int]] = [[] for _ in range(n)]
+        logprobs_of: list[list[float]] = [[] for _ in range(n)]
+        stopped = [False] * n
+        saved_out: list[RowCache | None] = [None] * n
+        rows = list(range(n))  # the turn of each batch row
+        alive = [True] * n  # batch rows still sampling
+        next_pos = attention.sum(dim=-1)  # position of the token each row feeds next
+        batch_index = torch.arange(n, device=device)
+        step = 0
+        while True:
+            per_group = None
+            if not params.is_greedy:
+                per_group = [(turns[r].generator, batch_index[b : b + 1]) for b, r in enumerate(rows) if alive[b]]
+            tokens, logprobs = pick_tokens(logits, params, None, per_group)
+            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+            for b, r in enumerate(rows):
+                if not alive[b]:
+                    continue  # riding along until pruned: its draws are discarded
+                tokens_of[r].append(token_list[b])
+                logprobs_of[r].append(logprob_list[b])
+                if token_list[b] in eos:
+                    stopped[r], alive[b] = True, False
+                elif step + 1 >= limits[r]:
+                    alive[b] = False
+            live = sum(alive)
+            if live == 0:
+                break
+            if (len(rows) - live) * _PRUNE_FRACTION >= len(rows):
+                if keep_caches:
+                    for b, r in enumerate(rows):
+                        if not alive[b]:
+                            saved_out[r] = _extract(cache, attention, b, list(turns[r].context) + tokens_of[r][:-1])
+                keep = [b for b in range(len(rows)) if alive[b]]
+                index = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                tokens, attention, next_pos = tokens[index], attention[index], next_pos[index]
+                rows, alive = [rows[b] for b in keep], [True] * live
+                batch_index = torch.arange(live, device=device)
+            _check_abort(abort)
+            # A stopped row's later columns get attention 0: its cache never holds what it did not sample.
+            column = torch.tensor(alive, dtype=torch.long, device=device)[:, None]
+            attention = torch.cat([attention, column], dim=-1)
+            out = model(
+                input_ids=tokens[:, None], attention_mask=attention, position_ids=next_pos[:, None], use_cache=True, **{cache_arg: cache}
+            )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+            step += 1
+            if stats is not None:
+                stats.forward_passes += 1
+        if keep_caches:
+            for b, r in enumerate(rows):
+                if saved_out[r] is None:
+                    saved_out[r] = _extract(cache, attention, b, list(turns[r].context) + tokens_of[r][:-1])
+    if stats is not None:
+        stats.rows += n
+    return [
+        TurnOutput(
+            sequence=SampledSequence(tokens=tokens_of[r], logprobs=logprobs_of[r], finish_reason="stop" if stopped[r] else "length"),
+            cache=saved_out[r],
+            cached_tokens=len(cached.tokens) if (cached := turns[r].cache) is not None else 0,
+        )
+        for r in range(n)
+    ]

@@ -149,7 +149,8 @@ def unpacked_token_logprobs(
     model: CausalLM, trajectories: Sequence[Trajectory], temperature: float = 1.0
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Reference: one plain forward pass per trajectory (no packing, no mask). Returns, per
-    trajectory, the log-probs and entropies of its completion tokens (length = completion)."""
+    trajectory, the log-probs and entropies of its policy tokens (every completion token, or
+    those with `loss_mask` 1 in a multi-turn trajectory)."""
     device = _model_device(model)
     logps: list[torch.Tensor] = []
     ents: list[torch.Tensor] = []
@@ -167,6 +168,9 @@ def unpacked_token_logprobs(
         ids = torch.tensor([traj.prompt_tokens + traj.completion_tokens], dtype=torch.long, device=device)
         logits = _logits(model, input_ids=ids, use_cache=False)[0, n_prompt - 1 : -1]
         lp, ent = logprobs_from_logits(logits, ids[0, n_prompt:], temperature)
+        if traj.loss_mask is not None:
+            policy = torch.tensor(traj.loss_mask, dtype=torch.bool, device=lp.device)
+            lp, ent = lp[policy], ent[policy]
         logps.append(lp)
         ents.append(ent)
     return logps, ents

@@ -1,7 +1,8 @@
 """In-process sampler: a Hugging Face causal LM sampled with torch, off the event loop.
 
-Job: turn `SampleRequest`s into `GenerateResult`s with the weights of one policy version, and swap
-weights in place when the trainer publishes a new version.
+Job: turn `SampleRequest`s into `GenerateResult`s, and multi-turn `TurnRequest`s into
+`TurnResult`s, with the weights of one policy version, and swap weights in place when the trainer
+publishes a new version.
 
 What computes and where it runs are separate: `SamplerCompute` is the synchronous compute (plain
 methods, torch, no threads or event loop), `LocalSampler` hosts one in a `ThreadHost` and
@@ -18,7 +19,14 @@ Invariants:
   abort flag between decode steps), so cancellation never leaves compute running behind the caller;
 - sampling is reproducible: each request draws from its own RNG, seeded by (run seed, prompt id,
   policy version), so what a group samples depends on those and the weights only — not on the
-  replica, the batch it rides in, the timing, or a resume (which re-dispatches in-flight prompts).
+  replica, the batch it rides in, the timing, or a resume (which re-dispatches in-flight prompts);
+  a turn's RNG is seeded the same way from its `rng_key`;
+- a turn samples what re-reading its whole context would (up to float rounding): an episode's
+  session (the KV cache of the tokens it has fed, from its previous turn) is continued only when
+  it was computed with the weights loaded now and covers a proper prefix of the turn's context;
+  otherwise the context is read again. A weight load drops every session; at most
+  `max_sessions` are kept, holding at most `max_session_bytes` of tensors when set, the least
+  recently used evicted first (an evicted episode re-reads).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -34,17 +43,31 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.backends.local.generation import (
+    RowCache,
     SampledSequence,
     SamplingAborted,
     SamplingParams,
+    TurnInput,
+    TurnStats,
     sample,
+    sample_turns,
 )
 from relayrl.threads import ThreadHost
-from relayrl.types import Completion, GenerateResult, SampleRequest, Weights
+from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
 
-__all__ = ["LocalSampler", "SamplerCompute", "SamplingAborted"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "LocalSampler", "SamplerCompute", "SamplingAborted"]
 
 T = TypeVar("T")
+
+DEFAULT_MAX_SESSIONS = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class _Session:
+    """An episode's KV cache after its last turn, and the policy version that computed it."""
+
+    version: int
+    cache: RowCache
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -74,6 +97,9 @@ class SamplerCompute:
     `eos_token_ids` is empty, the tokenizer's and the model's generation-config EOS ids are used.
     `replica` names the replica in its results and errors; `seed` (the run's) seeds each
     request's RNG with the request's prompt id and the policy version (see the module docstring).
+    `max_sessions` bounds the episodes whose KV cache `generate_turns` keeps (0: none, every turn
+    re-reads its context), `max_session_bytes` (None: no bound) the bytes their tensors hold.
+    `turn_stats` counts what `generate_turns` prefilled and reused.
     """
 
     def __init__(
@@ -85,7 +111,13 @@ class SamplerCompute:
         replica: int = 0,
         version: int = 0,
         seed: int = 0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_session_bytes: int | None = None,
     ) -> None:
+        if max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0, got {max_sessions}")
+        if max_session_bytes is not None and max_session_bytes < 0:
+            raise ValueError(f"max_session_bytes must be >= 0 or None, got {max_session_bytes}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         if not params.eos_token_ids:
@@ -94,6 +126,11 @@ class SamplerCompute:
         self.replica = replica
         self.version = version  # the policy version whose weights are loaded now
         self.seed = seed
+        self.max_sessions = max_sessions
+        self.max_session_bytes = max_session_bytes
+        self._session_bytes = 0  # held by the sessions' tensors
+        self.turn_stats = TurnStats()
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         state = model.state_dict()
         self._shapes = {name: tuple(t.shape) for name, t in state.items()}
@@ -127,9 +164,78 @@ class SamplerCompute:
             for request, group in zip(requests, groups)
         ]
 
-    def _rng(self, prompt_id: str, version: int) -> torch.Generator:
-        """The RNG one request samples from: seeded by (run seed, prompt id, version)."""
-        digest = hashlib.blake2b(f"{self.seed}\x00{prompt_id}\x00{version}".encode(), digest_size=8).digest()
+    def generate_turns(self, requests: Sequence[TurnRequest], abort: threading.Event | None = None) -> list[TurnResult]:
+        """Sample the next turn of every episode (one completion each) with the weights loaded now,
+        continuing each episode's session where it is valid (see the module docstring), and keep
+        every episode's new session. Sessions are changed only when the call succeeds."""
+        requests = list(requests)
+        if not requests:
+            return []
+        seen: set[str] = set()
+        for request in requests:
+            if request.episode in seen:
+                raise ValueError(
+                    f"LocalSampler replica {self.replica}: episode {request.episode!r} appears twice in one generate_turns call"
+                )
+            seen.add(request.episode)
+        version = self.version
+        inputs: list[TurnInput] = []
+        for request in requests:
+            session = self._sessions.get(request.episode)
+            cache = None
+            if session is not None and session.version == version:
+                covered = session.cache.tokens
+                if len(covered) < len(request.context) and request.context[: len(covered)] == covered:
+                    cache = session.cache
+            inputs.append(TurnInput(request.context, request.max_new_tokens, self._rng(request.rng_key, version), cache))
+        outputs = sample_turns(
+            self.model,
+            inputs,
+            self.params,
+            pad_token_id=self._pad_token_id,
+            abort=abort,
+            keep_caches=self.max_sessions > 0,
+            stats=self.turn_stats,
+        )
+        completions = self._completions([o.sequence for o in outputs])
+        results: list[TurnResult] = []
+        for request, output, completion in zip(requests, outputs, completions):
+            self._drop(request.episode)
+            if output.cache is not None:
+                self._sessions[request.episode] = _Session(version, output.cache)
+                self._session_bytes += output.cache.nbytes
+            results.append(TurnResult(request.episode, completion, version, self.replica, output.cached_tokens))
+        bytes_bound = self.max_session_bytes
+        while self._sessions and (
+            len(self._sessions) > self.max_sessions or (bytes_bound is not None and self._session_bytes > bytes_bound)
+        ):
+            self._drop(next(iter(self._sessions)))  # the least recently used
+        return results
+
+    def end_episodes(self, episodes: Sequence[str], abort: threading.Event | None = None) -> None:
+        """Forget these episodes' sessions; unknown names are ignored."""
+        for name in episodes:
+            self._drop(name)
+
+    def _drop(self, episode: str) -> None:
+        session = self._sessions.pop(episode, None)
+        if session is not None:
+            self._session_bytes -= session.cache.nbytes
+
+    @property
+    def session_episodes(self) -> list[str]:
+        """The episodes holding a session, least recently used first."""
+        return list(self._sessions)
+
+    @property
+    def session_bytes(self) -> int:
+        """Bytes the sessions' KV tensors hold."""
+        return self._session_bytes
+
+    def _rng(self, key: str, version: int) -> torch.Generator:
+        """The RNG one request samples from: seeded by (run seed, key, version); the key is a
+        group's prompt id or a turn's `rng_key`."""
+        digest = hashlib.blake2b(f"{self.seed}\x00{key}\x00{version}".encode(), digest_size=8).digest()
         return torch.Generator(device=self.model.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int, abort: threading.Event | None = None) -> list[list[int]]:
@@ -158,6 +264,8 @@ class SamplerCompute:
             raise ValueError(
                 f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
             )
+        self._sessions.clear()  # computed with the weights about to be replaced
+        self._session_bytes = 0
         with torch.no_grad():
             self.model.load_state_dict(payload, strict=False)
         self.version = weights.version
@@ -176,6 +284,8 @@ class LocalSampler:
     per-thread), e.g. to leave the other cores to a trainer in the same process.
     `nice` lowers the thread's scheduling priority, so that on a machine with few cores the trainer
     (usually the bottleneck) keeps its cores and the sampler runs on what is left.
+    `max_sessions` and `max_session_bytes` bound the multi-turn episodes' KV caches kept
+    (`SamplerCompute`).
     """
 
     def __init__(
@@ -189,8 +299,19 @@ class LocalSampler:
         seed: int = 0,
         torch_threads: int | None = None,
         nice: int = 0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_session_bytes: int | None = None,
     ) -> None:
-        self.compute = SamplerCompute(model, tokenizer, params, replica=replica, version=version, seed=seed)
+        self.compute = SamplerCompute(
+            model,
+            tokenizer,
+            params,
+            replica=replica,
+            version=version,
+            seed=seed,
+            max_sessions=max_sessions,
+            max_session_bytes=max_session_bytes,
+        )
         self.torch_threads = torch_threads
         self._host = ThreadHost(f"sampler-{replica}", initializer=_setup_worker_thread, initargs=(torch_threads, nice))
 
@@ -204,6 +325,20 @@ class LocalSampler:
         if not batch:
             return []
         return await self._call(lambda abort: self.compute.generate(batch, abort))
+
+    async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """Sample the next turn of every episode with the weights loaded when the call starts."""
+        batch = list(requests)
+        if not batch:
+            return []
+        return await self._call(lambda abort: self.compute.generate_turns(batch, abort))
+
+    async def end_episodes(self, episodes: Sequence[str]) -> None:
+        """Forget these episodes' KV caches (in call order, after the turns already asked for)."""
+        names = list(episodes)
+        if not names or self._host.closed:
+            return  # a closed sampler samples no more turns: its caches are moot
+        await self._call(lambda abort: self.compute.end_episodes(names, abort))
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         prompts = [list(p) for p in prompts_tokens]

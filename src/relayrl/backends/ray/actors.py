@@ -46,7 +46,7 @@ import ray
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import decode, encode
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Weights
+from relayrl.types import GenerateResult, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
 
 async def resolve(weights: Weights) -> Weights:
@@ -110,6 +110,13 @@ class _SamplerActor:
     async def greedy(self, prompts_tokens: list[list[int]], max_new_tokens: int) -> Timed:
         self._check_weights()
         return await _timed(self._worker.greedy(prompts_tokens, max_new_tokens))
+
+    async def generate_turns(self, requests: list[TurnRequest]) -> Timed:
+        self._check_weights()
+        return await _timed(self._worker.generate_turns(requests))
+
+    async def end_episodes(self, episodes: list[str]) -> None:
+        await self._worker.end_episodes(episodes)
 
     async def load_weights(self, weights: Weights) -> Timed:
         start = time.time()
@@ -247,6 +254,17 @@ class RaySampler:
         self._check()
         result: list[list[int]] = await self._call("greedy", [list(p) for p in prompts_tokens], max_new_tokens, n=len(prompts_tokens))
         return result
+
+    async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        batch = list(requests)
+        if not batch:
+            return []
+        self._check()
+        result: list[TurnResult] = await self._call("generate_turns", batch, n=len(batch))
+        return result
+
+    async def end_episodes(self, episodes: Sequence[str]) -> None:
+        await self.actor.end_episodes.remote(list(episodes))
 
     async def load_weights(self, weights: Weights) -> None:
         restarts = self._restarts

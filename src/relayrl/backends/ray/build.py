@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from relayrl.backends.bundle import Backend
@@ -110,7 +110,15 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
     host_work: HostWork | None = None
     prompt_bound: int | None = None
     if cfg.run.backend == "local":
-        from relayrl.backends.local.build import load_base, make_collator, make_evaluator, make_tokenize, max_prompt_tokens, worker_threads
+        from relayrl.backends.local.build import (
+            EncodeText,
+            load_base,
+            make_collator,
+            make_evaluator,
+            make_tokenize,
+            max_prompt_tokens,
+            worker_threads,
+        )
 
         model, tokenizer = load_base(cfg)  # the driver's copy: tokenizer, collator, evaluator
         trainer_threads, sampler_threads = worker_threads(cfg)
@@ -120,14 +128,16 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         tokenize = make_tokenize(cfg, tokenizer)
         evaluator = make_evaluator(cfg, model, tokenizer, heldout, sampler_threads, wrap=ResolvingEngine)
         prompt_bound = max_prompt_tokens(cfg, model)
+        encode_text: Callable[[str], list[int]] = EncodeText(tokenizer)
     else:
-        from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimTokenizer
+        from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimTokenizer, sim_encode_text
 
         sampler_factories = [functools.partial(_sim_sampler, cfg, i) for i in range(n)]
         trainer_factory = functools.partial(_sim_trainer, cfg)
         collator = SimCollator(cfg.sim, abort)
         tokenize = SimTokenizer(cfg.sim.prompt_tokens)
         host_work = SimHostWork(cfg)
+        encode_text = sim_encode_text
     sampler_opts = actor_options(cfg.ray.sampler_resources)
     trainer_opts = actor_options(cfg.ray.trainer_resources)
     trainer_actor = TrainerActor.options(**trainer_opts).remote(trainer_factory)
@@ -152,6 +162,7 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         samplers=list(samplers),
         collator=collator,
         tokenize=tokenize,
+        encode_text=encode_text,
         host_work=host_work,
         evaluator=evaluator,
         startup={"ray_start": cluster.start_seconds},

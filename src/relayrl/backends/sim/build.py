@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from relayrl.backends.bundle import Backend
-from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimSampler, SimTokenizer, SimTrainer
+from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimSampler, SimTokenizer, SimTrainer, sim_encode_text
 from relayrl.config import Config
 
 
@@ -17,4 +17,5 @@ def build_sim_backend(cfg: Config, abort: threading.Event) -> Backend:
         collator=SimCollator(cfg.sim, abort),
         tokenize=SimTokenizer(cfg.sim.prompt_tokens),
         host_work=SimHostWork(cfg),
+        encode_text=sim_encode_text,
     )

@@ -13,6 +13,7 @@ overwritten by the next `optim_step`, exactly the hazard step-boundary rule 2 gu
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from relayrl.config import Config, SimConfig
 from relayrl.threads import burn_cpu
-from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest, TrainBatch, Weights
+from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
 YIELD_EVERY = 4096  # completions the sim sampler makes between two turns of the event loop
 
@@ -44,6 +45,7 @@ class SimSampler:
         self._seed = seed
         self._version = 0
         self.generate_calls = 0
+        self._sessions: dict[str, int] = {}  # episode -> context tokens its "cache" covers
 
     def success_rate(self, version: int) -> float:
         return min(0.95, self._cfg.base_success + self._cfg.learn_rate * version)
@@ -87,8 +89,40 @@ class SimSampler:
         await _sleep(self.generation_delay(len(requests), longest))
         return results
 
+    async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """One turn per episode: the right answer with the version's success rate, else a number
+        one off it; each episode's context is "cached" from its previous turn on this replica
+        (counted in `cached_tokens`) until weights are loaded."""
+        version = self._version
+        self.generate_calls += 1
+        p = self.success_rate(version)
+        results: list[TurnResult] = []
+        longest = 0
+        for req in requests:
+            digest = hashlib.blake2b(f"{self._seed}\x00{req.rng_key}\x00{version}".encode(), digest_size=8).digest()
+            rng = random.Random(int.from_bytes(digest, "little"))
+            answer = req.prompt.answer if req.prompt is not None else "0"
+            if rng.random() < p or not answer.lstrip("-").isdigit():
+                text = answer
+            else:
+                text = str(int(answer) + rng.choice((-1, 1)))
+            n = min(self.completion_length(rng), req.max_new_tokens)
+            longest = max(longest, n)
+            covered = self._sessions.get(req.episode, 0)
+            cached = covered if 0 < covered < len(req.context) else 0
+            self._sessions[req.episode] = len(req.context) + n - 1
+            tokens = [rng.randrange(2, 64) for _ in range(n)]
+            results.append(TurnResult(req.episode, Completion(tokens, [-rng.random()] * n, text), version, self._replica, cached))
+        await _sleep(self.generation_delay(len(requests), longest))
+        return results
+
+    async def end_episodes(self, episodes: Sequence[str]) -> None:
+        for name in episodes:
+            self._sessions.pop(name, None)
+
     async def load_weights(self, weights: Weights) -> None:
         self._version = weights.version
+        self._sessions.clear()
 
     async def close(self) -> None:
         return None
@@ -180,6 +214,11 @@ class SimTokenizer:
     def __call__(self, text: str) -> list[int]:
         codes = [ord(c) % 64 for c in text][: self._n]
         return codes + [0] * (self._n - len(codes))
+
+
+def sim_encode_text(text: str) -> list[int]:
+    """An observation's text as sim token ids (one per character)."""
+    return [ord(c) % 64 for c in text]
 
 
 class SimHostWork:
