@@ -8,7 +8,7 @@ A `task.environment` entry is one of
   recipe's directory or the working directory, as it does reward files).
 `build_environment` calls it with `task.environment_config` as keyword arguments; a built-in also
 gets `max_turns` (`rollout.max_turns`, for its last-try logic), a user's class only its options.
-Specs are parsed and imported by relayrl.tasks.rewards (`parse_spec`, `import_function`), so an
+Specs are parsed and imported by relayrl.tasks.rewards (`parse_spec`, `load_named`), so an
 environment file is loaded exactly as a reward file is.
 
 Invariant: `build_environment` returns an object with a callable `start`, or raises one
@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import cast
 
 from relayrl.envs.arithmetic_feedback import ArithmeticFeedback
 from relayrl.envs.base import Environment, EnvStep, Episode
 from relayrl.envs.calculator import Calculator
-from relayrl.tasks.rewards import import_function, parse_spec
+from relayrl.tasks.rewards import load_named, parse_spec
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentSpecError", "Episode", "build_environment"]
 
@@ -60,20 +59,10 @@ def _resolve(spec: str) -> Callable[..., object]:
         raise EnvironmentSpecError(
             f"{where}: unknown environment (known: {known}; or name your own as 'package.module:Class' or 'path/to/file.py:Class')"
         )
-    target, _, is_file = parsed
-    if is_file and not Path(target).is_file():
-        raise EnvironmentSpecError(
-            f"{where}: no such file {target!r} (a relative path is looked up in the recipe's directory, then the working directory)"
-        )
     try:
-        found = import_function(spec)
-    except AttributeError as exc:
+        found = load_named(spec)
+    except ValueError as exc:
         raise EnvironmentSpecError(f"{where}: {exc}") from None
-    except BaseException as exc:  # importing user code may raise anything, SystemExit included
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        what = f"loading {target}" if is_file else f"importing module {target!r}"
-        raise EnvironmentSpecError(f"{where}: {what} failed ({_one_line(exc)})") from None
     if not callable(found):
         raise EnvironmentSpecError(f"{where} is not callable (it is of type {type(found).__name__}): name a class or a factory")
     return cast(Callable[..., object], found)

@@ -189,6 +189,27 @@ def import_function(spec: str) -> object:
     return found
 
 
+def load_named(spec: str) -> object:
+    """What `spec` (`module:name` or `file.py:name`) names, as `import_function` finds it; a
+    ValueError with one line saying why not: no such file, no such attribute, or importing the
+    module (user code: it may raise anything, SystemExit included) failed."""
+    parsed = parse_spec(spec)
+    if parsed is None:
+        raise ValueError(f"{spec!r} is not 'module:name' or 'file.py:name'")
+    target, _, is_file = parsed
+    if is_file and not Path(target).is_file():
+        raise ValueError(f"no such file {target!r} (a relative path is looked up in the recipe's directory, then the working directory)")
+    try:
+        return import_function(spec)
+    except AttributeError as exc:
+        raise ValueError(str(exc)) from None
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        what = f"loading {target}" if is_file else f"importing module {target!r}"
+        raise ValueError(f"{what} failed ({_one_line(exc)})") from None
+
+
 def is_async(fn: object) -> bool:
     """Whether calling `fn` returns an awaitable: an `async def` function (also behind
     functools.partial) or an object whose `__call__` is one."""
@@ -251,20 +272,10 @@ def _resolve_one(i: int, entry: RewardEntry, weight: float) -> ResolvedReward:
             "or name your own as 'package.module:function' or 'path/to/file.py:function')"
         )
     target, function, is_file = parsed
-    if is_file and not Path(target).is_file():
-        raise RewardSpecError(
-            f"{where}: {entry!r}: no such file {target!r} "
-            "(a relative path is looked up in the recipe's directory, then the working directory)"
-        )
     try:
-        fn = import_function(entry)
-    except AttributeError as exc:
+        fn = load_named(entry)
+    except ValueError as exc:
         raise RewardSpecError(f"{where}: {entry!r}: {exc}") from None
-    except BaseException as exc:  # importing user code may raise anything, SystemExit included
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        what = f"loading {target}" if is_file else f"importing module {target!r}"
-        raise RewardSpecError(f"{where}: {entry!r}: {what} failed ({_one_line(exc)})") from None
     if not callable(fn):
         raise RewardSpecError(f"{where}: {entry!r} is not callable (it is of type {type(fn).__name__})")
     spec = f"{Path(target).resolve()}:{function}" if is_file else entry

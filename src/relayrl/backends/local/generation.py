@@ -522,27 +522,35 @@ def sample_turns(
     parts: list[_Prefilled] = []
     part_of: dict[bool, int] = {}
     eos = set(params.eos_token_ids)
+
+    def prefill(
+        cache: DynamicCache, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, computed: int, cached: int
+    ) -> _Prefilled:
+        """One prefill forward pass over `input_ids` (rows of `attention`'s width minus the
+        cache's), counted in `stats`."""
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_arg: cache},
+        )
+        if stats is not None:
+            stats.prefill_rows += input_ids.shape[0]
+            stats.computed_tokens += computed
+            stats.cached_tokens += cached
+            stats.padded_tokens += input_ids.numel()
+            stats.forward_passes += 1
+        return _Prefilled(cache, attention, out.logits[:, -1, :])
+
     with torch.inference_mode():
         if fresh:
             _check_abort(abort)
             input_ids, attention = _left_padded(fresh, pad_token_id, device)
             positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)
-            cache = _new_cache(model)
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_arg: cache},
-            )
             part_of[False] = len(parts)
-            parts.append(_Prefilled(cache, attention, out.logits[:, -1, :]))
-            if stats is not None:
-                stats.prefill_rows += len(fresh)
-                stats.computed_tokens += sum(len(c) for c in fresh)
-                stats.padded_tokens += input_ids.numel()
-                stats.forward_passes += 1
+            parts.append(prefill(_new_cache(model), input_ids, attention, positions, sum(len(c) for c in fresh), 0))
         if continuing:
             _check_abort(abort)
             saved = [turns[i].cache for i in continuing]
@@ -553,23 +561,9 @@ def sample_turns(
             input_ids, chunk_attention = _left_padded(suffixes, pad_token_id, device)
             attention = torch.cat([past_attention, chunk_attention], dim=-1)
             positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)[:, past_attention.shape[-1] :]
-            cache = _cache_from(model, kv)
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_arg: cache},
-            )
             part_of[True] = len(parts)
-            parts.append(_Prefilled(cache, attention, out.logits[:, -1, :]))
-            if stats is not None:
-                stats.prefill_rows += len(continuing)
-                stats.computed_tokens += sum(len(s) for s in suffixes)
-                stats.padded_tokens += input_ids.numel()
-                stats.cached_tokens += sum(len(c.tokens) for c in saved_caches)
-                stats.forward_passes += 1
+            computed, reused = sum(len(s) for s in suffixes), sum(len(c.tokens) for c in saved_caches)
+            parts.append(prefill(_cache_from(model, kv), input_ids, attention, positions, computed, reused))
         batch = _merge(model, parts, [(part_of[cont], r) for cont, r in where])
         cache, attention, logits = batch.cache, batch.attention, batch.logits
 
