@@ -346,6 +346,9 @@ class RayConfig(_Section):
     # custom resource (e.g. {"GPU" = 1, "sampler_node" = 1}); empty = Ray's actor default (no CPU held)
     sampler_resources: dict[str, float] = Field(default_factory=dict)
     trainer_resources: dict[str, float] = Field(default_factory=dict)
+    # send the next step's first micro-batch right behind optim_step, so the trainer actor starts
+    # it the moment the update ends (design rule 10); false: send it after the commit (a baseline)
+    queue_ahead: bool = True
 
     @field_validator("sampler_resources", "trainer_resources")
     @classmethod

@@ -2,9 +2,10 @@
 call and the config key that bounds it, instead of hanging the run.
 
 `bounded` bounds one awaitable; `BoundedTrainer` bounds every call of a `Trainer`
-(`train.call_timeout_s`). The sample and sync stages bound `generate` and `load_weights`
-(`rollout.generate_timeout_s`, `rollout.weight_load_timeout_s`); a replica that exceeds them is
-failed over like one that raised.
+(`train.call_timeout_s`), including the optional queue-ahead call (`QueueAheadTrainer`), which it
+forwards when the trainer it wraps has it. The sample and sync stages bound `generate` and
+`load_weights` (`rollout.generate_timeout_s`, `rollout.weight_load_timeout_s`); a replica that
+exceeds them is failed over like one that raised.
 
 Invariant: a timed-out call is cancelled, and waited for (its worker stops at its next abort
 check) for at most CANCEL_GRACE_S; a call still running after that (a worker stuck in native
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from relayrl.backends.protocols import Trainer
+from relayrl.backends.protocols import QueueAheadTrainer, Trainer
 from relayrl.types import TrainBatch, Weights
 
 T = TypeVar("T")
@@ -65,7 +66,12 @@ async def _cancel(task: asyncio.Future[T], grace: float) -> None:
 class BoundedTrainer:
     """A `Trainer` whose every call is bounded by `seconds` (`train.call_timeout_s`); exceeding it
     fails the run naming the call. Each call goes to the trainer `source()` returns when the call
-    is made (the backend's, even if it was replaced after the program was built)."""
+    is made (the backend's, even if it was replaced after the program was built).
+
+    It is a `QueueAheadTrainer` whose `queue_ahead` is the wrapped trainer's (false when that has
+    no such capability). `optim_step_ahead` is bounded like `optim_step`: the bound covers the
+    update; the queued train step is covered, as any train step sent ahead is, by the bound of the
+    next training call, which awaits it."""
 
     def __init__(self, source: Callable[[], Trainer], seconds: float) -> None:
         self._source = source
@@ -83,6 +89,17 @@ class BoundedTrainer:
 
     async def optim_step(self) -> int:
         return await self._bound(self.inner.optim_step(), "optim_step")
+
+    @property
+    def queue_ahead(self) -> bool:
+        inner = self.inner
+        return isinstance(inner, QueueAheadTrainer) and inner.queue_ahead
+
+    async def optim_step_ahead(self, ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
+        inner = self.inner
+        if not isinstance(inner, QueueAheadTrainer):
+            raise TypeError(f"the trainer {type(inner).__name__} cannot queue a micro-batch behind optim_step")
+        return await self._bound(inner.optim_step_ahead(ahead), "optim_step")
 
     async def get_metrics(self) -> dict[str, float]:
         return await self._bound(self.inner.get_metrics(), "get_metrics")

@@ -17,16 +17,16 @@ protocols too; they run in the orchestrator's process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from relayrl.types import GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
 if TYPE_CHECKING:
     from relayrl.evaluation import EvalResult
 
-__all__ = ["Collator", "Evaluator", "GreedyEngine", "PromptEncoder", "Sampler", "Trainer", "Weights"]
+__all__ = ["Collator", "Evaluator", "GreedyEngine", "PromptEncoder", "QueueAheadTrainer", "Sampler", "Trainer", "Weights"]
 
 
 class Sampler(Protocol):
@@ -94,6 +94,30 @@ class Trainer(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class QueueAheadTrainer(Protocol):
+    """An optional capability of a `Trainer` (the Ray trainer has it): queue the next step's first
+    micro-batch right behind the optimizer update, so the trainer starts it the moment the update
+    ends instead of a driver round trip later (docs/design.md, rule 10).
+
+    `optim_step_ahead(ahead)` is `optim_step()`, calling `ahead()` once, as late as it can: when
+    the update has been sent (every training call before it having ended). `ahead()` returns the
+    next step's first micro-batch if it is ready by then (else None); the trainer sends it right
+    behind the update, as the next training call. It returns the new version once the update
+    returned, and whether a micro-batch was queued so, without waiting for its train step, which is
+    then outstanding exactly as if `train_step(batch)` had been called right after `optim_step()`
+    returned (its result or error is awaited by the next training call). The trainer must start
+    it only after the update ended (so it accumulates only into gradients the update already
+    zeroed, and what the update published, the version's weights and metrics, is what it would
+    have been without it). The caller does not call `train_step` for a queued micro-batch.
+    `queue_ahead` says whether the capability may be used now (false: disabled)."""
+
+    @property
+    def queue_ahead(self) -> bool: ...
+
+    async def optim_step_ahead(self, ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]: ...
 
 
 class Collator(Protocol):

@@ -9,14 +9,23 @@ work of N (metrics fetch, reduction, logging, callbacks, memory release) is defe
                    and after fetch(N) landed, runs in the bookkeeping thread
 - N+1's groups are taken and its first micro-batch packed as soon as they are there, from the
   moment N's final micro-batch is issued: while it trains if the groups arrive in time (rule 9)
+- queue ahead: when the trainer can queue (`backends.protocols.QueueAheadTrainer`: the Ray trainer) and
+  N+1's preparation has started, optim_step(N) goes out as `optim_step_ahead`, which asks for
+  mb0(N+1) once the update is sent (N's micro-batches have all ended by then) and, when it is
+  packed, sends it right behind: the trainer starts it the moment the update ends. At
+  step N+1 the loop does not send it again: it issues the queued call (its trainer-lane span,
+  `ahead: true`, starts there, after commit(N); `boundary_gap_sec` is measured to that point) and
+  reaches first_train(N+1) at once, so the points stay in their order.
 
 With `overlap_bookkeeping = false` the seed's inline behaviour is kept as the baseline: fetch and
-bookkeeping run right after the commit, on the event loop, and N+1 is packed only after them.
+bookkeeping run right after the commit, on the event loop, and N+1 is packed only after them
+(so nothing is queued ahead).
 
 Invariant: optim_step(N+1) is never issued before fetch(N) and bookkeeping(N) finished; the run
 does not return before every deferred job finished; every task this loop starts belongs to the
 run's TaskGroup. A step's record lives until its bookkeeping is done; the loop itself keeps only
-the last one (`records`), so its memory does not grow with the number of steps.
+the last one (`records`), so its memory does not grow with the number of steps. A micro-batch is
+sent to the trainer once: queued behind optim_step(N), or issued at its turn, never both.
 """
 
 from __future__ import annotations
@@ -26,13 +35,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from relayrl.backends.protocols import Collator, Trainer
+from relayrl.backends.protocols import Collator, QueueAheadTrainer, Trainer
 from relayrl.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.ledger import Ledger
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
-from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, Trajectory
+from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory
 from relayrl.window import DispatchWindow
 
 
@@ -183,6 +192,30 @@ class TrainLoop:
         groups, _ = await self._taker.take(step)
         return self._prepare(step, groups, waited=0.0)
 
+    async def _optim_step(self, pending: asyncio.Task[_Prepared] | None) -> tuple[int, MicroBatch | None]:
+        """optim_step; with a trainer that can queue ahead, the next step's first micro-batch is
+        queued right behind it when packed by the time the update is sent (`pending`: the next
+        step's preparation). Returns the version and the micro-batch queued (None: none)."""
+        trainer = self._trainer
+        if pending is None or not isinstance(trainer, QueueAheadTrainer) or not trainer.queue_ahead:
+            return await trainer.optim_step(), None
+        taken: list[MicroBatch] = []
+
+        def ahead() -> TrainBatch | None:
+            if not pending.done() or pending.cancelled() or pending.exception() is not None:
+                return None
+            first = pending.result().first_pack
+            if not first.done() or first.cancelled() or first.exception() is not None:
+                return None
+            mb = first.result()[0]
+            taken.append(mb)
+            return mb.train_batch()
+
+        version, queued = await trainer.optim_step_ahead(ahead)
+        if queued != bool(taken):
+            raise RuntimeError(f"optim_step_ahead answered queued={queued} but {'took' if taken else 'did not take'} the next micro-batch")
+        return version, taken[0] if queued else None
+
     # -- end of step -----------------------------------------------------------------------
     async def _fetch(self, record: StepRecord) -> None:
         start = self._tracer.now()
@@ -227,6 +260,7 @@ class TrainLoop:
     async def run(self) -> None:
         tracer = self._tracer
         pending: asyncio.Task[_Prepared] | None = None
+        queued: MicroBatch | None = None  # this step's first micro-batch, queued behind the last optim_step
         last_commit: float | None = None
         step_start = tracer.now()
         for step in range(self._start_step, self._steps):
@@ -248,14 +282,22 @@ class TrainLoop:
                 elif self._overlap and step + 1 < self._steps:  # rule 9: N+1 as soon as its groups are there
                     pending = self._tg.create_task(self._take_and_prepare(step + 1), name=f"prepare:{step + 1}")
                 start = tracer.now()
-                train = self._tg.create_task(self._trainer.train_step(mb.train_batch()), name=f"train_step:{step}:{index}")
+                ahead = index == 0 and queued is not None  # sent behind optim_step(step - 1): issued here, not sent again
+                if ahead and queued is not mb:
+                    raise RuntimeError(f"step {step}: the micro-batch queued behind optim_step(step {step - 1}) is not its first")
+                queued = None
+                train: asyncio.Task[None] | None = None
+                if not ahead:
+                    train = self._tg.create_task(self._trainer.train_step(mb.train_batch()), name=f"train_step:{step}:{index}")
                 if index == 0:
                     if last_commit is not None:
                         record.boundary_gap_sec = start - last_commit
-                    # "issued" = the call ran to its first suspension (a remote call: request sent)
-                    await asyncio.sleep(0)
+                    if train is not None:
+                        # "issued" = the call ran to its first suspension (a remote call: request sent)
+                        await asyncio.sleep(0)
                     await self._jobs.reach(first_train(step))
-                await train
+                if train is not None:
+                    await train
                 end = tracer.now()
                 tracer.complete(
                     "trainer",
@@ -267,12 +309,13 @@ class TrainLoop:
                     final=mb.final,
                     tokens=mb.num_tokens,
                     min_version=mb.min_version,
+                    **({"ahead": True} if ahead else {}),
                 )
                 record.train_time += end - start
                 record.padding.append(mb.padding)
             await self._jobs.reach(before_optim(step))
             start = tracer.now()
-            version = await self._trainer.optim_step()
+            version, queued = await self._optim_step(pending)
             end = tracer.now()
             tracer.complete("trainer", "optim_step", start, end, step=step)
             record.policy_version = version

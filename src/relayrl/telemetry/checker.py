@@ -2,7 +2,10 @@
 `trace.json` alone (`relayrl check-trace RUN_DIR`).
 
 Rules checked (N and N+1 consecutive committed steps; "mb0" = train_step microbatch 0):
-  structure  train_steps of N lie between optim(N−1) and optim(N); weight-sync rounds don't overlap
+  structure  train_steps of N lie between optim(N−1) and optim(N), as the orchestrator issued them
+             (lane "trainer") and, on Ray, as the trainer actor ran them (lane "actor:trainer",
+             give or take its clock error): so an mb0(N+1) queued behind optim(N) ("ahead") ran
+             after it; weight-sync rounds don't overlap
   rule 1     get_metrics(N) starts after optim(N) ends; in overlapped mode mb0(N+1) is not held
              by it (not issued the moment a non-trivial fetch landed, with no data wait between)
   rule 2     get_metrics(N) ends before optim(N+1) starts
@@ -90,6 +93,7 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
                 f"staleness: train_step(step {s.step}, microbatch {s.args.get('microbatch')}) trains a trajectory of version "
                 f"{version}: staleness {s.step - version} > max_staleness {max_staleness}"
             )
+    _check_actor_structure(events, all_spans, v)
     syncs = [s for s in all_spans if s.name == "weight_sync"]
     for a, b in zip(syncs, syncs[1:]):
         if b.start < a.end - EPS:
@@ -163,13 +167,34 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
     return report
 
 
-def _check_actors(events: list[TraceEvent], all_spans: list[Span], v: list[str]) -> None:
-    errors: dict[str, float] = {}  # per actor lane, the largest clock-estimate error
+def _clock_errors(events: list[TraceEvent]) -> dict[str, float]:
+    """Per actor lane, the largest error of its clock estimates (`relayrl_clock`)."""
+    errors: dict[str, float] = {}
     for e in events:
         args = e.get("args")
         if e.get("ph") == "M" and e.get("name") == "relayrl_clock" and isinstance(args, dict):
             lane, error = str(args.get("lane")), float(args.get("error_s", 0.0))
             errors[lane] = max(errors.get(lane, 0.0), error)
+    return errors
+
+
+def _check_actor_structure(events: list[TraceEvent], all_spans: list[Span], v: list[str]) -> None:
+    """structure on the trainer actor's lane: the order in which the actor ran the calls."""
+    tolerance = _clock_errors(events).get(ACTOR_TRAINER, 0.0) + EPS
+    actor = [s for s in all_spans if s.lane == ACTOR_TRAINER]
+    optim = {s.step: s for s in actor if s.name == "optim_step"}
+    for s in actor:
+        if s.name != "train_step":
+            continue
+        if s.step in optim and s.end > optim[s.step].start + tolerance:
+            v.append(f"structure: {ACTOR_TRAINER} {_fmt(s)} ends after {_fmt(optim[s.step])} starts")
+        if s.step - 1 in optim and s.start < optim[s.step - 1].end - tolerance:
+            ahead = " (queued ahead)" if s.args.get("ahead") else ""
+            v.append(f"structure: {ACTOR_TRAINER} {_fmt(s)}{ahead} starts before {_fmt(optim[s.step - 1])} ends")
+
+
+def _check_actors(events: list[TraceEvent], all_spans: list[Span], v: list[str]) -> None:
+    errors = _clock_errors(events)  # per actor lane, the largest clock-estimate error
     lanes: dict[str, list[Span]] = {}
     for s in all_spans:
         if s.lane.startswith(ACTOR_LANE):

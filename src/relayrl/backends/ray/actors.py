@@ -25,6 +25,12 @@ Invariants:
 - a collated micro-batch crosses to the trainer actor as numpy arrays, as weights do
   (`relayrl.backends.ray.transport`); collating there instead would put the attention mask's
   construction on the trainer's critical path;
+- training calls are numbered by the driver and the actor runs them in that order, one at a time
+  (`_in_turn`): a micro-batch sent ahead (TRAIN_AHEAD; the next step's first one queued behind
+  `optim_step`, `RayTrainer.optim_step_ahead`) starts only once every call sent before it ended,
+  so it accumulates only into gradients the previous `optim_step` already zeroed; a training call
+  that fails is raised, naming its step and micro-batch (`TrainStepError`), by the next training
+  call, which awaits everything sent before it;
 - the trainer actor is never restarted: its process dying fails the run with a
   `TrainerActorDiedError` ("trainer actor died: ..."); closing an actor whose process already died
   is no error.
@@ -65,6 +71,12 @@ class SamplerNeedsWeightsError(RuntimeError):
 
 class TrainerActorDiedError(RuntimeError):
     """The trainer actor's process died: the run cannot go on."""
+
+
+class TrainStepError(RuntimeError):
+    """A train step failed in the trainer actor; raised by the training call after it (which
+    awaits it), so the message names the failed step and micro-batch. The actor's error is the
+    cause."""
 
 
 # errors that mean an actor's process died or cannot be reached (it may be restarting)
@@ -202,7 +214,8 @@ class _TrainerActor:
 
 
 SamplerActor: Any = ray.remote(max_concurrency=1, max_restarts=SAMPLER_MAX_RESTARTS)(_SamplerActor)
-# "train" admits a call queued behind the running one (TRAIN_AHEAD); `_in_turn` runs them one at a time
+# "train" admits a call queued behind the running one (TRAIN_AHEAD, or the next step's first
+# micro-batch queued behind optim_step: never both at once); `_in_turn` runs them one at a time
 TrainerActor: Any = ray.remote(concurrency_groups={"train": 1 + TRAIN_AHEAD, "io": 2})(_TrainerActor)
 
 
@@ -340,11 +353,18 @@ class RayTrainer:
     ended (TRAIN_AHEAD = 1): the next micro-batch is already queued in the actor when one ends, so
     the trainer does not sit idle for a round trip between micro-batches. A train step's error is
     therefore raised by the next training call (`train_step`, `optim_step`, `load_state`), which
-    first awaits everything sent before it."""
+    first awaits everything sent before it, as a `TrainStepError` naming the step.
 
-    def __init__(self, actor: Any) -> None:
+    Across a step boundary the same holds with `optim_step_ahead(ahead)` (a `QueueAheadTrainer`,
+    see relayrl.backends.protocols; used while `queue_ahead`, `ray.queue_ahead`): the next step's first micro-batch is sent
+    right behind `optim_step`, before the update's result came back, and the actor starts it
+    the moment the update ends. `queued_ahead` counts the micro-batches sent so."""
+
+    def __init__(self, actor: Any, queue_ahead: bool = True) -> None:
         self.actor = actor
         self.spans = ActorSpans("actor:trainer")
+        self.queue_ahead = queue_ahead
+        self.queued_ahead = 0  # micro-batches sent behind an optim_step so far
         self._closed = False
         self._turn = 0  # training calls sent so far (the actor runs them in this order)
         self._sent: list[_Sent] = []
@@ -369,6 +389,16 @@ class RayTrainer:
             timed: Timed = await sent.ref
         except ACTOR_GONE as exc:
             raise self._gone(exc, sent.method) from exc
+        except ray.exceptions.RayTaskError as exc:
+            if sent.method != "train_step":
+                raise
+            args = sent.span_args
+            ahead = f", queued behind optim_step(step {int(args['step']) - 1})," if args.get("ahead") else ""  # type: ignore[call-overload]
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            raise TrainStepError(
+                f"train_step(step {args['step']}, microbatch {args['microbatch']}){ahead} failed in the trainer actor: "
+                f"{type(cause).__name__}: {cause}"
+            ) from exc
         if sent.method == "optim_step":
             sent.span_args["step"] = timed.value - 1  # the step whose commit made this version
         self.spans.record(sent.method, sent.start, timed, **sent.span_args)
@@ -398,6 +428,22 @@ class RayTrainer:
         await self._drain()
         version: int = await self._result(await self._send("optim_step"))
         return version
+
+    async def optim_step_ahead(self, ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
+        """`optim_step`; once the update is sent, `ahead()` (the next step's first micro-batch if
+        it is packed by now) is sent right behind it as the next training call: the actor starts
+        it the moment the update ends. Returns the new version once the update's result is back,
+        and whether a micro-batch was queued; that micro-batch's train step is then outstanding as
+        after `train_step(batch)` (the next training call awaits it)."""
+        await self._drain()
+        optim = await self._send("optim_step")
+        batch = ahead()  # as late as possible: it may have been packed while the step's last micro-batch trained
+        if batch is not None:
+            encoded = dataclasses.replace(batch, payload=encode(batch.payload))
+            self._sent.append(await self._send("train_step", encoded, step=batch.step, microbatch=batch.index, ahead=True))
+            self.queued_ahead += 1
+        version: int = await self._result(optim)
+        return version, batch is not None
 
     async def get_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = await self._call("get_metrics")

@@ -155,7 +155,7 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
             f"resources they ask for (ray.sampler_resources={cfg.ray.sampler_resources}, ray.trainer_resources={cfg.ray.trainer_resources})"
         )
     ray.get(done)  # an actor whose constructor failed raises here
-    trainer = RayTrainer(trainer_actor)
+    trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead)
     samplers = [RaySampler(a, i, trainer) for i, a in enumerate(sampler_actors)]
     return Backend(
         trainer=trainer,
