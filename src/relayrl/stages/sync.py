@@ -14,8 +14,9 @@ import asyncio
 
 from relayrl.backends.protocols import Trainer
 from relayrl.deadlines import bounded
-from relayrl.replicas import ReplicaPool, Restartable
+from relayrl.replicas import ReplicaPool, Restartable, SamplerSlot
 from relayrl.telemetry.tracer import Tracer
+from relayrl.types import Weights
 from relayrl.window import DispatchWindow
 
 LOAD_KEY = "rollout.weight_load_timeout_s"
@@ -53,6 +54,12 @@ class SyncTimes:
         return total
 
 
+async def _load(slot: SamplerSlot, weights: Weights, timeout_s: float) -> None:
+    # the worker's call is made in here: a round cancelled before this load started leaves no
+    # coroutine that was never awaited
+    await bounded(slot.worker.load_weights(weights), timeout_s, f"sampler replica {slot.replica}: load_weights", LOAD_KEY)
+
+
 async def sync_stage(
     trainer: Trainer,
     pool: ReplicaPool,
@@ -71,10 +78,7 @@ async def sync_stage(
         weights = await trainer.export_weights()
         pool.target = max(pool.target, weights.version)  # a replica restarting now loads this or newer
         slots = [s for s in pool.slots if not s.restarting]  # a restarting replica loads the newest weights itself
-        loads = [
-            bounded(s.worker.load_weights(weights), load_timeout_s, f"sampler replica {s.replica}: load_weights", LOAD_KEY) for s in slots
-        ]
-        outcomes = await asyncio.gather(*loads, return_exceptions=True)
+        outcomes = await asyncio.gather(*(_load(s, weights, load_timeout_s) for s in slots), return_exceptions=True)
         for slot, outcome in zip(slots, outcomes):
             if isinstance(outcome, asyncio.CancelledError):
                 task = asyncio.current_task()
