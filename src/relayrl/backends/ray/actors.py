@@ -356,9 +356,10 @@ class RayTrainer:
     first awaits everything sent before it, as a `TrainStepError` naming the step.
 
     Across a step boundary the same holds with `optim_step_ahead(ahead)` (a `QueueAheadTrainer`,
-    see relayrl.backends.protocols; used while `queue_ahead`, `ray.queue_ahead`): the next step's first micro-batch is sent
-    right behind `optim_step`, before the update's result came back, and the actor starts it
-    the moment the update ends. `queued_ahead` counts the micro-batches sent so."""
+    see relayrl.backends.protocols; used while `queue_ahead`, i.e. `ray.queue_ahead`): the next
+    step's first micro-batch is sent right behind `optim_step`, before the update's result came
+    back, and the actor starts it the moment the update ends. `queued_ahead` counts the
+    micro-batches sent so."""
 
     def __init__(self, actor: Any, queue_ahead: bool = True) -> None:
         self.actor = actor
