@@ -363,3 +363,15 @@ def test_the_readme_example_plays_sync_and_async() -> None:
     assert asyncio.run(_play(async_env, secret, ["37"]))[0].reward == 1.0
 
     assert "penalty must lie in [0, 1]" in _refused(f"{EXAMPLE}:GuessNumber", {"penalty": 3}, match="task.environment_config")
+
+
+def test_pick_last_scores_a_chatty_models_final_number() -> None:
+    prompt = Prompt("p1", "Calculate 5 + 10.", "15")
+    first = ArithmeticFeedback(max_turns=2).start(prompt)
+    assert first.step("5 + 10 = 15").observation is not None  # the first integer, 5, is wrong
+    last = ArithmeticFeedback(max_turns=2, pick="last").start(prompt)
+    assert last.step("5 + 10 = 15").solved
+    calc = Calculator(max_turns=2, pick="last").start(prompt)
+    assert calc.step("So 5 + 10 = 15").solved
+    with pytest.raises(ValueError, match="pick must be 'first' or 'last'"):
+        ArithmeticFeedback(max_turns=2, pick="middle")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from relayrl.envs.base import EnvStep
 from relayrl.types import Prompt
 
-__all__ = ["ArithmeticFeedback", "FeedbackEpisode", "first_integer", "integer_answer"]
+__all__ = ["ArithmeticFeedback", "FeedbackEpisode", "action_integer", "first_integer", "integer_answer"]
 
 _INTEGER = re.compile(r"-?[0-9]+")
 
@@ -36,6 +36,21 @@ def first_integer(text: str) -> int | None:
     """The first integer in `text` (ASCII digits, an optional leading '-'), or None."""
     found = _INTEGER.search(text)
     return None if found is None else int(found.group())
+
+
+def action_integer(text: str, pick: str) -> int | None:
+    """The integer an action answers with: its first (`pick` "first": a model that answers with
+    the bare number) or its last ("last": a chatty one, "5 + 10 = 15"); None when it has none."""
+    if pick == "first":
+        return first_integer(text)
+    found = _INTEGER.findall(text)
+    return int(found[-1]) if found else None
+
+
+def check_pick(pick: object) -> str:
+    if pick not in ("first", "last"):
+        raise ValueError(f"pick must be 'first' or 'last' (which integer of an action is its answer), got {pick!r}")
+    return str(pick)
 
 
 def integer_answer(prompt: Prompt, environment: str) -> int:
@@ -56,11 +71,12 @@ class FeedbackEpisode:
     discount: float
     restate: bool
     max_turns: int
+    pick: str = "first"
     turns: int = field(default=0)
 
     def step(self, action: str) -> EnvStep:
         self.turns += 1
-        guess = first_integer(action)
+        guess = action_integer(action, self.pick)
         if guess == self.answer:
             return EnvStep(None, reward=float(self.discount ** (self.turns - 1)), solved=True)
         if self.turns >= self.max_turns:
@@ -74,12 +90,13 @@ class ArithmeticFeedback:
 
     Options (`task.environment_config`): `discount` (0..1, default 0.5): a correct answer at turn
     k earns `discount ** (k - 1)`; `restate` (default true): a wrong answer's observation repeats
-    the question after the verdict, on its own line. `max_turns` comes from `rollout.max_turns`:
+    the question after the verdict, on its own line; `pick` ("first", default, or "last"): which
+    integer of an action is its answer (the last for chatty models). `max_turns` comes from `rollout.max_turns`:
     after the last try the episode ends without an observation."""
 
-    __slots__ = ("discount", "restate", "max_turns")
+    __slots__ = ("discount", "restate", "max_turns", "pick")
 
-    def __init__(self, *, max_turns: int, discount: float = 0.5, restate: bool = True) -> None:
+    def __init__(self, *, max_turns: int, discount: float = 0.5, restate: bool = True, pick: str = "first") -> None:
         if isinstance(discount, bool) or not isinstance(discount, int | float) or not 0.0 <= discount <= 1.0:
             raise ValueError(f"discount must be a number in [0, 1], got {discount!r}")
         if not isinstance(restate, bool):
@@ -89,6 +106,9 @@ class ArithmeticFeedback:
         self.discount = float(discount)
         self.restate = restate
         self.max_turns = max_turns
+        self.pick = check_pick(pick)
 
     def start(self, prompt: Prompt) -> FeedbackEpisode:
-        return FeedbackEpisode(prompt, integer_answer(prompt, "arithmetic_feedback"), self.discount, self.restate, self.max_turns)
+        return FeedbackEpisode(
+            prompt, integer_answer(prompt, "arithmetic_feedback"), self.discount, self.restate, self.max_turns, self.pick
+        )

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from relayrl.envs.arithmetic_feedback import first_integer, integer_answer
+from relayrl.envs.arithmetic_feedback import action_integer, check_pick, integer_answer
 from relayrl.envs.base import EnvStep
 from relayrl.types import Prompt
 
@@ -143,6 +143,7 @@ class CalculatorEpisode:
     max_calls: int
     result_suffix: str
     max_turns: int
+    pick: str = "first"
     turns: int = field(default=0)
     calls: int = field(default=0)
 
@@ -150,7 +151,7 @@ class CalculatorEpisode:
         self.turns += 1
         call = _TOOL_CALL.search(action)
         if call is None:
-            solved = first_integer(action) == self.answer
+            solved = action_integer(action, self.pick) == self.answer
             return EnvStep(None, reward=1.0 if solved else 0.0, solved=solved)
         self.calls += 1
         if self.turns >= self.max_turns:
@@ -169,12 +170,13 @@ class Calculator:
     """Integer questions with a `<calc>EXPR</calc>` tool (see the module docstring).
 
     Options (`task.environment_config`): `max_calls` (default 4): tool calls answered per
-    episode; `result_suffix` (default a newline): appended to every `<result>...</result>`.
+    episode; `result_suffix` (default a newline): appended to every `<result>...</result>`;
+    `pick` ("first", default, or "last"): which integer of a final answer counts.
     `max_turns` comes from `rollout.max_turns`."""
 
-    __slots__ = ("max_calls", "result_suffix", "max_turns")
+    __slots__ = ("max_calls", "result_suffix", "max_turns", "pick")
 
-    def __init__(self, *, max_turns: int, max_calls: int = 4, result_suffix: str = "\n") -> None:
+    def __init__(self, *, max_turns: int, max_calls: int = 4, result_suffix: str = "\n", pick: str = "first") -> None:
         if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 0:
             raise ValueError(f"max_calls must be an integer >= 0, got {max_calls!r}")
         if not isinstance(result_suffix, str):
@@ -184,6 +186,7 @@ class Calculator:
         self.max_calls = max_calls
         self.result_suffix = result_suffix
         self.max_turns = max_turns
+        self.pick = check_pick(pick)
 
     def start(self, prompt: Prompt) -> CalculatorEpisode:
-        return CalculatorEpisode(integer_answer(prompt, "calculator"), self.max_calls, self.result_suffix, self.max_turns)
+        return CalculatorEpisode(integer_answer(prompt, "calculator"), self.max_calls, self.result_suffix, self.max_turns, self.pick)
