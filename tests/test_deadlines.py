@@ -14,6 +14,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,19 @@ from relayrl.replicas import SamplerRetiredWarning
 from relayrl.types import GenerateResult, SampleRequest, Weights
 from relayrl.watchdog import StallError
 from simutil import make_program, run_checked, sim_config
+
+
+class HangsAfter(SimSampler):
+    """A sim sampler whose generate calls from number `calls` + 1 on never return."""
+
+    def __init__(self, calls: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = calls
+
+    async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        if self.generate_calls >= self.calls:
+            await _forever()
+        return await super().generate(requests)
 
 
 async def _forever() -> None:
@@ -36,15 +50,9 @@ def _ledger_balanced(ledger: dict[str, object], steps: int, groups_per_step: int
 
 
 def test_a_generate_that_never_returns_fails_its_replica_over(tmp_path: Path) -> None:
-    class Hangs(SimSampler):
-        async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
-            if self.generate_calls >= 2:
-                await _forever()
-            return await super().generate(requests)
-
     cfg = sim_config("rollout.num_samplers=2", "rollout.generate_timeout_s=0.3", "run.steps=6")
     program = make_program(cfg, tmp_path)
-    program.backend.samplers[0] = Hangs(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
+    program.backend.samplers[0] = HangsAfter(2, cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
     with pytest.warns(SamplerRetiredWarning):
         result = run_checked(program)
     _ledger_balanced(result.ledger.as_dict(), 6, cfg.rollout.groups_per_step)
@@ -133,15 +141,10 @@ def test_bounded_cancels_what_it_gives_up_on_and_abandons_only_what_ignores_canc
 
 
 def test_a_stalled_run_writes_where_it_is_stuck_and_fails(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    class Stuck(SimSampler):  # no bound on generate here: only the watchdog can end this run
-        async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
-            if self.generate_calls >= 3:
-                await _forever()
-            return await super().generate(requests)
-
+    # no bound on generate here: only the watchdog can end this run
     cfg = sim_config("orchestrator.stall_timeout_s=1", "rollout.generate_timeout_s=0", "run.steps=6")
     program = make_program(cfg, tmp_path)
-    program.backend.samplers[0] = Stuck(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
+    program.backend.samplers[0] = HangsAfter(3, cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
     with pytest.raises(StallError, match=r"no step committed for \ds \(orchestrator.stall_timeout_s = 1\)"):
         asyncio.run(asyncio.wait_for(program.run(), 30))
     stall = (tmp_path / "run" / "stall.txt").read_text()

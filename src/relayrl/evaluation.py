@@ -117,7 +117,7 @@ class HeldoutEvaluator:
             results = []
             for r, out in zip(requests, outputs, strict=True):
                 tokens = out[: r.max_new_tokens]
-                finish = "length" if len(tokens) == r.max_new_tokens and len(out) >= r.max_new_tokens else "stop"
+                finish = "length" if len(tokens) == r.max_new_tokens else "stop"
                 results.append(TurnResult(r.episode, Completion(tokens, [0.0] * len(tokens), self._decode(tokens), finish), version, -1))
             return results
 

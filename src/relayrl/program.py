@@ -44,6 +44,7 @@ from relayrl.stages.sample import MultiTurn, Rollout, SingleTurn, sampler_stage
 from relayrl.stages.score import score_stage
 from relayrl.stages.sync import SyncTimes, VersionSignal, sync_stage
 from relayrl.stages.train_loop import GroupTaker, PackingSpec, StepHooks, TrainLoop
+from relayrl.taskgroups import first_error
 from relayrl.tasks.rewards import ResolvedReward
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
@@ -75,21 +76,6 @@ class RunResult:
     summary: dict[str, object]
     tracer: Tracer
     ledger: Ledger
-
-
-def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    errors: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop(0)
-        if isinstance(exc, BaseExceptionGroup):
-            stack[:0] = list(exc.exceptions)
-        else:
-            errors.append(exc)
-    for exc in errors:
-        if not isinstance(exc, asyncio.CancelledError):
-            return exc
-    return errors[0] if errors else group
 
 
 def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSettings:
@@ -386,7 +372,7 @@ class Program:
                 for task in background:
                     task.cancel()
         except BaseExceptionGroup as group:
-            raise _first_error(group) from None
+            raise first_error(group) from None
         finally:
             await self.backend.close()
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from relayrl.envs.base import Environment, EnvStep, Episode
+from relayrl.taskgroups import first_error
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import Completion, Group, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
@@ -179,7 +180,7 @@ class EpisodeRunner:
                 if plain:
                     await self._workers.run("env", run_plain)
         except BaseExceptionGroup as group:
-            raise next(e for e in _leaves(group) if not isinstance(e, asyncio.CancelledError)) from None
+            raise first_error(group) from None
         return out
 
     def _error(self, exc: Exception, where: str) -> EnvironmentStepError:
@@ -255,10 +256,3 @@ class EpisodeRunner:
                 )
             )
         return [Group(group_id, trajectories) for group_id, trajectories in by_group.items()]
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    found: list[BaseException] = []
-    for exc in group.exceptions:
-        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return found
