@@ -23,7 +23,7 @@ from relayrl.config import load_config
 from relayrl.ledger import Ledger
 from relayrl.run import build_program
 from relayrl.telemetry.checker import check_run_dir
-from relayrl.types import FilteredGroup, FilterReason, Group, Prompt
+from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, Prompt
 from simutil import StopAt, Stopped, run_checked, sim_config
 
 STEPS = 30
@@ -184,7 +184,7 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
     trained = trajs[trajs["status"] == "ok"]
     assert trained.groupby("prompt_id")["step"].nunique().max() == 1  # no prompt trained twice
     logged = {int(p.rsplit("-", 1)[1]) for p in trajs["prompt_id"]}
-    in_flight = {int(p.prompt_id.rsplit("-", 1)[1]) for p in result.ledger.in_flight()}
+    in_flight = {int(d.prompt.prompt_id.rsplit("-", 1)[1]) for d in result.ledger.in_flight()}
     # every prompt the stream handed out is trained or filtered (logged) or still in flight: none lost
     assert logged | in_flight == set(range(len(logged | in_flight)))
     assert not logged & in_flight
@@ -197,20 +197,21 @@ def filtered_count(trajs: pd.DataFrame) -> int:
 
 def test_prompt_source_replays_then_continues_the_stream() -> None:
     stream = (Prompt(f"p{i}", str(i), str(i)) for i in range(100))
-    replay = [Prompt("p3", "3", "3"), Prompt("p5", "5", "5")]
+    replay = [Drawn(3, Prompt("p3", "3", "3")), Drawn(5, Prompt("p5", "5", "5"))]
     source = PromptSource(stream, replay, skip=7)
-    assert [next(source).prompt_id for _ in range(4)] == ["p3", "p5", "p7", "p8"]
+    drawn = [next(source) for _ in range(4)]
+    assert [(d.index, d.prompt.prompt_id) for d in drawn] == [(3, "p3"), (5, "p5"), (7, "p7"), (8, "p8")]
     assert source.drawn == 9
 
 
 def test_ledger_checkpoint_keeps_settled_counts_and_in_flight_prompts() -> None:
     ledger = Ledger()
-    prompts = [Prompt(f"p{i}", "", "") for i in range(5)]
+    prompts = [Drawn(i, Prompt(f"p{i}", "", "")) for i in range(5)]
     ids = ledger.dispatch(prompts, 4)
     ledger.trained(ids[0], 4)
     group = Group(ids[2], [])
     ledger.filtered(FilteredGroup(group, FilterReason.STALE))
-    assert [p.prompt_id for p in ledger.in_flight()] == ["p1", "p3", "p4"]
+    assert [(d.index, d.prompt.prompt_id) for d in ledger.in_flight()] == [(1, "p1"), (3, "p3"), (4, "p4")]
     resumed = Ledger.resumed(json.loads(json.dumps(ledger.checkpoint())))
     again = resumed.dispatch(ledger.in_flight(), 4)
     for gid in again:

@@ -49,6 +49,7 @@ def test_short_local_run_trains_and_reports(short_run: tuple[Path, object]) -> N
         "train/learning_rate",
         "train/clip_frac_low",
         "train/clip_frac_high",
+        "train/clip_frac_dual",
         "train/entropy_mean",
         "train/logprob_diff_mean",
         "train/logprob_diff_max",
@@ -114,7 +115,7 @@ def test_kl_reference_and_truncated_is_in_a_real_run(tmp_path: Path) -> None:
     assert any(r["staleness_max"] == 1 and abs(r["train/tis_weight_mean"] - 1.0) > 1e-4 for r in trained)
     # decoupled PPO: the clip never binds, so no clip fraction is logged; the cap's share is
     for r in trained:
-        assert "train/clip_frac_high" not in r and "train/clip_frac_low" not in r
+        assert "train/clip_frac_high" not in r and "train/clip_frac_low" not in r and "train/clip_frac_dual" not in r
         assert 0.0 <= r["train/tis_capped_frac"] <= 1.0
 
 
@@ -260,7 +261,8 @@ def test_a_torch_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: 
     """max_staleness 0, one torch thread: a run that crashes after step k and is resumed from its
     checkpoint trains exactly what the uninterrupted run trains — identical rewards and token
     counts per step, losses within 1e-6 — because each request samples from an RNG of its own
-    (run seed, prompt id, version), which a resume reproduces, rather than a replica's stream."""
+    (run seed, the prompt's index in the prompt stream, version), which a resume reproduces, rather
+    than a replica's stream."""
     sets = [*QUICK, "run.steps=5", "rollout.max_staleness=0", "train.torch_threads=1", "rollout.sampler_threads=1"]
     sets += ["orchestrator.checkpoint_every=1", "eval.enabled=false", "train.learning_rate=1e-3"]
 

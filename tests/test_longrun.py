@@ -21,7 +21,7 @@ from relayrl.run import build_program
 from relayrl.telemetry import timeline
 from relayrl.telemetry.stepbook import StepResults
 from relayrl.telemetry.tracer import Tracer, load_trace
-from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, StepResult
+from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, Prompt, StepResult
 from simutil import make_program, run_checked, sim_config
 
 # the JSON keys issue 8 names for `relayrl bench soak`
@@ -120,7 +120,7 @@ def test_a_tracer_with_a_file_lets_flushed_events_go(tmp_path: Path) -> None:
 def test_the_ledger_keeps_no_per_group_record_of_settled_groups() -> None:
     ledger = Ledger()
     for batch in range(500):
-        ids = ledger.dispatch([Prompt(f"p{batch}.{i}", "", "") for i in range(20)], 4)
+        ids = ledger.dispatch([Drawn(i, Prompt(f"p{batch}.{i}", "", "")) for i in range(20)], 4)
         for gid in ids[:-1]:
             ledger.trained(gid, 4)
         ledger.filtered(FilteredGroup(Group(ids[-1], []), FilterReason.STALE))

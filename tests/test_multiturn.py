@@ -17,7 +17,8 @@ from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logpr
 from relayrl.config import ConfigError, load_config
 from relayrl.envs.base import EnvStep
 from relayrl.run import build_program
-from relayrl.stages.episodes import EnvironmentStepError, EpisodeRunner, EpisodeSettings
+from relayrl.stages.dispatch import PromptTooLongWarning
+from relayrl.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner, EpisodeSettings
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
@@ -390,3 +391,30 @@ def test_a_multiturn_run_resumed_after_a_crash_matches_the_uninterrupted_one(tmp
     assert resumed.run_dir is not None and whole.run_dir is not None
     assert [r["step"] for r in rows(resumed.run_dir)] == [0, 1, 2, 3]
     assert rows(resumed.run_dir) == rows(whole.run_dir)
+
+
+def test_a_prompt_with_no_room_for_an_action_is_filtered_at_dispatch_not_sampled(tmp_path: Path) -> None:
+    """A prompt of at least rollout.max_total_tokens tokens used to ask the sampler for <= 0 new
+    tokens: the sampler raised, every replica was retired in turn and the run failed. It is
+    filtered at dispatch as too_long (warned once), and the runner refuses one outright."""
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((12, 30), (41, 7), (25, 25))]
+    rows.insert(1, {"prompt": "1+" * 20 + "1=", "answer": "21"})  # 42 tokens: no room within 24
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = ["run.backend=local", "task.kind=jsonl", f"task.path={data}", "task.environment=arithmetic_feedback"]
+    sets += ["run.steps=3", "rollout.num_generations=2", "rollout.groups_per_step=2", "rollout.prompts_per_request=2"]
+    sets += ["rollout.max_turns=2", "rollout.max_total_tokens=24", "train.row_tokens=48", "eval.enabled=false"]
+    sets += ["orchestrator.release_memory=false"]
+    with pytest.warns(PromptTooLongWarning, match="rollout.max_total_tokens less one"):
+        result = run_checked(build_program(load_config(None, sets), run_dir=tmp_path / "run"), timeout=120)
+    assert [r.step for r in result.results] == [0, 1, 2]
+    assert result.ledger.as_dict()["groups_filtered"].get("too_long", 0) >= 1  # type: ignore[union-attr]
+    assert result.summary["samplers_retired"] == []  # no replica was blamed
+
+    workers = Workers()
+    try:
+        long_prompt = [SampleRequest(0, Prompt("long", "x", "1"), [1] * 10, 2)]
+        with pytest.raises(EpisodePromptTooLong, match="'long' has 10 tokens: no room for an action within rollout.max_total_tokens = 10"):
+            asyncio.run(_runner(CountdownEnv(1), EpisodeSettings(2, 10, 3), workers).run(long_prompt, Scripted()))
+    finally:
+        workers.shutdown()

@@ -247,12 +247,12 @@ def test_a_resumed_reasoning_gym_run_scores_its_replayed_prompts(tmp_path: Path,
         asyncio.run(asyncio.wait_for(build_program(cfg, [StopAt(2)], run_dir=tmp_path / "r").run(), 60))
     (checkpoint,) = (tmp_path / "r" / "checkpoints").glob("step-*")
     in_flight = json.loads((checkpoint / "state.json").read_text())["in_flight"]
-    assert in_flight and all(METADATA_KEY in p["metadata"] for p in in_flight)  # max_staleness 1: step 2's groups
+    assert in_flight and all(METADATA_KEY in d["prompt"]["metadata"] for d in in_flight)  # max_staleness 1: step 2's groups
     result = run_checked(build_program(cfg, run_dir=tmp_path / "r", resume=True))
     assert [r.step for r in result.results] == [2, 3]
     rows = read_trajectories(tmp_path / "r").to_pylist()
     assert len(rows) == 4 * 64 and all(r["status"] == "ok" for r in rows)
-    replayed = {p["prompt_id"] for p in in_flight}
+    replayed = {d["prompt"]["prompt_id"] for d in in_flight}
     assert replayed <= {r["prompt_id"] for r in rows if r["step"] >= 2}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.checkpoint import PromptSource
 from relayrl.config import load_config
 from relayrl.ledger import Ledger
 from relayrl.run import build_program
@@ -35,7 +36,7 @@ def test_a_trajectory_longer_than_a_row_filters_its_group() -> None:
 
 def test_a_prompt_too_long_for_the_context_is_filtered_at_dispatch_not_sampled() -> None:
     async def main() -> tuple[list[SampleRequest], Ledger, DispatchWindow]:
-        prompts = iter([Prompt(f"p{i}", "x" * (30 if i == 1 else 3), "1") for i in range(8)])
+        prompts = PromptSource(iter([Prompt(f"p{i}", "x" * (30 if i == 1 else 3), "1") for i in range(8)]))
         ledger, window = Ledger(), DispatchWindow(groups_per_step=2, max_staleness=0, total_steps=1)
         outbox: asyncio.Queue[list[SampleRequest]] = asyncio.Queue()
         task = asyncio.create_task(

@@ -28,7 +28,7 @@ from itertools import islice
 from pathlib import Path
 
 from relayrl.jsonl import JsonlError, read_rows, rewrite_rows
-from relayrl.types import Prompt
+from relayrl.types import Drawn, Prompt
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
@@ -45,7 +45,7 @@ class ResumePoint:
     next_step: int  # the first step the resumed run trains (= the policy version it starts from)
     backend: str
     prompts_drawn: int  # prompts the task stream had handed out
-    in_flight: list[Prompt]  # dispatched but not settled: dispatched again, first
+    in_flight: list[Drawn]  # dispatched but not settled: dispatched again, first, with their stream indices
     ledger: dict[str, object]  # Ledger.checkpoint()
     evals: list[dict[str, object]]  # evals.jsonl rows so far
     elapsed_s: float  # wall time of the run up to the checkpoint
@@ -53,23 +53,25 @@ class ResumePoint:
     metrics_rows: list[dict[str, object]]  # metrics.jsonl rows of the steps since the previous checkpoint
 
 
-class PromptSource(Iterator[Prompt]):
-    """The prompts a run dispatches: `replay` first, then `stream` after skipping `skip` items.
-    `drawn` counts the items taken from the stream, skipped ones included."""
+class PromptSource(Iterator[Drawn]):
+    """The prompts a run dispatches, each with its index in the prompt stream: `replay` first
+    (in-flight prompts of a checkpoint, with the indices they had), then `stream` after skipping
+    `skip` items, numbered from `skip`. `drawn` counts the items taken from the stream, skipped
+    ones included."""
 
-    def __init__(self, stream: Iterator[Prompt], replay: Iterable[Prompt] = (), skip: int = 0) -> None:
+    def __init__(self, stream: Iterator[Prompt], replay: Iterable[Drawn] = (), skip: int = 0) -> None:
         self._replay = list(replay)
         self._stream = islice(stream, skip, None)
         self.drawn = skip
 
-    def __next__(self) -> Prompt:
+    def __next__(self) -> Drawn:
         if self._replay:
             return self._replay.pop(0)
         prompt = next(self._stream)
         self.drawn += 1
-        return prompt
+        return Drawn(self.drawn - 1, prompt)
 
-    def pending(self) -> list[Prompt]:
+    def pending(self) -> list[Drawn]:
         """Replayed prompts not dispatched yet (a checkpoint must carry them on)."""
         return list(self._replay)
 
@@ -88,7 +90,7 @@ def checkpoint_state(
     next_step: int,
     backend: str,
     source: PromptSource,
-    in_flight: list[Prompt],
+    in_flight: list[Drawn],
     ledger: dict[str, object],
     evals: list[dict[str, object]],
     elapsed_s: float,
@@ -99,7 +101,7 @@ def checkpoint_state(
         "next_step": next_step,
         "backend": backend,
         "prompts_drawn": source.drawn,
-        "in_flight": [asdict(p) for p in in_flight + source.pending()],
+        "in_flight": [{"index": d.index, "prompt": asdict(d.prompt)} for d in in_flight + source.pending()],
         "ledger": ledger,
         "evals": evals,
         "elapsed_s": elapsed_s,
@@ -151,7 +153,7 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
             next_step=int(raw["next_step"]),
             backend=str(raw["backend"]),
             prompts_drawn=int(raw["prompts_drawn"]),
-            in_flight=[Prompt(**p) for p in raw["in_flight"]],
+            in_flight=[_drawn(item, k) for k, item in enumerate(raw["in_flight"])],
             ledger=dict(raw["ledger"]),
             evals=list(raw["evals"]),
             elapsed_s=float(raw["elapsed_s"]),
@@ -162,6 +164,14 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
         raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint state ({type(exc).__name__}: {exc})") from None
+
+
+def _drawn(item: dict[str, object], k: int) -> Drawn:
+    """An in-flight entry of state.json; one written before prompts carried their stream index
+    (a bare prompt) gets index -1 - k, an index no stream item has."""
+    if "prompt" in item:
+        return Drawn(int(item["index"]), Prompt(**item["prompt"]))  # type: ignore[arg-type, call-overload]
+    return Drawn(-1 - k, Prompt(**item))  # type: ignore[arg-type]
 
 
 def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from relayrl.types import FilteredGroup, Prompt
+from relayrl.types import Drawn, FilteredGroup
 
 
 class LedgerError(RuntimeError):
@@ -36,12 +36,12 @@ class Ledger:
     reward_failures: Counter[tuple[str, str]] = field(default_factory=Counter)  # ... by (function, reason)
     _outcomes: Counter[str] = field(default_factory=Counter)  # settled in this run, by outcome
     _pending_filtered: list[FilteredGroup] = field(default_factory=list)
-    _in_flight: dict[int, tuple[Prompt, int]] = field(default_factory=dict)  # id -> (prompt, group size)
+    _in_flight: dict[int, tuple[Drawn, int]] = field(default_factory=dict)  # id -> (prompt as drawn, group size)
     _settled_before: Counter[str] = field(default_factory=Counter)  # outcomes restored from a checkpoint
     _next_id: int = 0  # group ids are never reused, across resumes too
     _base_ids: int = 0  # ids below this belong to the run before the resume
 
-    def dispatch(self, prompts: list[Prompt], group_size: int) -> range:
+    def dispatch(self, prompts: list[Drawn], group_size: int) -> range:
         """Allocate ids for newly dispatched groups, one per prompt."""
         ids = range(self._next_id, self._next_id + len(prompts))
         self._next_id += len(prompts)
@@ -65,8 +65,8 @@ class Ledger:
             out.setdefault(function, {})[reason] = n
         return out
 
-    def in_flight(self) -> list[Prompt]:
-        """Prompts of the dispatched groups not settled yet, in dispatch order."""
+    def in_flight(self) -> list[Drawn]:
+        """Prompts (with their stream indices) of the dispatched groups not settled yet, in dispatch order."""
         return [prompt for prompt, _ in self._in_flight.values()]
 
     def checkpoint(self) -> dict[str, object]:

@@ -205,6 +205,14 @@ class Program:
         )
         self._started = time.perf_counter()
 
+    def _dispatch_bound(self, backend: Backend) -> int | None:
+        """The most prompt tokens a group may have to be sampled: the model's context after
+        rollout.max_new_tokens; for multi-turn episodes, room for at least one action token
+        within the episode's token limit."""
+        if self.episodes is not None:
+            return self.episodes.settings.max_total_tokens - 1
+        return backend.max_prompt_tokens
+
     def _elapsed(self) -> float:
         return (self.resume.elapsed_s if self.resume else 0.0) + time.perf_counter() - self._started
 
@@ -293,7 +301,7 @@ class Program:
                             requests,
                             cfg.rollout.num_generations,
                             cfg.rollout.prompts_per_request,
-                            backend.max_prompt_tokens,
+                            self._dispatch_bound(backend),
                         ),
                         name="dispatch",
                     ),

@@ -48,14 +48,38 @@ class Prompt:
     metadata: dict[str, object] = field(default_factory=dict, hash=False, compare=True)
 
 
+@dataclass(slots=True, frozen=True)
+class Drawn:
+    """A prompt as the run's prompt stream handed it out: `index` is its position in the stream
+    (0, 1, 2, ...; a dataset's prompt appears again, at a new index, every epoch, and a filtered
+    group is replaced by the next index). It keys the randomness of the group dispatched for it,
+    so no two dispatches of one prompt sample alike, and it is checkpointed with the prompts in
+    flight, so a resumed run samples them as the uninterrupted run would."""
+
+    index: int
+    prompt: Prompt
+
+    @property
+    def rng_key(self) -> str:
+        return f"{self.index}:{self.prompt.prompt_id}"
+
+
 @dataclass(slots=True)
 class SampleRequest:
-    """Ask a sampler for `num_samples` completions of one prompt (one group)."""
+    """Ask a sampler for `num_samples` completions of one prompt (one group). `rng_key` keys the
+    request's random stream together with the run seed and the policy version (a dispatched
+    group's `Drawn.rng_key`); "" = the group id."""
 
     group_id: int
     prompt: Prompt
     prompt_tokens: list[int]
     num_samples: int
+    rng_key: str = ""
+
+    @property
+    def seed_key(self) -> str:
+        """What seeds this request's RNG (with the run seed and the version)."""
+        return self.rng_key or f"group {self.group_id}"
 
 
 @dataclass(slots=True)

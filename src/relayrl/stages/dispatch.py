@@ -1,10 +1,14 @@
 """Dispatch: prompts → sample requests, as fast as the dispatch window allows.
 
 Invariant: a group is dispatched only with a window credit, and each dispatched group gets a
-fresh ledger id, so every dispatched prompt is accounted for downstream. Prompts are encoded
-here, on the event loop, by the backend's `PromptEncoder` (a tokenizer: cheap, orchestrator-side).
-A prompt longer than `max_prompt_tokens` (no room left for the completions in the model's
-context) is never sent to a sampler: its group is filtered as `too_long`, once warned about.
+fresh ledger id, so every dispatched prompt is accounted for downstream. Its random stream is
+keyed by the prompt's index in the prompt stream (`Drawn.rng_key`), never by the prompt alone:
+a prompt dispatched again (a later epoch, a filtered group replaced, two groups of one prompt in
+flight) samples afresh, and a resumed run samples its replayed prompts as before the kill.
+Prompts are encoded here, on the event loop, by the backend's `PromptEncoder` (a tokenizer:
+cheap, orchestrator-side). A prompt longer than `max_prompt_tokens` (no room left for the
+completions in the model's context, or for one action within a multi-turn episode's token
+limit) is never sent to a sampler: its group is filtered as `too_long`, once warned about.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from itertools import islice
 
 from relayrl.backends.protocols import PromptEncoder
 from relayrl.ledger import Ledger
-from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, SampleRequest
+from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, SampleRequest
 from relayrl.window import DispatchWindow
 
 
@@ -25,7 +29,7 @@ class PromptTooLongWarning(RuntimeWarning):
 
 
 async def dispatch_stage(
-    prompts: Iterator[Prompt],
+    prompts: Iterator[Drawn],
     tokenize: PromptEncoder,
     window: DispatchWindow,
     ledger: Ledger,
@@ -41,15 +45,17 @@ async def dispatch_stage(
         if len(batch) < n:
             raise RuntimeError("the prompt stream ended before the run's last step (task data exhausted)")
         requests: list[SampleRequest] = []
-        for gid, prompt in zip(ledger.dispatch(batch, num_generations), batch):
+        for gid, drawn in zip(ledger.dispatch(batch, num_generations), batch):
+            prompt = drawn.prompt
             tokens = tokenize(prompt.text)
             if max_prompt_tokens is None or len(tokens) <= max_prompt_tokens:
-                requests.append(SampleRequest(gid, prompt, tokens, num_generations))
+                requests.append(SampleRequest(gid, prompt, tokens, num_generations, drawn.rng_key))
                 continue
             if not warned:
                 warnings.warn(
-                    f"prompt {prompt.prompt_id!r} has {len(tokens)} tokens, more than the {max_prompt_tokens} the model's context leaves "
-                    "after rollout.max_new_tokens: such prompts are not sampled (their groups are filtered as too_long)",
+                    f"prompt {prompt.prompt_id!r} has {len(tokens)} tokens, more than the {max_prompt_tokens} a prompt may have "
+                    "(the model's context less rollout.max_new_tokens; multi-turn: rollout.max_total_tokens less one): "
+                    "such prompts are not sampled (their groups are filtered as too_long)",
                     PromptTooLongWarning,
                     stacklevel=1,
                 )

@@ -15,7 +15,9 @@ Invariants:
   (context only, log-prob 0.0); each `Turn` records where its action lies, the version and
   replica that sampled it, and its reward part; the trajectory's `policy_version` is its oldest
   turn's (staleness counts the oldest turn); `env_reward` is the sum of the parts;
-- prompt + completion never exceeds `max_total_tokens`;
+- prompt + completion never exceeds `max_total_tokens`; a prompt that leaves no room for one
+  action token is never sampled (dispatch filters it as too_long; the runner refuses it with
+  `EpisodePromptTooLong`, a task error like the environment's, never a replica's fault);
 - each turn's sampling call is traced on the replica's lane (`generate`, with `turn`) and each
   batch of environment steps on the `env` lane (`env_step`);
 - an environment that raises fails the run (`EnvironmentStepError`, naming the environment, the
@@ -38,7 +40,7 @@ from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import Completion, Group, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
 
-__all__ = ["EnvironmentStepError", "EpisodeRunner", "EpisodeSettings", "TurnFn"]
+__all__ = ["EnvironmentStepError", "EpisodePromptTooLong", "EpisodeRunner", "EpisodeSettings", "TurnFn"]
 
 # samples one turn of each episode: (requests) -> results in the same order
 TurnFn = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
@@ -46,6 +48,11 @@ TurnFn = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
 
 class EnvironmentStepError(RuntimeError):
     """The environment raised while starting or stepping an episode."""
+
+
+class EpisodePromptTooLong(ValueError):
+    """A prompt leaves no room for an action within `max_total_tokens` (dispatch filters such
+    prompts: reaching the runner is a wiring error, named rather than sent to a sampler)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +107,10 @@ class EpisodeRunner:
         self._workers = workers
         self._tracer = tracer
 
+    @property
+    def settings(self) -> EpisodeSettings:
+        return self._settings
+
     async def run(
         self,
         requests: Sequence[SampleRequest],
@@ -111,10 +122,16 @@ class EpisodeRunner:
         """Every request's G episodes, sampled by `turn` (traced on `lane` when given; the
         environment's steps on `env_lane`); `end` (if any) is told the episode names once they
         are over."""
+        s = self._settings
+        for r in requests:
+            if len(r.prompt_tokens) >= s.max_total_tokens:
+                raise EpisodePromptTooLong(
+                    f"prompt {r.prompt.prompt_id!r} has {len(r.prompt_tokens)} tokens: no room for an action within "
+                    f"rollout.max_total_tokens = {s.max_total_tokens} (such prompts are filtered at dispatch as too_long)"
+                )
         starts = [(r, i) for r in requests for i in range(r.num_samples)]
         episodes = await self._start_all([r.prompt for r, _ in starts])
         live = [_Live(r, i, f"{r.group_id}/{i}", e) for (r, i), e in zip(starts, episodes, strict=True)]
-        s = self._settings
         for number in range(1, s.max_turns + 1):
             active = [e for e in live if not e.done]
             if not active:
@@ -123,7 +140,7 @@ class EpisodeRunner:
                 TurnRequest(
                     episode=e.key,
                     context=e.context,
-                    rng_key=f"{e.request.prompt.prompt_id}\x00{e.index}\x00{number}",
+                    rng_key=f"{e.request.seed_key}\x00{e.index}\x00{number}",
                     max_new_tokens=min(s.max_new_tokens, s.max_total_tokens - len(e.context)),
                     prompt=e.request.prompt,
                 )

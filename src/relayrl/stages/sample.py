@@ -5,8 +5,8 @@ single completions (`SingleTurn`: one `generate` call) or multi-turn episodes wi
 Invariant: each sampling call is traced on its replica's lane with the version that sampled it
 (from the results; the replica number and, for an empty result, the version come from the
 orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s`;
-groups leave in the order the call returned them. An environment's error fails the run (it is
-the task's, not the replica's). A replica whose `generate` raises is retired
+groups leave in the order the call returned them. An environment's error, or a prompt that
+leaves an episode no room, fails the run (it is the task's, not the replica's). A replica whose `generate` raises is retired
 (see `relayrl.replicas`) and its requests go back to the queue for the other replicas: no group
 is lost or sampled twice. A replica whose worker died and can be restarted (`Restartable`, the
 Ray backend) re-queues its requests, restarts holding the version the sync stage pushes or newer,
@@ -21,7 +21,7 @@ from typing import Protocol
 from relayrl.deadlines import bounded
 from relayrl.replicas import ReplicaPool, Restartable, SamplerSlot
 from relayrl.stages.collect import to_group
-from relayrl.stages.episodes import EnvironmentStepError, EpisodeRunner
+from relayrl.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Group, SampleRequest, TurnRequest, TurnResult
 
@@ -86,7 +86,7 @@ async def sampler_stage(
         start = tracer.now()
         try:
             groups = await rollout(slot, requests)
-        except EnvironmentStepError:
+        except (EnvironmentStepError, EpisodePromptTooLong):
             raise
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")

@@ -17,10 +17,11 @@ Invariants:
   copied, so a bad payload leaves the previous version intact;
 - a cancelled call does not return before its worker-thread work has stopped (sampling checks an
   abort flag between decode steps), so cancellation never leaves compute running behind the caller;
-- sampling is reproducible: each request draws from its own RNG, seeded by (run seed, prompt id,
-  policy version), so what a group samples depends on those and the weights only — not on the
-  replica, the batch it rides in, the timing, or a resume (which re-dispatches in-flight prompts);
-  a turn's RNG is seeded the same way from its `rng_key`;
+- sampling is reproducible: each request draws from its own RNG, seeded by (run seed, the
+  request's `seed_key` — its prompt's index in the run's prompt stream —, policy version), so what
+  a group samples depends on those and the weights only — not on the replica, the batch it rides
+  in, the timing, or a resume (which re-dispatches in-flight prompts with their indices) — and two
+  dispatches of one prompt never sample alike; a turn's RNG is seeded the same way from its `rng_key`;
 - a turn samples what re-reading its whole context would (up to float rounding): an episode's
   session (the KV cache of the tokens it has fed, from its previous turn) is continued only when
   it was computed with the weights loaded now and covers a proper prefix of the turn's context;
@@ -157,7 +158,7 @@ class SamplerCompute:
             None,
             pad_token_id=self._pad_token_id,
             abort=abort,
-            generators=[self._rng(r.prompt.prompt_id, version) for r in requests],
+            generators=[self._rng(r.seed_key, version) for r in requests],
         )
         return [
             GenerateResult(request=request, completions=self._completions(group), policy_version=version, replica=self.replica)
@@ -234,7 +235,7 @@ class SamplerCompute:
 
     def _rng(self, key: str, version: int) -> torch.Generator:
         """The RNG one request samples from: seeded by (run seed, key, version); the key is a
-        group's prompt id or a turn's `rng_key`."""
+        request's `seed_key` or a turn's `rng_key`."""
         digest = hashlib.blake2b(f"{self.seed}\x00{key}\x00{version}".encode(), digest_size=8).digest()
         return torch.Generator(device=self.model.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
