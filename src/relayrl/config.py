@@ -224,15 +224,43 @@ class RolloutConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
+    # group-relative advantages: "grpo" (r − mean) / std; "drgrpo" r − mean (Dr. GRPO, Liu et al.
+    # 2025), which also makes loss_aggregation default to "seq_mean_token_sum_norm", the paper's
+    # constant normaliser (an explicit loss_aggregation is kept); "rloo" leave-one-out mean
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     dynamic_sampling: bool = False
     clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
     clip_eps_high: float = Field(0.28, ge=0.0)  # > clip_eps_low: DAPO clip-higher
+    # dual-clip PPO (verl's clip_ratio_c): a token with a negative advantage A loses at most −A·c,
+    # however far its ratio r = π/π_sampler exceeds c (no gradient there); must be > 1; 0 = off
+    # (None is read as 0, so a run directory's config.toml, which has no null, keeps it off)
+    clip_ratio_c: float | None = 3.0
+    # "token_mean" (default; with advantage = "drgrpo": "seq_mean_token_sum_norm"),
+    # "seq_mean_token_mean" (per-sequence means), "seq_mean_token_sum_norm" (a constant normaliser:
+    # rollout.max_new_tokens × max_turns per sequence); see algorithms/losses.py
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     kl_beta: float = Field(0.0, ge=0.0)  # KL to a frozen reference; 0 = off (no reference kept)
     # None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
     # weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)
     tis_cap: float | None = Field(None, gt=0.0)
+
+    @field_validator("clip_ratio_c")
+    @classmethod
+    def _dual_clip_bound(cls, c: float | None) -> float:
+        """> 1, or 0 / None = off (normalised to 0.0: config.toml drops None values)."""
+        if c is None or c == 0.0:
+            return 0.0
+        if not c > 1.0:
+            raise ValueError("must be > 1 (the dual-clip bound on the ratio of a negative-advantage token), or 0 to turn dual-clip off")
+        return c
+
+    @model_validator(mode="after")
+    def _drgrpo_aggregation(self) -> AlgorithmConfig:
+        """Dr. GRPO is two changes together: no std scaling (the advantage) and a constant loss
+        normaliser; advantage = "drgrpo" brings the second unless loss_aggregation is set."""
+        if self.advantage == "drgrpo" and "loss_aggregation" not in self.model_fields_set:
+            self.loss_aggregation = "seq_mean_token_sum_norm"
+        return self
 
 
 class TrainConfig(_Section):
@@ -251,6 +279,9 @@ class TrainConfig(_Section):
     # a step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
     # train/nonfinite_steps; the run goes on) or "fail" the run naming the step
     on_nonfinite: Literal["skip", "fail"] = "skip"
+    # under "skip": more than this many consecutive skipped steps fail the run naming the step
+    # (a run whose every update is skipped is not training); the count is checkpointed
+    max_consecutive_skips: int = Field(10, ge=1)
     # a trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
     # does not return within this many seconds fails the run naming the call; 0 = no bound
     call_timeout_s: float = Field(1800.0, ge=0.0)

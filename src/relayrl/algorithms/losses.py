@@ -12,22 +12,30 @@ gradients over micro-batches is exact.
 Per completion token t of sequence s, with advantage A, the current policy's log-prob logp and the
 behaviour policy's `old_logp` (the sampler's, which drew the token), one objective in two modes:
 
-- `tis_cap` unset — clipped PPO against the behaviour policy (DAPO clip-higher):
+- `tis_cap` unset — clipped PPO against the behaviour policy (DAPO clip-higher), dual-clipped:
       r_t   = exp(logp − old_logp)
       pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high))
+      pg_t  = min(pg_t, −A·c)   where A < 0                    (dual-clip; `clip_ratio_c` = c > 1)
   The trust region is around the policy that sampled: staleness and any sampler/trainer mismatch
-  both move r away from 1, and the clip acts on them.
+  both move r away from 1, and the clip acts on them. For A > 0 the clip bounds the loss (r is
+  capped at 1 + ε_high), but for A < 0 nothing bounds r from above: one token the policy now finds
+  e^15 times likelier than the sampler did would add −A·e^15 and, after gradient-norm clipping,
+  set the direction of the whole step. Dual-clip PPO (Ye et al., 2020; verl's `clip_ratio_c`)
+  caps a negative-advantage token's loss at −A·c: beyond r = c it is constant, with zero
+  gradient (`clip_frac_dual` counts such tokens). c = None turns it off.
 - `tis_cap` set — decoupled PPO (Hilton et al., 2021) with the proximal policy π_prox = the
   trainer's policy at the start of the step (logp, detached) and a truncated importance weight
   from the behaviour policy to it:
       r_t   = exp(logp − logp.detach())            (1 in value; its gradient is ∇logp)
       w_t   = min(exp(logp.detach() − old_logp), tis_cap), detached
-      pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high)) · w_t
-  relayrl updates once per batch, so r_t = 1 where the gradient is taken and the clip never
-  binds: the gradient is the truncated-IS policy gradient −A·w_t·∇logp, correcting staleness and
-  the sampler/trainer mismatch with a bounded weight instead of a clip. Clip fractions are
-  therefore not reported in this mode (they would read 0); `tis_weight_mean` and
-  `tis_capped_frac` say what the weight did.
+      pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high))
+      pg_t  = min(pg_t, −A·c)   where A < 0                    (dual-clip, on the PPO ratio r_t)
+      pg_t  = pg_t · w_t
+  relayrl updates once per batch, so r_t = 1 where the gradient is taken and neither clip binds:
+  the gradient is the truncated-IS policy gradient −A·w_t·∇logp, correcting staleness and the
+  sampler/trainer mismatch with a bounded weight (≤ tis_cap) instead of a clip — the weight is
+  what bounds a wild token here. Clip fractions (dual-clip's too) are therefore not reported in
+  this mode (they would read 0); `tis_weight_mean` and `tis_capped_frac` say what the weight did.
 
 In both modes `ratio_*` is exp(logp − old_logp), the current policy over the behaviour policy, and
 
@@ -55,7 +63,15 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 AGGREGATIONS: tuple[Aggregation, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 # statistics a call reports only when they apply (see LossOutput)
-OPTIONAL_STATS = ("clip_frac_low", "clip_frac_high", "entropy_mean", "kl_mean", "tis_weight_mean", "tis_capped_frac")
+OPTIONAL_STATS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "entropy_mean",
+    "kl_mean",
+    "tis_weight_mean",
+    "tis_capped_frac",
+)
 # |log ratio| beyond this is clamped before exp so a wild token cannot overflow to inf.
 MAX_LOG_RATIO = 20.0
 
@@ -73,6 +89,8 @@ class LossConfig:
     - `tis_cap`: None = clipped PPO against the behaviour policy; a cap = decoupled PPO with a
       truncated importance weight min(π_prox / π_behaviour, tis_cap) (see the module docstring).
       Only the policy-gradient term is weighted, not the KL term.
+    - `clip_ratio_c`: dual-clip bound c (> 1): a token with A < 0 loses at most −A·c; None = off.
+      Applied to the PPO ratio in both modes (see the module docstring).
     """
 
     clip_eps_low: float = 0.2
@@ -81,6 +99,7 @@ class LossConfig:
     max_completion_tokens: int | None = None
     kl_beta: float = 0.0
     tis_cap: float | None = None
+    clip_ratio_c: float | None = 3.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_eps_low < 1.0:
@@ -98,6 +117,8 @@ class LossConfig:
             raise ValueError(f"loss.kl_beta must be >= 0, got {self.kl_beta}")
         if self.tis_cap is not None and self.tis_cap <= 0.0:
             raise ValueError(f"loss.tis_cap must be > 0 or unset, got {self.tis_cap}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"loss.clip_ratio_c must be > 1 or unset (dual-clip off), got {self.clip_ratio_c}")
 
 
 @dataclass(slots=True)
@@ -110,6 +131,8 @@ class LossOutput:
     - `ratio_*`: exp(logp − old_logp), the current policy over the behaviour policy.
     - `clip_frac_low`: share of tokens with A < 0 and r < 1 − ε_low (clipped: no gradient);
       `clip_frac_high`: A > 0 and r > 1 + ε_high. PPO mode only (None with `tis_cap`).
+    - `clip_frac_dual`: share of tokens with A < 0 and r > c, where the dual clip bounds the loss
+      at −A·c (no gradient). PPO mode with `clip_ratio_c` only (else None).
     - `tis_weight_mean`: mean truncated-IS weight; `tis_capped_frac`: share of tokens whose
       weight the cap bound. With `tis_cap` only (else None).
     - `entropy_mean`: mean of the given per-token entropy; None when not given.
@@ -125,6 +148,7 @@ class LossOutput:
     ratio_max: float
     clip_frac_low: float | None = None
     clip_frac_high: float | None = None
+    clip_frac_dual: float | None = None
     entropy_mean: float | None = None
     kl_mean: float | None = None
     tis_weight_mean: float | None = None
@@ -198,6 +222,8 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+    if cfg.clip_ratio_c is not None:  # dual-clip: for A < 0 the loss is at most −A·c
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
 
     tis_weight: torch.Tensor | None = None
     uncapped: torch.Tensor | None = None
@@ -236,6 +262,7 @@ def policy_loss(
         optional: list[torch.Tensor | None] = [
             None if decoupled else ((adv < 0) & (r < 1.0 - cfg.clip_eps_low) & mask).sum() / denom,
             None if decoupled else ((adv > 0) & (r > 1.0 + cfg.clip_eps_high) & mask).sum() / denom,
+            None if decoupled or cfg.clip_ratio_c is None else ((adv < 0) & (r > cfg.clip_ratio_c) & mask).sum() / denom,
             None if entropy is None else torch.where(mask, entropy.detach().to(logprobs.dtype), zero).sum() / denom,
             None if kl is None else kl.detach().sum() / denom,
             None if tis_weight is None else torch.where(mask, tis_weight, zero).sum() / denom,

@@ -8,6 +8,9 @@ Invariants:
   ``FileNotFoundError`` naming the path, files that cannot be loaded or a tokenizer larger than
   the model's embedding raise ``ModelLoadError`` (one line naming the directory and
   ``model.path``). The returned tokenizer always has a pad token.
+- the returned model has every dropout off (``disable_dropout``): the trainer computes log-probs
+  in train mode and the samplers in eval mode, and at staleness 0 the two must agree (ratio 1);
+  RL fine-tuning does not use dropout.
 - ``greedy_accuracy`` is deterministic for given weights: greedy decoding, left padding, and a
   completion counts only if its text up to the first EOS equals the answer (outer whitespace
   ignored).
@@ -16,19 +19,33 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from relayrl.types import Prompt
 
 SHIPPED_MODELS_PACKAGE = "relayrl.models"
 ASSETS_DIR = "assets"
+# a float attribute (of a module or a config) with such a name is a dropout probability
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop|drop_path|drop_prob|drop_rate")
+
+_DROPOUT_MODULES = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 class ModelLoadError(ValueError):
@@ -47,6 +64,28 @@ def shipped_model_dir(name: str = "tiny-arith") -> Path:
     return path
 
 
+def disable_dropout(model: ModuleT) -> ModuleT:
+    """Turn every dropout of ``model`` off, in place, and return it: each ``nn.Dropout`` (and its
+    kin) gets p = 0, and every float attribute named like a dropout probability (e.g.
+    ``attention_dropout``, ``hidden_dropout_prob``, ``resid_pdrop``, ``layerdrop``) of each module
+    and of each module's config is set to 0 — attention modules keep their own copy of the
+    config's rate and pass it to the attention kernel when training, so the config alone is not
+    enough. Train mode then computes what eval mode does (up to float rounding)."""
+    for module in model.modules():
+        if isinstance(module, _DROPOUT_MODULES):
+            module.p = 0.0
+        owners: list[object] = [module]
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            owners.append(config)
+            owners.extend(v for v in vars(config).values() if isinstance(v, PretrainedConfig))  # e.g. text_config
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if isinstance(value, float) and value != 0.0 and _DROPOUT_NAME.search(name):
+                    setattr(owner, name, 0.0)
+    return model
+
+
 def load_model_and_tokenizer(
     path: str | os.PathLike[str],
     *,
@@ -56,7 +95,8 @@ def load_model_and_tokenizer(
     """Load a causal LM and its tokenizer from a local directory with ``from_pretrained``.
 
     ``gguf_file`` names a GGUF file inside ``path`` (needs the ``gguf`` package). The model is
-    returned in eval mode on the CPU. A tokenizer without a pad token gets its EOS as pad.
+    returned in eval mode on the CPU, with dropout off (``disable_dropout``). A tokenizer without a
+    pad token gets its EOS as pad.
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -88,7 +128,7 @@ def load_model_and_tokenizer(
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer in {model_dir} has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
-    model.eval()
+    disable_dropout(model).eval()
     return model, tokenizer
 
 

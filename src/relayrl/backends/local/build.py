@@ -147,6 +147,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrai
         max_completion_tokens=r.max_new_tokens * r.max_turns,  # the policy's tokens in one episode at most
         kl_beta=a.kl_beta,
         tis_cap=a.tis_cap,
+        clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off
     )
     settings = TrainerSettings(
         learning_rate=t.learning_rate,
@@ -158,6 +159,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrai
         lr_schedule=t.lr_schedule,
         max_grad_norm=t.max_grad_norm,
         on_nonfinite=t.on_nonfinite,
+        max_consecutive_skips=t.max_consecutive_skips,
         temperature=r.temperature,
         torch_threads=threads,
     )

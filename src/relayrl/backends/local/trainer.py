@@ -11,11 +11,15 @@ under a lock, so the host calls them outside that thread and they never wait beh
 train step (a Ray actor would give them their own concurrency group).
 
 The sampler's log-probs are the behaviour policy's: no extra forward pass. The objective is
-clipped PPO against them, or with `tis_cap` decoupled PPO with a truncated importance weight
-(algorithms/losses.py says exactly what each computes and reports).
+clipped (and dual-clipped) PPO against them, or with `tis_cap` decoupled PPO with a truncated
+importance weight (algorithms/losses.py says exactly what each computes and reports). The policy
+and the reference model have dropout off (`disable_dropout`): the trainer runs them in train
+mode, the samplers in eval mode, and on-policy their log-probs must agree (ratio 1).
 
-Invariant: exactly one optimizer update per `optim_step`, which overwrites the metrics slot with
-that step's figures and returns the new policy version (= number of updates so far).
+Invariants: exactly one optimizer update per `optim_step`, which overwrites the metrics slot with
+that step's figures and returns the new policy version (= number of updates so far) — or none,
+for a step whose loss or gradient is not finite (skipped, or the run fails under "fail"); more
+than `max_consecutive_skips` skipped steps in a row fail the run (the count is checkpointed).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from transformers import PreTrainedModel
 from relayrl.algorithms.losses import LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.models.loading import disable_dropout
 from relayrl.threads import ThreadHost
 from relayrl.types import TrainBatch, Weights
 
@@ -51,10 +56,13 @@ class TrainerSettings:
     temperature: float = 1.0
     torch_threads: int = 0
     on_nonfinite: str = "skip"  # a step whose loss or gradient is not finite: "skip" its update, or "fail"
+    max_consecutive_skips: int = 10  # under "skip": more skipped steps in a row than this fail the run
 
 
-class NonFiniteStepError(RuntimeError):
-    """A step's loss or gradient was NaN or infinite and `train.on_nonfinite = "fail"`."""
+class NonFiniteStepError(FloatingPointError):
+    """A step's loss or gradient was NaN or infinite and `train.on_nonfinite = "fail"`, or more
+    than `train.max_consecutive_skips` steps in a row were skipped for it under "skip". (A
+    FloatingPointError, so the command line reports it in one line without importing torch.)"""
 
 
 @dataclass(slots=True)
@@ -89,8 +97,10 @@ class TrainerCompute:
     def __init__(self, model: PreTrainedModel, settings: TrainerSettings, ref_model: PreTrainedModel | None = None) -> None:
         if settings.loss.kl_beta > 0 and ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
-        self.model = model.train()
-        self.ref_model = ref_model.eval() if ref_model is not None else None
+        if settings.max_consecutive_skips < 1:
+            raise ValueError(f"train.max_consecutive_skips must be >= 1, got {settings.max_consecutive_skips}")
+        self.model = disable_dropout(model).train()  # train mode, but log-probs as the samplers' eval mode gives
+        self.ref_model = disable_dropout(ref_model).eval() if ref_model is not None else None
         self.settings = settings
         self.version = 0
         self._optimizer = torch.optim.AdamW(
@@ -102,6 +112,7 @@ class TrainerCompute:
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
         self._stats = _StepStats()
         self._nonfinite_steps = 0  # steps whose update was skipped (loss or gradient not finite)
+        self._consecutive_skips = 0  # ... of them, the last ones in a row
         self._slot: dict[str, float] = {}
         self._snapshot: Weights | None = None
         self._slot_lock = threading.Lock()
@@ -129,6 +140,7 @@ class TrainerCompute:
             "optimizer": self._optimizer.state_dict(),
             "scheduler": self._scheduler.state_dict(),
             "nonfinite_steps": self._nonfinite_steps,
+            "consecutive_skips": self._consecutive_skips,
         }
         torch.save(state, directory / "trainer.pt")
 
@@ -140,6 +152,7 @@ class TrainerCompute:
         self._scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self._nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        self._consecutive_skips = int(state.get("consecutive_skips", 0))
         snapshot = self.export()
         with self._slot_lock:
             self._snapshot = snapshot
@@ -195,13 +208,24 @@ class TrainerCompute:
         finite = math.isfinite(grad_norm) and math.isfinite(self._stats.loss)
         if finite:
             self._optimizer.step()
+            self._consecutive_skips = 0
         else:  # nothing of this step reaches the weights or the optimizer's moments
             self._optimizer.zero_grad(set_to_none=True)
+            loss = self._stats.loss
             if self.settings.on_nonfinite == "fail":
-                loss, self._stats = self._stats.loss, _StepStats()
+                self._stats = _StepStats()
                 raise NonFiniteStepError(
                     f"step {self.version}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite "
                     "(train.on_nonfinite = 'fail'; 'skip' skips such a step's update and goes on)"
+                )
+            self._consecutive_skips += 1
+            limit = self.settings.max_consecutive_skips
+            if self._consecutive_skips > limit:
+                self._stats = _StepStats()
+                raise NonFiniteStepError(
+                    f"step {self.version}: {self._consecutive_skips} steps in a row had a non-finite loss or gradient norm "
+                    f"(this one: loss {loss}, gradient norm {grad_norm}), more than train.max_consecutive_skips = {limit}: "
+                    "their updates were all skipped (train.on_nonfinite = 'skip'), so the run is not training"
                 )
             self._nonfinite_steps += 1
         with warnings.catch_warnings():  # after a skipped update torch warns the schedule ran first: it is meant to
