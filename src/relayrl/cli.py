@@ -3,7 +3,9 @@
 Invariant: bad input (config key, file, value, run directory) prints one line naming what and
 where and exits 2 (a reward function that cannot be resolved too); a failed check, a run stopped
 by a file-system error (disk full: path and errno), by a failed reward call under
-task.strict_rewards (function and trajectory) or by a reward worker that cannot start, exits 1;
+task.strict_rewards (function and trajectory), by a reward worker that cannot start or by a
+non-finite loss (train.on_nonfinite, train.max_consecutive_skips; the step), exits 1, as does one
+whose groups are all filtered (orchestrator.max_filtered_per_step: the step and the reasons);
 a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly (summary
 "cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s; either
 way the checkpoint to resume from is named; nothing else is printed as an error.
@@ -72,6 +74,7 @@ def train(
         _fail(_one_line(exc))
 
     from relayrl.checkpoint import CheckpointError
+    from relayrl.ledger import FilterBoundError
     from relayrl.packing import PackingError
     from relayrl.rewardpool import RewardPoolError
     from relayrl.run import build_program, run_dir_for
@@ -91,7 +94,11 @@ def train(
         result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
     except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
         _fail(str(exc))
-    except (OSError, RewardError, RewardPoolError) as exc:  # disk full, ...; a reward under strict_rewards; no reward worker
+    except FilterBoundError as exc:  # every group filtered (orchestrator.max_filtered_per_step): resuming would not help
+        progress.close()
+        _fail(_one_line(exc), 1)
+    # disk full, ...; a reward under strict_rewards; no reward worker; a non-finite step (NonFiniteStepError)
+    except (OSError, RewardError, RewardPoolError, FloatingPointError) as exc:
         progress.close()
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         _stopped(run_dir, cfg, 1)

@@ -12,10 +12,23 @@ were counted resumes with its counts as `raised`, the only reason there was then
 Memory: the ledger holds counts and the groups in flight (bounded by the dispatch window), never a
 per-group record of settled groups: group ids are allocated in order, so an id below the next one
 that is no longer in flight is one that was settled already.
+
+Trajectories: `trajectories_trained` counts those a committed step trained on, which excludes the
+failed ones of its groups (not packed: stages/advantage.py); `trajectories_failed` counts every
+trajectory whose reward call failed, whatever its group's fate.
+
+A run that filters every group never trains: `FilterWatch` (given to the ledger by the program)
+counts the groups filtered since the last commit, whatever filtered them (every filter settles
+through `filtered`), and the groups kept for training and not yet trained; it warns once
+(`NoGroupKeptWarning`) when the step being filled has had more than 2 × groups_per_step groups
+(at least 8) filtered with none kept, and fails the run (`FilterBoundError`) when more groups than
+its bound (`orchestrator.max_filtered_per_step`, 0 = 20 × groups_per_step) were filtered since the
+last commit. O(1) per group; the counts restart at every commit (`drain_filtered`, once per step).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -24,6 +37,89 @@ from relayrl.types import Drawn, FilteredGroup
 
 class LedgerError(RuntimeError):
     pass
+
+
+class FilterBoundError(RuntimeError):
+    """More groups were filtered since the last commit than `orchestrator.max_filtered_per_step`
+    allows: the step being filled cannot fill, so the run can never train."""
+
+
+class NoGroupKeptWarning(RuntimeWarning):
+    """Many groups of the step being filled were filtered and none was kept (once per run)."""
+
+
+# why groups of each filter reason may never train: the hint of FilterBoundError's message
+_CAUSES = {
+    "zero_variance": "with dynamic sampling every group of this task ties (algorithm.dynamic_sampling; a constant reward?)",
+    "all_failed": "every reward call of these groups failed (summary.json's reward_failures, the error column of trajectories/)",
+    "too_long": "their prompts or trajectories are too long (the model's context, train.row_tokens)",
+    "stale": "they were sampled by policies older than rollout.max_staleness allows",
+}
+
+
+@dataclass(slots=True)
+class FilterWatch:
+    """Whether filtering leaves the step being filled any group to train (see the module
+    docstring). `bound`: the most groups that may be filtered between two commits;
+    `warn_after`: more than this many filtered with none kept warns; `step`: the step being
+    filled (the next to commit)."""
+
+    bound: int
+    warn_after: int
+    step: int = 0
+    filtered_since_commit: Counter[str] = field(default_factory=Counter)  # by reason
+    total: int = 0  # = filtered_since_commit's total
+    waiting: int = 0  # groups kept for training, not yet trained nor filtered as stale
+    warned: bool = False
+
+    @classmethod
+    def of(cls, groups_per_step: int, max_filtered_per_step: int, start_step: int = 0) -> FilterWatch:
+        """The run's watch: `max_filtered_per_step` 0 = 20 × groups_per_step. It warns after
+        2 × groups_per_step (at least 8, so a one-group step at a 50% tie rate is not warned
+        about; fewer when the bound is lower, so the warning always comes first)."""
+        bound = max_filtered_per_step or 20 * groups_per_step
+        return cls(bound, min(max(2 * groups_per_step, 8), bound - 1), start_step)
+
+    def kept(self) -> None:
+        self.waiting += 1
+
+    def trained(self) -> None:
+        self.waiting = max(0, self.waiting - 1)
+
+    def committed(self) -> None:
+        self.step += 1
+        self.filtered_since_commit.clear()
+        self.total = 0
+
+    def filtered(self, reason: str) -> None:
+        if reason == "stale":  # a stale group had been kept
+            self.trained()
+        self.filtered_since_commit[reason] += 1
+        self.total = total = self.total + 1
+        if total > self.bound:
+            raise FilterBoundError(self._failure(total))
+        if total > self.warn_after and self.waiting == 0 and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"step {self.step}: {total} groups filtered ({self._reasons()}), none kept yet; the run fails when more than "
+                f"{self.bound} are filtered without a step (orchestrator.max_filtered_per_step)",
+                NoGroupKeptWarning,
+                stacklevel=3,
+            )
+
+    def _reasons(self) -> str:
+        return ", ".join(f"{reason} {n}" for reason, n in self.filtered_since_commit.most_common())
+
+    def _failure(self, total: int) -> str:
+        since = "the last step" if self.step > 0 else "the start of the run"
+        kept = "none can train" if self.waiting == 0 else f"only {self.waiting} kept"
+        reasons = [r for r, _ in self.filtered_since_commit.most_common()]
+        causes = "; ".join(_CAUSES[r] for r in reasons if r in _CAUSES)
+        check = "check the reward" if {"zero_variance", "all_failed"} & set(reasons) else "check the config"
+        return (
+            f"step {self.step}: {total} groups filtered since {since} ({self._reasons()}) and {kept}: {causes}; "
+            f"raise orchestrator.max_filtered_per_step (now {self.bound}) or {check}"
+        )
 
 
 @dataclass(slots=True)
@@ -40,6 +136,7 @@ class Ledger:
     _settled_before: Counter[str] = field(default_factory=Counter)  # outcomes restored from a checkpoint
     _next_id: int = 0  # group ids are never reused, across resumes too
     _base_ids: int = 0  # ids below this belong to the run before the resume
+    watch: FilterWatch | None = None  # the run's bound on filtering (None: no bound)
 
     def dispatch(self, prompts: list[Drawn], group_size: int) -> range:
         """Allocate ids for newly dispatched groups, one per prompt."""
@@ -112,17 +209,31 @@ class Ledger:
             raise LedgerError(f"group {group_id} settled twice: it was settled before, then {outcome}")
         self._outcomes[outcome] += 1
 
+    def kept(self) -> None:
+        """A group passed every filter before the train queue (the advantage stage)."""
+        if self.watch is not None:
+            self.watch.kept()
+
     def trained(self, group_id: int, num_trajectories: int) -> None:
+        """A committed step trained group `group_id` on `num_trajectories` of its trajectories."""
         self._settle(group_id, "trained")
         self.trajectories_trained += num_trajectories
+        if self.watch is not None:
+            self.watch.trained()
 
     def filtered(self, item: FilteredGroup) -> None:
+        """Settle a filtered group; raises FilterBoundError (after settling it) when the watch's
+        bound is passed."""
         self._settle(item.group.group_id, "filtered:" + item.reason.value)
         self._pending_filtered.append(item)
+        if self.watch is not None:
+            self.watch.filtered(item.reason.value)
 
     def drain_filtered(self) -> list[FilteredGroup]:
         """The groups filtered since the last drain (each step drains once, at its commit)."""
         items, self._pending_filtered = self._pending_filtered, []
+        if self.watch is not None:
+            self.watch.committed()
         return items
 
     def as_dict(self) -> dict[str, object]:

@@ -33,7 +33,7 @@ from relayrl.deferred import DeferredJobs
 from relayrl.envs.base import Environment
 from relayrl.eval_schedule import EvalSchedule
 from relayrl.evaluation import EvalResult, HeldoutEvaluator
-from relayrl.ledger import Ledger
+from relayrl.ledger import FilterWatch, Ledger
 from relayrl.replicas import ReplicaPool
 from relayrl.rundir import RunDirLock
 from relayrl.scoring import Scorer, ScorerSettings
@@ -123,6 +123,8 @@ class Program:
             backend.evaluator.attach_scorer(self.scorer)
         self.callbacks = list(callbacks)
         self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
+        # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
+        self.ledger.watch = FilterWatch.of(cfg.rollout.groups_per_step, cfg.orchestrator.max_filtered_per_step, self.start_step)
         self._logged = LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, self.ledger.as_dict())
         self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover)
         run_info: dict[str, object] = {

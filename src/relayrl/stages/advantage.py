@@ -2,8 +2,15 @@
 
 Invariant: a group leaves either to the train queue with advantages set, or to the ledger as
 filtered (all failed; zero reward variance under dynamic sampling, NaN-safe; a trajectory too
-long for a packed row), returning its
-window credit. Advantages are finite whatever the rewards (algorithms/advantages.py).
+long for a packed row), returning its window credit. Advantages are finite whatever the rewards
+(algorithms/advantages.py).
+
+A trajectory whose reward call failed (`TrajectoryStatus.FAILED`, reward 0 as a placeholder) is
+not a sample of the reward: it gets advantage 0 and takes no part in its group's statistics, the
+zero-variance test included (a group whose scored members all tie is filtered as any tie is; one
+whose members all failed is filtered as `all_failed`). The train loop packs only the scored
+trajectories, so a failed one adds no token to the loss or its normaliser; it stays in its group
+to be logged (status `failed`) and counted (the ledger's `trajectories_failed`).
 """
 
 from __future__ import annotations
@@ -12,19 +19,29 @@ import asyncio
 
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
 from relayrl.ledger import Ledger
-from relayrl.types import FilteredGroup, FilterReason, Group, TrajectoryStatus
+from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory, TrajectoryStatus
 from relayrl.window import DispatchWindow
 
 
-def filter_reason(group: Group, dynamic_sampling: bool, row_tokens: int | None = None) -> FilterReason | None:
+def scored(trajectories: list[Trajectory]) -> list[bool]:
+    """Per trajectory, whether its reward counts (False: its reward call failed)."""
+    return [t.status is not TrajectoryStatus.FAILED for t in trajectories]
+
+
+def filter_reason(
+    group: Group, dynamic_sampling: bool, row_tokens: int | None = None, counted: list[bool] | None = None
+) -> FilterReason | None:
     """Why `group` must not train (None: it trains). `row_tokens`: a trajectory longer than a
-    packed row cannot be packed, so its group is filtered rather than failing its step."""
+    packed row cannot be packed, so its group is filtered rather than failing its step (a failed
+    trajectory is never packed, so only the scored ones count). `counted`: `scored(...)` of its
+    trajectories, if known."""
     trajs = group.trajectories
-    if row_tokens is not None and any(t.num_tokens > row_tokens for t in trajs):
+    flags = scored(trajs) if counted is None else counted
+    if row_tokens is not None and any(s and t.num_tokens > row_tokens for s, t in zip(flags, trajs)):
         return FilterReason.TOO_LONG
-    if all(t.status is TrajectoryStatus.FAILED for t in trajs):
+    if not any(flags):
         return FilterReason.ALL_FAILED
-    if dynamic_sampling and rewards_tie([t.reward for t in trajs]):
+    if dynamic_sampling and rewards_tie([t.reward for t in trajs], flags):
         return FilterReason.ZERO_VARIANCE
     return None
 
@@ -40,11 +57,14 @@ async def advantage_stage(
 ) -> None:
     while True:
         for group in await inbox.get():
-            reason = filter_reason(group, dynamic_sampling, row_tokens)
+            trajs = group.trajectories
+            flags = scored(trajs)
+            reason = filter_reason(group, dynamic_sampling, row_tokens, flags)
             if reason is not None:
                 ledger.filtered(FilteredGroup(group, reason))
                 window.release_filtered()
                 continue
-            for traj, adv in zip(group.trajectories, group_advantages(group.rewards, kind)):
+            for traj, adv in zip(trajs, group_advantages([t.reward for t in trajs], kind, flags)):
                 traj.advantage = adv
+            ledger.kept()
             await outbox.put(group)

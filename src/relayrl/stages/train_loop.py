@@ -41,7 +41,7 @@ from relayrl.ledger import Ledger
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
-from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory
+from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory, TrajectoryStatus
 from relayrl.window import DispatchWindow
 
 
@@ -180,7 +180,8 @@ class TrainLoop:
 
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
         ready_at = self._tracer.now()
-        trajectories = [t for g in groups for t in g.trajectories]
+        # a failed reward call trains nothing: its trajectory is logged, never packed (stages/advantage.py)
+        trajectories = [t for g in groups for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
         spec = self._packing
         pack_plan = plan(trajectories, spec.row_tokens, spec.rows_per_microbatch, spec.share_prompt)
         first = self._start_pack(step, 0, trajectories, pack_plan)
@@ -323,7 +324,7 @@ class TrainLoop:
             record.commit_time = end
             step_start = last_commit = end
             for group in prepared.groups:
-                self._ledger.trained(group.group_id, len(group.trajectories))
+                self._ledger.trained(group.group_id, sum(t.status is not TrajectoryStatus.FAILED for t in group.trajectories))
             record.filtered = self._ledger.drain_filtered()
             self._on_commit(record)
             self.records.append(record)

@@ -1,0 +1,183 @@
+"""A run in which no group can ever train fails in one line instead of spinning until the stall
+watchdog: a warning (`NoGroupKeptWarning`, once) when the step being filled has had more than
+2 × groups_per_step groups filtered with none kept, then `FilterBoundError` once more groups than
+`orchestrator.max_filtered_per_step` (0 = 20 × groups_per_step) were filtered since the last
+commit. A healthy dynamic-sampling run that filters some groups does neither."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from relayrl.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
+from relayrl.run import build_program
+from relayrl.telemetry.checker import check_run_dir
+from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory
+from simutil import make_program, run_checked, sim_config
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+
+
+def _ledger(groups_per_step: int = 2, bound: int = 0, groups: int = 100) -> Ledger:
+    ledger = Ledger(watch=FilterWatch.of(groups_per_step, bound))
+    ledger.dispatch([None] * groups, 4)  # type: ignore[list-item]  # ids 0.. (the prompts are not read)
+    return ledger
+
+
+def _filter(ledger: Ledger, gid: int, reason: FilterReason = FilterReason.ZERO_VARIANCE) -> None:
+    ledger.filtered(FilteredGroup(Group(gid, []), reason))
+
+
+# -- the watch ------------------------------------------------------------------------------------
+
+
+def test_the_watch_warns_once_then_fails_naming_the_step_the_reasons_and_the_key() -> None:
+    ledger = _ledger(groups_per_step=4)  # bound 0: 20 × 4 = 80; warns after 2 × 4 = 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for gid in range(8):
+            _filter(ledger, gid, FilterReason.ALL_FAILED if gid % 2 else FilterReason.ZERO_VARIANCE)
+        assert not caught  # 8 = 2 × groups_per_step: not yet
+        _filter(ledger, 8)
+        assert [str(w.message) for w in caught] == [
+            "step 0: 9 groups filtered (zero_variance 5, all_failed 4), none kept yet; "
+            "the run fails when more than 80 are filtered without a step (orchestrator.max_filtered_per_step)"
+        ]
+        assert caught[0].category is NoGroupKeptWarning and issubclass(NoGroupKeptWarning, RuntimeWarning)
+        for gid in range(9, 80):
+            _filter(ledger, gid)
+        assert len(caught) == 1  # once per run
+    with pytest.raises(FilterBoundError) as info:
+        _filter(ledger, 80)
+    assert str(info.value) == (
+        "step 0: 81 groups filtered since the start of the run (zero_variance 77, all_failed 4) and none can train: "
+        "with dynamic sampling every group of this task ties (algorithm.dynamic_sampling; a constant reward?); "
+        "every reward call of these groups failed (summary.json's reward_failures, the error column of trajectories/); "
+        "raise orchestrator.max_filtered_per_step (now 80) or check the reward"
+    )
+    assert ledger.as_dict()["groups_filtered"] == {"zero_variance": 77, "all_failed": 4}  # settled before it raised
+
+
+def test_the_warning_comes_first_and_small_steps_are_not_warned_about_too_soon() -> None:
+    assert (FilterWatch.of(1, 0).bound, FilterWatch.of(1, 0).warn_after) == (20, 8)
+    assert (FilterWatch.of(32, 0).bound, FilterWatch.of(32, 0).warn_after) == (640, 64)
+    assert (FilterWatch.of(32, 10).bound, FilterWatch.of(32, 10).warn_after) == (10, 9)  # a low bound: warned at its limit
+    assert FilterWatch.of(4, 1).warn_after == 0
+
+
+def test_the_count_restarts_at_each_commit_and_kept_groups_silence_the_warning() -> None:
+    ledger = _ledger(groups_per_step=2, bound=6)
+    gid = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would fail the test
+        for _ in range(3):  # three steps, each with 6 filtered groups (the bound) and 2 trained
+            ledger.kept()  # a group waits for the step: "none kept" no longer holds
+            for _ in range(6):
+                _filter(ledger, gid)
+                gid += 1
+            ledger.kept()
+            for _ in range(2):
+                ledger.trained(gid, 4)
+                gid += 1
+            assert len(ledger.drain_filtered()) == 6  # the commit
+    assert ledger.watch is not None and ledger.watch.step == 3
+    with pytest.warns(NoGroupKeptWarning, match=r"^step 3: 6 groups filtered \(stale 6\), none kept yet"):
+        for _ in range(6):
+            _filter(ledger, gid, FilterReason.STALE)
+            gid += 1
+    with pytest.raises(FilterBoundError, match=r"^step 3: 7 groups filtered since the last step \(stale 7\) and none can train: .*"):
+        _filter(ledger, gid, FilterReason.STALE)
+
+
+def test_a_ledger_without_a_watch_never_fails() -> None:
+    ledger = Ledger()
+    ledger.dispatch([None] * 1000, 4)  # type: ignore[list-item]
+    for gid in range(1000):
+        _filter(ledger, gid)
+    assert ledger.as_dict()["groups_filtered"] == {"zero_variance": 1000}
+
+
+def test_max_filtered_per_step_is_a_non_negative_int() -> None:
+    assert sim_config().orchestrator.max_filtered_per_step == 0
+    assert sim_config("orchestrator.max_filtered_per_step=7").orchestrator.max_filtered_per_step == 7
+    with pytest.raises(ValueError, match="max_filtered_per_step"):
+        sim_config("orchestrator.max_filtered_per_step=-1")
+
+
+# -- runs -----------------------------------------------------------------------------------------
+
+
+def _raises(t: Trajectory) -> float:
+    raise KeyError("answer")
+
+
+CASES: dict[str, tuple[Callable[[Trajectory], object], str]] = {
+    "constant": (lambda t: 1.0, "zero_variance"),
+    "raises": (_raises, "all_failed"),
+    "nan": (lambda t: math.nan, "all_failed"),
+    "none": (lambda t: None, "all_failed"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_run_in_which_no_group_can_train_fails_in_one_line_after_the_bound(tmp_path: Path, case: str) -> None:
+    reward, reason = CASES[case]
+    cfg = sim_config("algorithm.dynamic_sampling=true", "orchestrator.max_filtered_per_step=30")  # 4 groups a step
+    program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[reward])
+    with pytest.warns(NoGroupKeptWarning, match=rf"^step 0: 9 groups filtered \({reason} 9\), none kept yet;"):
+        with pytest.raises(FilterBoundError) as info:
+            asyncio.run(asyncio.wait_for(program.run(), 60))  # (the stall watchdog would wait 1800 s)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"step 0: 31 groups filtered since the start of the run ({reason} 31) and none can train: ")
+    assert message.endswith("raise orchestrator.max_filtered_per_step (now 30) or check the reward")
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == f"FilterBoundError: {message}"
+    ledger = summary["ledger"]
+    assert ledger["groups_trained"] == 0 and ledger["groups_filtered"] == {reason: 31}
+    assert ledger["groups_dispatched"] == 31 + ledger["groups_unused"]
+    assert check_run_dir(run).ok  # the trace of the failed run checks
+
+
+def test_a_healthy_dynamic_sampling_run_that_filters_some_groups_neither_warns_nor_fails(tmp_path: Path) -> None:
+    cfg = sim_config("run.steps=12", "algorithm.dynamic_sampling=true", "sim.base_success=0.7", "sim.learn_rate=0.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoGroupKeptWarning)
+        result = run_checked(make_program(cfg, tmp_path))
+    ledger = result.ledger.as_dict()
+    assert ledger["groups_trained"] == 48 and ledger["groups_filtered"]["zero_variance"] > 0  # type: ignore[index]
+
+
+def test_the_cli_exits_1_with_one_line_naming_the_step_and_the_reasons(tmp_path: Path) -> None:
+    (tmp_path / "const.py").write_text("def one(t):\n    return 1.0\n")
+    sets = ["run.name=ties", "run.steps=3", "task.kind=synthetic", "rollout.groups_per_step=8", "rollout.prompts_per_request=8"]
+    sets += ["algorithm.dynamic_sampling=true", 'task.reward_functions=["const.py:one"]']
+    args = [arg for s in sets for arg in ("--set", s)]
+    res = subprocess.run(
+        [sys.executable, "-m", "relayrl.cli", "train", "--backend", "sim", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert res.returncode == 1, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [line for line in res.stderr.splitlines() if "Error" in line or line.startswith("error")]  # no traceback
+    (error,) = errors
+    assert error.startswith("error: step 0: ") and "since the start of the run (zero_variance " in error
+    assert error.endswith("raise orchestrator.max_filtered_per_step (now 160) or check the reward")  # 20 × 8 groups a step
+    assert "NoGroupKeptWarning: step 0: 17 groups filtered (zero_variance 17), none kept yet" in res.stderr  # warned first
+    assert res.stderr.index("NoGroupKeptWarning") < res.stderr.index("error:")
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
