@@ -113,3 +113,21 @@ def test_missing_extra_exits_2_naming_it(tmp_path: Path, module: str, args: list
     assert f"pip install 'relayrl[{extra}]'" in lines[0]
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_stalled_run_ends_in_one_error_line_with_its_traceback_kept(tmp_path: Path) -> None:
+    """A run that fails for a reason without a handler of its own (here the stall watchdog: a
+    reward that never returns, bounded only far beyond the stall timeout) prints one error line
+    naming the exception, no traceback; the traceback is in RUN_DIR/error.txt."""
+    (tmp_path / "hang.py").write_text("import time\n\ndef reward(t):\n    time.sleep(3600)\n    return 0.0\n")
+    sets = ["task.kind=synthetic", "task.reward_functions=['hang.py:reward']", "task.reward_timeout_s=600"]
+    sets += ["orchestrator.stall_timeout_s=2", "run.name=stalls"]
+    res = relayrl("train", "--backend", "sim", *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    run_dir = tmp_path / "runs" / "stalls"
+    assert errors == [f"error: StallError: {errors[0].split(': ', 2)[2]}"] and "orchestrator.stall_timeout_s = 2" in errors[0]
+    assert "(traceback in runs/stalls/error.txt)" in errors[0]
+    assert "Traceback (most recent call last)" in (run_dir / "error.txt").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"

@@ -6,6 +6,8 @@ by a file-system error (disk full: path and errno), by a failed reward call unde
 task.strict_rewards (function and trajectory), by a reward worker that cannot start or by a
 non-finite loss (train.on_nonfinite, train.max_consecutive_skips; the step), exits 1, as does one
 whose groups are all filtered (orchestrator.max_filtered_per_step: the step and the reasons);
+any other failure of a run (a stall, the last sampler replica retired, an environment's error, a
+bug) prints one line naming the exception and exits 1, its traceback kept in RUN_DIR/error.txt;
 a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly (summary
 "cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s; either
 way the checkpoint to resume from is named; nothing else is printed as an error.
@@ -35,6 +37,7 @@ bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchm
 app.add_typer(bench_app, name="bench")
 
 out = Console(highlight=False, soft_wrap=True)
+ERROR_FILE = "error.txt"  # in the run directory: the traceback of a run that failed unexpectedly
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -105,6 +108,10 @@ def train(
     except Stopped as stop:  # Ctrl-C (130) or SIGTERM (143), e.g. a scheduler preempting the job
         progress.close()
         _stopped(run_dir, cfg, stop.code)
+    except Exception as exc:  # a stall (StallError), a failed worker, an environment's error, a bug: one line, traceback kept
+        progress.close()
+        print(f"error: {type(exc).__name__}: {_one_line(exc)}{_keep_traceback(run_dir, exc)}", file=sys.stderr)
+        _stopped(run_dir, cfg, 1)
     finally:
         progress.close()
     s = result.summary
@@ -123,6 +130,20 @@ def _one_line(exc: BaseException) -> str:
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror} (errno {exc.errno}, {errno.errorcode.get(exc.errno or 0, '?')})"
     return " ".join(str(exc).split("\n"))
+
+
+def _keep_traceback(run_dir: Path, exc: BaseException) -> str:
+    """Write `exc`'s traceback to RUN_DIR/error.txt (whole or not at all); say where it is."""
+    import traceback
+
+    path = run_dir / ERROR_FILE
+    try:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        return ""
+    return f" (traceback in {path})"
 
 
 def _resume_hint(run_dir: Path, cfg: Config) -> str:

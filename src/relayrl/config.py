@@ -322,10 +322,10 @@ class OrchestratorConfig(_Section):
     # no step committed for this many seconds: write every thread's and task's stack to
     # stall.txt in the run directory, print where it is stuck and fail the run (0 = never)
     stall_timeout_s: float = Field(1800.0, ge=0.0)
-    # more groups than this filtered (any reason) since the last commit without a step filling
+    # more groups than this filtered in a row (any reason; none kept for training between them)
     # fails the run in one line naming the reasons (a constant reward under dynamic sampling, a
-    # reward that always fails); 0 = 20 × rollout.groups_per_step. A warning comes first, once
-    # more than 2 × groups_per_step (at least 8) were filtered with none kept
+    # reward that always fails); 0 = 20 × rollout.groups_per_step, at least 200. A warning comes
+    # first, half way there
     max_filtered_per_step: int = Field(0, ge=0)
     # a run whose trajectories are estimated to need more host memory than this is refused up
     # front (sizing.py); 0 = half of this machine's memory

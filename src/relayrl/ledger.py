@@ -18,12 +18,13 @@ failed ones of its groups (not packed: stages/advantage.py); `trajectories_faile
 trajectory whose reward call failed, whatever its group's fate.
 
 A run that filters every group never trains: `FilterWatch` (given to the ledger by the program)
-counts the groups filtered since the last commit, whatever filtered them (every filter settles
-through `filtered`), and the groups kept for training and not yet trained; it warns once
-(`NoGroupKeptWarning`) when the step being filled has had more than 2 × groups_per_step groups
-(at least 8) filtered with none kept, and fails the run (`FilterBoundError`) when more groups than
-its bound (`orchestrator.max_filtered_per_step`, 0 = 20 × groups_per_step) were filtered since the
-last commit. O(1) per group; the counts restart at every commit (`drain_filtered`, once per step).
+counts the groups filtered in a row — since the last group kept for training —, whatever
+filtered them (every filter settles through `filtered`; the advantage stage calls `kept`). It
+warns once (`NoGroupKeptWarning`) past half its bound in a row, and fails the run
+(`FilterBoundError`) past its bound (`orchestrator.max_filtered_per_step`, 0 = 20 ×
+groups_per_step, at least 200). Counting in a row, not per step, keeps a healthy run whose
+samplers run ahead of a slow trainer (or whose tie rate is high late in training: a group kept
+every so often) from ever failing. O(1) per group.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ class LedgerError(RuntimeError):
 
 
 class FilterBoundError(RuntimeError):
-    """More groups were filtered since the last commit than `orchestrator.max_filtered_per_step`
-    allows: the step being filled cannot fill, so the run can never train."""
+    """More groups were filtered in a row (none kept between them) than
+    `orchestrator.max_filtered_per_step` allows: the run cannot fill a step."""
 
 
 class NoGroupKeptWarning(RuntimeWarning):
-    """Many groups of the step being filled were filtered and none was kept (once per run)."""
+    """Many groups were filtered in a row, none kept (warned once per run)."""
 
 
 # why groups of each filter reason may never train: the hint of FilterBoundError's message
@@ -59,65 +60,55 @@ _CAUSES = {
 
 @dataclass(slots=True)
 class FilterWatch:
-    """Whether filtering leaves the step being filled any group to train (see the module
-    docstring). `bound`: the most groups that may be filtered between two commits;
-    `warn_after`: more than this many filtered with none kept warns; `step`: the step being
-    filled (the next to commit)."""
+    """Whether filtering leaves the run any group to train (see the module docstring). `bound`:
+    the most groups that may be filtered in a row; `warn_after`: more than this many in a row
+    warns; `step`: the next step to commit (named in the messages)."""
 
     bound: int
     warn_after: int
     step: int = 0
-    filtered_since_commit: Counter[str] = field(default_factory=Counter)  # by reason
-    total: int = 0  # = filtered_since_commit's total
-    waiting: int = 0  # groups kept for training, not yet trained nor filtered as stale
+    streak: Counter[str] = field(default_factory=Counter)  # filtered since the last kept group, by reason
+    total: int = 0  # = the streak's total
     warned: bool = False
 
     @classmethod
     def of(cls, groups_per_step: int, max_filtered_per_step: int, start_step: int = 0) -> FilterWatch:
-        """The run's watch: `max_filtered_per_step` 0 = 20 × groups_per_step. It warns after
-        2 × groups_per_step (at least 8, so a one-group step at a 50% tie rate is not warned
-        about; fewer when the bound is lower, so the warning always comes first)."""
-        bound = max_filtered_per_step or 20 * groups_per_step
-        return cls(bound, min(max(2 * groups_per_step, 8), bound - 1), start_step)
+        """The run's watch: `max_filtered_per_step` 0 = 20 × groups_per_step, at least 200 (a
+        small step at a high tie rate is not failed, or warned about, by chance). It warns half
+        way to the bound."""
+        bound = max_filtered_per_step or max(20 * groups_per_step, 200)
+        return cls(bound, bound // 2, start_step)
 
     def kept(self) -> None:
-        self.waiting += 1
-
-    def trained(self) -> None:
-        self.waiting = max(0, self.waiting - 1)
+        self.streak.clear()
+        self.total = 0
 
     def committed(self) -> None:
         self.step += 1
-        self.filtered_since_commit.clear()
-        self.total = 0
 
     def filtered(self, reason: str) -> None:
-        if reason == "stale":  # a stale group had been kept
-            self.trained()
-        self.filtered_since_commit[reason] += 1
+        self.streak[reason] += 1
         self.total = total = self.total + 1
         if total > self.bound:
             raise FilterBoundError(self._failure(total))
-        if total > self.warn_after and self.waiting == 0 and not self.warned:
+        if total > self.warn_after and not self.warned:
             self.warned = True
             warnings.warn(
-                f"step {self.step}: {total} groups filtered ({self._reasons()}), none kept yet; the run fails when more than "
-                f"{self.bound} are filtered without a step (orchestrator.max_filtered_per_step)",
+                f"step {self.step}: {total} groups filtered in a row ({self._reasons()}), none kept; the run fails when more than "
+                f"{self.bound} are filtered in a row (orchestrator.max_filtered_per_step)",
                 NoGroupKeptWarning,
                 stacklevel=3,
             )
 
     def _reasons(self) -> str:
-        return ", ".join(f"{reason} {n}" for reason, n in self.filtered_since_commit.most_common())
+        return ", ".join(f"{reason} {n}" for reason, n in self.streak.most_common())
 
     def _failure(self, total: int) -> str:
-        since = "the last step" if self.step > 0 else "the start of the run"
-        kept = "none can train" if self.waiting == 0 else f"only {self.waiting} kept"
-        reasons = [r for r, _ in self.filtered_since_commit.most_common()]
+        reasons = [r for r, _ in self.streak.most_common()]
         causes = "; ".join(_CAUSES[r] for r in reasons if r in _CAUSES)
         check = "check the reward" if {"zero_variance", "all_failed"} & set(reasons) else "check the config"
         return (
-            f"step {self.step}: {total} groups filtered since {since} ({self._reasons()}) and {kept}: {causes}; "
+            f"step {self.step}: {total} groups filtered in a row ({self._reasons()}) and none kept to train: {causes}; "
             f"raise orchestrator.max_filtered_per_step (now {self.bound}) or {check}"
         )
 
@@ -218,8 +209,6 @@ class Ledger:
         """A committed step trained group `group_id` on `num_trajectories` of its trajectories."""
         self._settle(group_id, "trained")
         self.trajectories_trained += num_trajectories
-        if self.watch is not None:
-            self.watch.trained()
 
     def filtered(self, item: FilteredGroup) -> None:
         """Settle a filtered group; raises FilterBoundError (after settling it) when the watch's
