@@ -159,6 +159,8 @@ def test_a_reward_that_hangs_on_some_wrong_answers_never_reinforces_them(tmp_pat
     ledger = result.ledger.as_dict()
     assert ledger["groups_trained"] == 8 and ledger["trajectories_failed"] == 8  # logged and counted
     assert ledger["trajectories_trained"] == 8 * 3  # the failed ones were not trained on
+    assert [r.metrics["reward_mean"] for r in result.results] == [-1.0, -1.0]  # not -0.75: a failure's 0 is no reward
+    assert [r.metrics["failed_trajectories"] for r in result.results] == [4, 4]
 
 
 def test_the_loss_normaliser_counts_only_the_scored_trajectories(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Metric reduction: one step's record → the flat per-step metrics written to metrics.jsonl.
 
 Invariant: pure function of the record; staleness is measured against the version the step
-trained (its commit version − 1).
+trained (its commit version − 1); reward statistics leave out trajectories whose reward call
+failed (their reward 0 is a placeholder).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def reduce_step(record: StepRecord) -> Metrics:
     trajs = record.trajectories
-    rewards = [t.reward for t in trajs]
+    # a failed reward call's 0 is a placeholder, not a reward: the statistics are the scored ones'
+    rewards = [t.reward for t in trajs if t.status is not TrajectoryStatus.FAILED]
     reward_mean, reward_std = _mean_std(rewards)
     trained_version = record.policy_version - 1
     staleness = [trained_version - t.policy_version for t in trajs]
