@@ -205,8 +205,8 @@ CHAIN_SUM_SIM = [
 
 @pytest.mark.parametrize("entry", ["reasoning_gym", OPTIONAL["reasoning_gym"]])
 def test_a_sim_run_on_a_reasoning_gym_task_completes_with_its_reward(entry: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """By its built-in name (in the scoring thread) and as module:function (in the reward worker
-    processes, which rebuild the scorer from each prompt's metadata)."""
+    """By its built-in name and as module:function (both in the reward worker processes, which
+    rebuild the scorer from each prompt's metadata)."""
     monkeypatch.setitem(rewards.OPTIONAL_REWARDS, "reasoning_gym", OPTIONAL["reasoning_gym"])
     cfg = load_config(
         SIM_RECIPE,
@@ -307,7 +307,8 @@ def test_math_verify_rejects_unequal_or_unparsable_answers(gold: str, completion
 
 
 def test_math_verify_runs_off_the_main_thread() -> None:
-    """Rewards run in a scoring thread: math-verify's signal.alarm timeouts must not be used there."""
+    """Rewards may run off the main thread (the scoring thread, a reward-call thread): math-verify's
+    signal.alarm timeouts must not be used there."""
     results: list[tuple[bool, bool]] = []
     errors: list[BaseException] = []
 
@@ -328,7 +329,7 @@ def test_math_verify_runs_off_the_main_thread() -> None:
 
 
 def test_math_verify_scores_jsonl_math_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """JSONL rows with LaTeX answers, scored by math_verify in a sim run (in its scoring thread)."""
+    """JSONL rows with LaTeX answers, scored by math_verify in a sim run (in the reward worker processes)."""
     rows = [{"prompt": f"What is {i}/{i + 2} in lowest terms?", "answer": f"\\frac{{{i}}}{{{i + 2}}}"} for i in range(1, 21)]
     path = tmp_path / "math.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -102,15 +102,22 @@ class TaskConfig(_Section):
     # recorded as an absolute path); the reward is the weighted sum of the functions' values
     reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
     reward_weights: list[float] | None = None  # one per reward function; None = all 1
-    # user reward functions (sync ones named by module or file) run in this many worker processes
+    # sync reward functions named by module or file, and the optional built-ins (math_verify,
+    # reasoning_gym), run in this many worker processes
     reward_workers: int = Field(2, ge=1)
-    reward_timeout_s: float = Field(30.0, gt=0.0)  # per call (worker processes and async functions)
+    # per call of every reward function (worker processes, async functions, Python-API callables),
+    # except the cheap built-ins exact_match, numeric_match, first/last_integer_match and env
+    reward_timeout_s: float = Field(30.0, gt=0.0)
     reward_concurrency: int = Field(32, ge=1)  # calls of async reward functions in flight at once
     reward_memory_mb: int = Field(0, ge=0)  # address-space limit of each reward worker (RLIMIT_AS); 0 = none
     reward_cpu_s: float = Field(0.0, ge=0.0)  # CPU seconds per call in a reward worker (RLIMIT_CPU); 0 = none
-    # a reward call that fails (timeout, raised, crashed, non-finite) fails the run instead of
-    # its trajectory (reward 0, counted)
+    # a reward call that fails (timeout, raised, crashed, non-finite) fails the run at once instead
+    # of its trajectory (reward 0, counted)
     strict_rewards: bool = False
+    # > 0: each reward function's value is clipped to [-reward_clip, reward_clip] before weighting;
+    # 0 = off. (A value beyond ±1e6, tasks/rewards.py MAX_ABS_REWARD, fails its call as non_finite
+    # whatever this is: that is a bug, not a reward to clip.)
+    reward_clip: float = Field(0.0, ge=0.0)
     prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
     # multi-turn episodes (envs/): a built-in environment name (envs/__init__.py), or
     # "package.module:Class" / "path/to/file.py:Class" (anchored as reward files are), built with

@@ -115,7 +115,9 @@ class Program:
         self.run_dir = run_dir
         self.workers = workers
         t = cfg.task
-        settings = ScorerSettings(t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s)
+        settings = ScorerSettings(
+            t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s, t.reward_clip
+        )
         # the reward functions, on the scoring thread, in worker processes (started at their first
         # call, ended with the run) or on the loop; the held-out evaluator judges through it too
         self.scorer = Scorer(rewards, settings, workers)

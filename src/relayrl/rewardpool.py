@@ -5,7 +5,9 @@ bounded by a wall-clock deadline (`timeout_s`) and optionally by CPU seconds per
 process's address space, and give every call one `CallOutcome`: its value, or why it has none.
 
 - timeout: no answer by the deadline; the worker is killed (SIGKILL) and replaced.
-- raised: the function raised; the worker lives on.
+- raised: the function raised, or returned something that is not a number; the worker lives on.
+- non_finite: it returned an int too large for a float (`as_reward`); the worker lives on. (Other
+  values travel as floats, NaN and infinities included: the caller judges them.)
 - crashed: the worker process died during the call (a segfault, `os._exit`, a signal), exceeded
   its CPU limit (SIGXCPU) or ran out of memory (a `MemoryError` under `memory_mb` is reported as
   crashed, not raised, since the process may be unusable after it); the worker is replaced.
@@ -22,7 +24,10 @@ Invariants:
 - Every call gets exactly one outcome, at most about `timeout_s` (plus the time to kill a worker)
   after it was sent; a failing call never fails the pool. Only a worker that cannot start (its
   reward module fails to import there, a memory limit below what the interpreter needs) raises
-  `RewardPoolError`.
+  `RewardPoolError`. The caller may watch outcomes as they arrive (`on_outcome`) and stop the
+  batch by raising: the calls in flight are then killed with their workers.
+- A value is sent back as `as_reward` makes it: exactly a float (a numpy scalar, an int, a bool or
+  a 0-d array returned by the function is converted in the worker).
 - No worker outlives the pool: `close()` ends and reaps every process; a worker also dies with the
   thread that started it (PR_SET_PDEATHSIG on Linux: a SIGKILLed parent leaves none behind) and
   exits when its connection closes.
@@ -42,7 +47,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.connection import Connection, wait
@@ -144,6 +149,7 @@ class RewardPool:
         self._closed = False
         self.started_pids: list[int] = []  # every worker process started, replacements included
         self.replaced = 0  # workers replaced after a timeout or a crash
+        self._on_outcome: Callable[[int, CallOutcome], None] | None = None  # the running batch's
 
     # -- parent side -------------------------------------------------------------------------
 
@@ -198,31 +204,54 @@ class RewardPool:
         self._end(worker)
         raise RewardPoolError(f"a reward worker process could not start: {detail}")
 
-    def run(self, calls: Sequence[tuple[int, object]], abort: threading.Event | None = None) -> list[CallOutcome]:
+    def run(
+        self,
+        calls: Sequence[tuple[int, object]],
+        abort: threading.Event | None = None,
+        on_outcome: Callable[[int, CallOutcome], None] | None = None,
+    ) -> list[CallOutcome]:
         """Run every call (`(index into specs, payload)`), up to `size` at a time, and return their
-        outcomes in order. Blocks; raises RewardPoolAborted soon after `abort` is set (killing the
-        calls in flight) and RewardPoolError if a worker cannot start."""
+        outcomes in order. Blocks; raises RewardPoolAborted soon after `abort` is set and
+        RewardPoolError if a worker cannot start. `on_outcome(k, outcome)` sees each call's outcome
+        as it arrives (in this thread); if it raises, the batch stops there and its exception
+        propagates. However `run` ends early, the calls in flight are killed with their workers
+        (replaced at the next batch)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the reward pool is closed")
-            while len(self._workers) < self.size:
-                self._workers.append(self._spawn())
-            outcomes: list[CallOutcome | None] = [None] * len(calls)
-            queue = deque(range(len(calls)))
-            resent: dict[int, int] = {}  # call → times sent again after its worker died idle
-            while True:
-                if abort is not None and abort.is_set():  # the calls in flight are moot: end their workers
-                    for w in [w for w in self._workers if w.state is not _State.IDLE]:
-                        self._end(w)
-                        self._workers.remove(w)
-                    raise RewardPoolAborted("the reward pool's caller is stopping")
-                for w in [w for w in self._workers if w.state is _State.IDLE][: len(queue)]:
-                    self._send(w, queue, calls, outcomes, resent)
-                waiting = [w for w in self._workers if w.state is not _State.IDLE]
-                if not waiting or (not queue and not any(w.state is _State.BUSY for w in waiting)):
-                    break
-                self._wait(waiting, outcomes)
-            return [o if o is not None else CallOutcome(failure=RewardFailure.CRASHED, detail="lost") for o in outcomes]
+            self._on_outcome = on_outcome
+            try:
+                return self._run(calls, abort)
+            except BaseException:  # the calls in flight are moot: end their workers
+                for w in [w for w in self._workers if w.state is not _State.IDLE]:
+                    self._end(w)
+                    self._workers.remove(w)
+                raise
+            finally:
+                self._on_outcome = None
+
+    def _run(self, calls: Sequence[tuple[int, object]], abort: threading.Event | None) -> list[CallOutcome]:
+        while len(self._workers) < self.size:
+            self._workers.append(self._spawn())
+        outcomes: list[CallOutcome | None] = [None] * len(calls)
+        queue = deque(range(len(calls)))
+        resent: dict[int, int] = {}  # call → times sent again after its worker died idle
+        while True:
+            if abort is not None and abort.is_set():
+                raise RewardPoolAborted("the reward pool's caller is stopping")
+            for w in [w for w in self._workers if w.state is _State.IDLE][: len(queue)]:
+                self._send(w, queue, calls, outcomes, resent)
+            waiting = [w for w in self._workers if w.state is not _State.IDLE]
+            if not waiting or (not queue and not any(w.state is _State.BUSY for w in waiting)):
+                break
+            self._wait(waiting, outcomes)
+        return [o if o is not None else CallOutcome(failure=RewardFailure.CRASHED, detail="lost") for o in outcomes]
+
+    def _set(self, outcomes: list[CallOutcome | None], k: int, outcome: CallOutcome) -> None:
+        """Record call k's outcome (after its worker's state is updated) and show it to the caller."""
+        outcomes[k] = outcome
+        if self._on_outcome is not None:
+            self._on_outcome(k, outcome)
 
     def _send(
         self,
@@ -236,15 +265,15 @@ class RewardPool:
         try:
             w.conn.send((calls[k][0], calls[k][1], self.limits.cpu_s))
         except OSError:  # the worker died while idle: not this call's fault, so it is sent again
+            self._replace(w)
             if resent.get(k, 0) >= 3:
-                outcomes[k] = CallOutcome(failure=RewardFailure.CRASHED, detail="the worker processes kept dying before the call")
+                self._set(outcomes, k, CallOutcome(failure=RewardFailure.CRASHED, detail="the worker processes kept dying before the call"))
             else:
                 resent[k] = resent.get(k, 0) + 1
                 queue.appendleft(k)
-            self._replace(w)
             return
         except Exception as exc:  # the payload cannot be pickled (nothing was written)
-            outcomes[k] = CallOutcome(failure=RewardFailure.RAISED, detail=f"cannot send the call to a worker: {describe(exc)}")
+            self._set(outcomes, k, CallOutcome(failure=RewardFailure.RAISED, detail=f"cannot send the call to a worker: {describe(exc)}"))
             return
         w.state, w.call, w.deadline = _State.BUSY, k, time.monotonic() + self.limits.timeout_s
 
@@ -262,11 +291,16 @@ class RewardPool:
                 if w.state is _State.STARTING:
                     self._end(w)
                     raise RewardPoolError(f"a reward worker process did not start within {START_TIMEOUT_S:g} s")
-                outcomes[w.call] = CallOutcome(
-                    failure=RewardFailure.TIMEOUT,
-                    detail=f"no result within {self.limits.timeout_s:g} s (task.reward_timeout_s); the worker was killed",
-                )
+                call = w.call
                 self._replace(w)
+                self._set(
+                    outcomes,
+                    call,
+                    CallOutcome(
+                        failure=RewardFailure.TIMEOUT,
+                        detail=f"no result within {self.limits.timeout_s:g} s (task.reward_timeout_s); the worker was killed",
+                    ),
+                )
 
     def _answer(self, w: _Worker, outcomes: list[CallOutcome | None]) -> None:
         try:
@@ -277,24 +311,25 @@ class RewardPool:
                 raise RewardPoolError(f"a reward worker process could not start: {_exit_detail(status, self.limits)}") from None
             call = w.call
             status = self._replace(w)
-            outcomes[call] = CallOutcome(failure=RewardFailure.CRASHED, detail=_exit_detail(status, self.limits))
+            self._set(outcomes, call, CallOutcome(failure=RewardFailure.CRASHED, detail=_exit_detail(status, self.limits)))
             return
         if w.state is _State.STARTING:
             self._started_or_raise(w, message)
             return
         kind, payload = message
-        if kind == "ok":
-            outcomes[w.call] = CallOutcome(value=payload)
-        elif kind == "raised":
-            outcomes[w.call] = CallOutcome(failure=RewardFailure.RAISED, detail=payload)
-        else:  # "oom": the worker exits after a MemoryError
-            outcomes[w.call] = CallOutcome(
-                failure=RewardFailure.CRASHED,
-                detail=f"out of memory ({payload}; task.reward_memory_mb = {self.limits.memory_mb})",
-            )
+        call = w.call
+        if kind == "oom":  # the worker exits after a MemoryError
             self._replace(w)
+            detail = f"out of memory ({payload}; task.reward_memory_mb = {self.limits.memory_mb})"
+            self._set(outcomes, call, CallOutcome(failure=RewardFailure.CRASHED, detail=detail))
             return
         w.state, w.call = _State.IDLE, -1
+        if kind == "ok":
+            self._set(outcomes, call, CallOutcome(value=payload))
+        elif kind == "non_finite":
+            self._set(outcomes, call, CallOutcome(failure=RewardFailure.NON_FINITE, detail=payload))
+        else:  # "raised"
+            self._set(outcomes, call, CallOutcome(failure=RewardFailure.RAISED, detail=payload))
 
     def close(self) -> None:
         """End every worker: idle ones get their connection closed (they exit), the others and any
@@ -377,7 +412,7 @@ def worker_main(fd: int) -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing reward leaves no core file
     sys.path[:] = list(init["sys_path"])
     try:
-        from relayrl.tasks.rewards import as_reward, import_function
+        from relayrl.tasks.rewards import NonFiniteReward, as_reward, import_function
 
         fns = [import_function(spec) for spec in init["specs"]]
     except BaseException as exc:
@@ -409,6 +444,8 @@ def worker_main(fd: int) -> None:
             if cpu_s:
                 _limit_cpu(cpu_s)
             reply: tuple[str, object] = ("ok", as_reward(fns[index](payload)))
+        except NonFiniteReward as exc:  # an int too large for a float
+            reply = ("non_finite", str(exc))
         except MemoryError as exc:
             out_of_memory = True
             reply = ("oom", describe(exc))

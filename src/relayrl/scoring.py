@@ -2,41 +2,60 @@
 their results into rewards or failures.
 
 Where a function runs (its `Placement`, tasks/rewards.py):
-- INLINE (built-ins, Python-API callables): in this process, in the scoring thread;
-- POOL (sync functions named `module:function` / `file.py:function`): in the reward worker
-  processes (rewardpool.py), driven from the scoring thread, each call bounded by
-  `task.reward_timeout_s` and the optional per-process limits;
+- INLINE (the `REWARD_FUNCTIONS` built-ins: string and regex checks that cannot hang): in this
+  process, in the scoring thread, on the trajectory itself, with no deadline (the hot path);
+- THREAD (Python-API sync callables): in a reward call thread watched from the scoring thread
+  (rewardthreads.py), each call bounded by `task.reward_timeout_s`, on a copy of the trajectory;
+- POOL (the optional built-ins such as `math_verify`, and sync functions named `module:function` /
+  `file.py:function`): in the reward worker processes (rewardpool.py), driven from the scoring
+  thread, each call bounded by `task.reward_timeout_s` and the optional per-process limits, on a
+  pickled copy;
 - ASYNC (`async def`): awaited on the event loop, at most `task.reward_concurrency` calls at once
-  (one semaphore for the run), each bounded by `task.reward_timeout_s`.
-A batch's three parts run at the same time; nothing blocking runs on the event loop, and every
-task the scorer creates belongs to a TaskGroup that awaits it.
+  (one semaphore for the run), each bounded by `task.reward_timeout_s`, on a copy.
+A batch's async part runs at the same time as its sync parts; nothing blocking runs on the event
+loop, and every task the scorer creates belongs to a TaskGroup that awaits it.
 
 Invariants:
+- A value is a reward only if it is a float within ±MAX_ABS_REWARD (a function's int, bool,
+  numpy scalar or 0-d array is converted by `as_reward` first, on every path); it is clipped to
+  ±`task.reward_clip` (when > 0), then weighted.
 - Every trajectory leaves `score` with a finite reward: the weighted sum of its functions'
   values, or 0.0 with status FAILED when any function failed on it (timed out, raised, crashed
-  its worker, or returned NaN or an infinity: reason `non_finite`); `error` then names the first
-  failing function, the reason and the detail. Every failed call is returned, so the caller
-  counts it by function and reason.
+  its worker, or returned NaN, an infinity or a magnitude beyond MAX_ABS_REWARD: reason
+  `non_finite`); `error` then names the first failing function, the reason and the detail. Every
+  failed call is returned, so the caller counts it by function and reason.
+- With `strict`, the first failed call ends the batch at once with a `RewardError` carrying that
+  call: no further call starts, calls in flight are cancelled (async), killed (worker processes)
+  or abandoned (reward call threads).
+- A user function never receives the trajectory that is trained on (a copy, or a pickled one in a
+  worker process), so one that changes its argument cannot corrupt training; built-ins do.
 - With only INLINE functions (the default recipes), a batch is one call into the scoring thread,
-  as before the pool existed: no process is started and nothing else is added per trajectory.
+  as before the pool existed: no process or thread is started and nothing else is added per
+  trajectory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from relayrl.rewardpool import CallOutcome, PoolLimits, RewardPool, describe
-from relayrl.tasks.rewards import Placement, ResolvedReward, as_reward
+from relayrl.rewardthreads import MAX_ABANDONED_THREADS, ThreadedCalls, TooManyAbandoned
+from relayrl.tasks.rewards import MAX_ABS_REWARD, OUT_OF_RANGE, NonFiniteReward, Placement, ResolvedReward, as_reward, trajectory_copy
 from relayrl.threads import Workers
 from relayrl.types import RewardFailure, Trajectory, TrajectoryStatus
 
 
 class RewardError(RuntimeError):
-    """A reward function failed while `task.strict_rewards` is on; names the function and the
-    trajectory."""
+    """A reward call failed while `task.strict_rewards` is on (or left too many reward call
+    threads running); names the function and the trajectory. `failed` is that call (the score
+    stage counts it before the run fails)."""
+
+    def __init__(self, message: str, failed: FailedCall | None = None) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,10 +94,46 @@ class ScorerSettings:
     concurrency: int = 32
     memory_mb: int = 0
     cpu_s: float = 0.0
+    clip: float = 0.0  # task.reward_clip: each value clipped to ±clip before weighting; 0 = off
 
 
-def _finite(x: float) -> bool:
-    return x - x == 0.0  # False for NaN and ±inf; the cheapest test
+def _failure_of(x: object) -> Failure | None:
+    """None for a value the scorer takes (a float within ±MAX_ABS_REWARD), else why not."""
+    if x.__class__ is float:
+        if -MAX_ABS_REWARD <= x <= MAX_ABS_REWARD:
+            return None
+        if x - x != 0.0:  # NaN or an infinity
+            return Failure(RewardFailure.NON_FINITE, f"returned {x!r}")
+        return Failure(RewardFailure.NON_FINITE, f"{OUT_OF_RANGE}: returned {x!r}")
+    if isinstance(x, Failure):
+        return x
+    return Failure(RewardFailure.RAISED, f"a reward function must return a number, got {type(x).__name__}")  # as_reward prevents it
+
+
+def _clipped(x: float, clip: float) -> float:
+    return clip if x > clip else -clip if x < -clip else x
+
+
+def _call_value(value: object) -> Outcome:
+    """A function's return value as an outcome (`as_reward`, its failures as Failures)."""
+    try:
+        return as_reward(value)
+    except NonFiniteReward as exc:
+        return Failure(RewardFailure.NON_FINITE, str(exc))
+    except Exception as exc:
+        return Failure(RewardFailure.RAISED, describe(exc))
+
+
+def strict_error(failed: Sequence[FailedCall]) -> RewardError:
+    """The error that fails a run under `task.strict_rewards`: its first failed call."""
+    return RewardError(f"{failed[0].describe()} (task.strict_rewards = true)", failed[0])
+
+
+def _check_strict(r: ResolvedReward, t: Trajectory, x: object) -> None:
+    """Under `task.strict_rewards`: raise the RewardError for a call whose outcome is no reward."""
+    failure = _failure_of(x)
+    if failure is not None:
+        raise strict_error([FailedCall(r.name, failure.reason, failure.detail, t)])
 
 
 class Scorer:
@@ -90,8 +145,10 @@ class Scorer:
         self.settings = settings
         self._workers = workers
         self._inline = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.INLINE]
+        self._threaded = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.THREAD]
         self._async = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.ASYNC]
         self._pooled = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.POOL]
+        self.threads = ThreadedCalls(settings.timeout_s)
         self.pool: RewardPool | None = None
         if self._pooled:
             specs = [r.spec for _, r in self._pooled]
@@ -102,23 +159,70 @@ class Scorer:
 
     # -- running the functions ---------------------------------------------------------------
 
-    def _run_sync(self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]]) -> None:
-        """The INLINE and POOL parts of a batch (in the scoring thread)."""
+    def _run_sync(self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]], strict: bool) -> None:
+        """The INLINE, THREAD and POOL parts of a batch (in the scoring thread)."""
         for i, r in self._inline:
             fn = r.fn
             for t, row in zip(trajectories, grid):
                 try:
                     value = fn(t)
                     row[i] = value if value.__class__ is float else as_reward(value)
+                except NonFiniteReward as exc:
+                    row[i] = Failure(RewardFailure.NON_FINITE, str(exc))
                 except Exception as exc:  # a reward function may raise anything
                     row[i] = Failure(RewardFailure.RAISED, describe(exc))
+                if strict:
+                    _check_strict(r, t, row[i])
+        for i, r in self._threaded:
+            self._run_threaded(i, r, trajectories, grid, strict)
         if self.pool is not None:
-            calls = [(k, t) for k in range(len(self._pooled)) for t in trajectories]
-            results: list[CallOutcome] = self.pool.run(calls, self._workers.abort)
-            n = len(trajectories)
-            for k, (i, _) in enumerate(self._pooled):
-                for row, res in zip(grid, results[k * n : (k + 1) * n]):
-                    row[i] = res.value if res.failure is None else Failure(res.failure, res.detail)
+            self._run_pooled(trajectories, grid, strict)
+
+    def _run_threaded(self, i: int, r: ResolvedReward, trajectories: Sequence[Trajectory], grid: list[list[Outcome]], strict: bool) -> None:
+        fn = r.fn
+        timeout_s = self.settings.timeout_s
+
+        def call(k: int) -> Outcome:
+            try:
+                return _call_value(fn(trajectory_copy(trajectories[k])))
+            except BaseException as exc:  # SystemExit too: a reward that calls sys.exit() raised
+                return Failure(RewardFailure.RAISED, describe(exc))
+
+        def timed_out(k: int) -> Outcome:
+            return Failure(RewardFailure.TIMEOUT, f"no result within {timeout_s:g} s (task.reward_timeout_s); its thread was abandoned")
+
+        stop: Callable[[Outcome], bool] | None = (lambda x: _failure_of(x) is not None) if strict else None
+        try:
+            results = self.threads.run(call, len(trajectories), timed_out, self._workers.abort, r.name, stop)
+        except TooManyAbandoned as exc:
+            failed = FailedCall(r.name, RewardFailure.TIMEOUT, timed_out(exc.index).detail, trajectories[exc.index])  # type: ignore[union-attr]
+            raise RewardError(
+                f"{failed.describe()}; {exc.running} of its calls are still running in abandoned threads (at most "
+                f"{MAX_ABANDONED_THREADS}): name it 'module:function' in task.reward_functions to run it in a worker process, "
+                "which is killed at the deadline",
+                failed,
+            ) from None
+        for t, row, x in zip(trajectories, grid, results):
+            if x is not None:
+                row[i] = x
+                if strict:
+                    _check_strict(r, t, x)
+
+    def _run_pooled(self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]], strict: bool) -> None:
+        assert self.pool is not None
+        n = len(trajectories)
+        calls = [(k, t) for k in range(len(self._pooled)) for t in trajectories]
+        on_outcome: Callable[[int, CallOutcome], None] | None = None
+        if strict:
+
+            def on_outcome(j: int, res: CallOutcome) -> None:
+                k, m = divmod(j, n)
+                _check_strict(self._pooled[k][1], trajectories[m], res.value if res.failure is None else Failure(res.failure, res.detail))
+
+        results: list[CallOutcome] = self.pool.run(calls, self._workers.abort, on_outcome)
+        for k, (i, _) in enumerate(self._pooled):
+            for row, res in zip(grid, results[k * n : (k + 1) * n]):
+                row[i] = res.value if res.failure is None else Failure(res.failure, res.detail)
 
     def _sem(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -126,25 +230,33 @@ class Scorer:
             self._semaphore = (loop, asyncio.Semaphore(self.settings.concurrency))
         return self._semaphore[1]
 
-    async def _call_async(self, r: ResolvedReward, t: Trajectory, row: list[Outcome], i: int) -> None:
+    async def _call_async(self, r: ResolvedReward, t: Trajectory, row: list[Outcome], i: int, strict: bool) -> None:
+        x: Outcome
         async with self._sem():
             try:
                 async with asyncio.timeout(self.settings.timeout_s) as deadline:
-                    row[i] = as_reward(await r.fn(t))  # type: ignore[misc]
+                    x = as_reward(await r.fn(trajectory_copy(t)))  # type: ignore[misc]
             except TimeoutError as exc:
                 if deadline.expired():
-                    row[i] = Failure(RewardFailure.TIMEOUT, f"no result within {self.settings.timeout_s:g} s (task.reward_timeout_s)")
+                    x = Failure(RewardFailure.TIMEOUT, f"no result within {self.settings.timeout_s:g} s (task.reward_timeout_s)")
                 else:
-                    row[i] = Failure(RewardFailure.RAISED, describe(exc))
+                    x = Failure(RewardFailure.RAISED, describe(exc))
+            except NonFiniteReward as exc:
+                x = Failure(RewardFailure.NON_FINITE, str(exc))
             except Exception as exc:  # a reward function may raise anything
-                row[i] = Failure(RewardFailure.RAISED, describe(exc))
+                x = Failure(RewardFailure.RAISED, describe(exc))
+        row[i] = x
+        if strict:
+            _check_strict(r, t, x)
 
-    async def _run(self, trajectories: Sequence[Trajectory], settle: bool) -> tuple[list[list[Outcome]], list[FailedCall]]:
+    async def _run(
+        self, trajectories: Sequence[Trajectory], settle: bool, strict: bool = False
+    ) -> tuple[list[list[Outcome]], list[FailedCall]]:
         grid: list[list[Outcome]] = [[0.0] * len(self.rewards) for _ in trajectories]
         failed: list[FailedCall] = []
 
         def sync_part(then_settle: bool) -> None:
-            self._run_sync(trajectories, grid)
+            self._run_sync(trajectories, grid, strict)
             if then_settle:
                 failed.extend(self._settle(trajectories, grid))
 
@@ -153,53 +265,58 @@ class Scorer:
             return grid, failed
         try:
             async with asyncio.TaskGroup() as tg:
-                if self._inline or self._pooled:
+                if self._inline or self._threaded or self._pooled:
                     tg.create_task(self._workers.run("score", functools.partial(sync_part, False)))
                 for i, r in self._async:
                     for t, row in zip(trajectories, grid):
-                        tg.create_task(self._call_async(r, t, row, i))
-        except BaseExceptionGroup as group:  # only the sync part can fail (a worker that cannot start)
-            raise group.exceptions[0] from None
+                        tg.create_task(self._call_async(r, t, row, i, strict))
+        except BaseExceptionGroup as group:  # a RewardError (strict), or a worker that cannot start
+            errors = group.exceptions
+            raise next((e for e in errors if isinstance(e, RewardError)), errors[0]) from None
         if settle:
             failed.extend(await self._workers.run("score", functools.partial(self._settle, trajectories, grid)))
         return grid, failed
 
-    async def score(self, trajectories: Sequence[Trajectory]) -> list[FailedCall]:
+    async def score(self, trajectories: Sequence[Trajectory], strict: bool = False) -> list[FailedCall]:
         """Run every function on every trajectory and set its reward, status and error; the
-        failed calls, in trajectory then function order."""
-        _, failed = await self._run(trajectories, settle=True)
+        failed calls, in trajectory then function order. With `strict`, the first failed call
+        raises its RewardError at once (see the module docstring) and nothing is set."""
+        _, failed = await self._run(trajectories, settle=True, strict=strict)
         return failed
 
     async def outcomes(self, trajectories: Sequence[Trajectory]) -> list[list[Outcome]]:
-        """Every function's outcome on every trajectory ([trajectory][function]); nothing is set.
-        A non-finite value is reported as a `non_finite` Failure."""
+        """Every function's outcome on every trajectory ([trajectory][function]), clipped as
+        rewards are; nothing is set. A value that is no reward (NaN, infinite, beyond
+        ±MAX_ABS_REWARD) is reported as a `non_finite` Failure."""
         grid, _ = await self._run(trajectories, settle=False)
+        clip = self.settings.clip
         for row in grid:
             for i, x in enumerate(row):
-                if isinstance(x, float) and not _finite(x):
-                    row[i] = Failure(RewardFailure.NON_FINITE, f"returned {x!r}")
+                failure = _failure_of(x)
+                if failure is not None:
+                    row[i] = failure
+                elif clip:
+                    row[i] = _clipped(x, clip)  # type: ignore[arg-type]
         return grid
 
     def _settle(self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]]) -> list[FailedCall]:
         rewards = self.rewards
+        clip = self.settings.clip
+        lo, hi = -MAX_ABS_REWARD, MAX_ABS_REWARD
         failed: list[FailedCall] = []
         for t, row in zip(trajectories, grid):
             total = 0.0
             first: FailedCall | None = None
             for r, x in zip(rewards, row):
-                if x.__class__ is float:
-                    v = r.weight * x
-                    if v - v == 0.0:  # finite (x and its weighted value): the common case, inlined
-                        total += v
-                        continue
-                if isinstance(x, Failure):
-                    call = FailedCall(r.name, x.reason, x.detail, t)
-                else:
-                    detail = f"returned {x!r}" if not _finite(x) else f"{x!r} × weight {r.weight!r} overflows"
-                    call = FailedCall(r.name, RewardFailure.NON_FINITE, detail, t)
+                if x.__class__ is float and lo <= x <= hi:  # the common case, inlined
+                    total += r.weight * (_clipped(x, clip) if clip else x)
+                    continue
+                failure = _failure_of(x)
+                assert failure is not None
+                call = FailedCall(r.name, failure.reason, failure.detail, t)
                 failed.append(call)
                 first = first or call
-            if first is None and total - total != 0.0:  # finite parts whose sum overflows: blame the largest
+            if first is None and total - total != 0.0:  # values in range whose weighted sum overflows: blame the largest
                 largest = max(zip(rewards, row), key=lambda p: abs(p[0].weight * float(p[1])))  # type: ignore[arg-type]
                 first = FailedCall(largest[0].name, RewardFailure.NON_FINITE, "the weighted sum of the rewards overflows", t)
                 failed.append(first)
@@ -212,11 +329,7 @@ class Scorer:
         return failed
 
     def close(self) -> None:
-        """End the reward worker processes (if any started). Idempotent; blocks briefly."""
+        """End the reward worker processes (if any started). Idempotent; blocks briefly.
+        Abandoned reward call threads cannot be ended: they exit when their call returns."""
         if self.pool is not None:
             self.pool.close()
-
-
-def strict_error(failed: Sequence[FailedCall]) -> RewardError:
-    """The error that fails a run under `task.strict_rewards`: its first failed call."""
-    return RewardError(f"{failed[0].describe()} (task.strict_rewards = true)")

@@ -22,9 +22,10 @@ class RewardFailure(StrEnum):
     """Why a reward function gave a trajectory no reward (counted per function in the ledger)."""
 
     TIMEOUT = "timeout"  # no result within task.reward_timeout_s
-    RAISED = "raised"  # it raised (or returned something that is not a number)
+    RAISED = "raised"  # it raised (or returned something that is not a number: the detail names its type)
     CRASHED = "crashed"  # its worker process died: a signal, os._exit, the CPU or memory limit
-    NON_FINITE = "non_finite"  # it returned NaN or an infinity
+    # it returned NaN, an infinity or a magnitude beyond MAX_ABS_REWARD (1e6, tasks/rewards.py)
+    NON_FINITE = "non_finite"
 
 
 class FilterReason(StrEnum):

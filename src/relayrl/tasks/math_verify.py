@@ -13,9 +13,12 @@ Invariants:
 - No signals: math-verify's own time limits use `signal.alarm`, which works only in the main
   thread, so they are off here; the reward runs the same in the scoring thread, a worker process
   or the main thread. Instead, numbers too large to compare (power towers such as 9^{9^{9^9}},
-  huge factorials), on which sympy would compute for ever, are refused up front (0.0). A bound on
-  time for untrusted output is the reward isolation's job: named
-  `relayrl.tasks.math_verify:math_verify` it runs in a worker process under `task.reward_timeout_s`.
+  huge factorials), on which sympy would compute for ever, are refused up front (0.0). That is not
+  a bound on time for every pathological input (sympy can still take for ever on some LaTeX): the
+  bound is the reward isolation's job. The built-in name `math_verify` (tasks/rewards.py
+  OPTIONAL_REWARDS) runs this function in the reward worker processes, each call killed at
+  `task.reward_timeout_s` (a timeout, not a hung run); passed to the Python API as a callable it
+  runs in a reward call thread under the same deadline (abandoned at it, not killed).
 """
 
 from __future__ import annotations

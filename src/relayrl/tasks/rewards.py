@@ -10,23 +10,31 @@ A `task.reward_functions` entry is one of
   loads the recipe, so the run's config.toml names the file wherever a resume runs from).
 The Python API (`run.build_program(reward_fns=...)`) also takes callables.
 
-Where each runs (scoring.py): built-ins and callables in this process, in the scoring thread;
-`async def` functions on the event loop; any other function named `module:function` or
-`file.py:function` in the reward worker processes (rewardpool.py).
+Where each runs (its `Placement`; scoring.py runs them): the `REWARD_FUNCTIONS` built-ins (string
+and regex checks that cannot hang) in this process, in the scoring thread, with no deadline and
+on the trajectory itself; every other function with a deadline (`task.reward_timeout_s`) and on a
+copy: `async def` functions on the event loop, Python-API sync callables in a reward call thread
+(rewardthreads.py), and any other sync function (the `OPTIONAL_REWARDS` built-ins, which evaluate
+model output with heavy libraries such as sympy, and every `module:function` / `file.py:function`)
+in the reward worker processes (rewardpool.py).
 
 Invariants:
-- A reward function sees one trajectory and returns a float; it may raise, hang, crash or return
-  NaN, and the scorer (never the function) turns that into a failed trajectory with reward 0.
-- Every entry is resolved (module imported, function found, callable) before the run starts; one
-  that cannot be is a `RewardSpecError` (a ValueError: exit 2) naming the entry and its position.
+- A reward function sees one trajectory and returns a number (`as_reward`); it may raise, hang,
+  crash or return NaN or a number beyond ±`MAX_ABS_REWARD`, and the scorer (never the function)
+  turns that into a failed trajectory with reward 0.
+- Every entry is resolved (module imported, function found, callable with one positional argument,
+  not a class) before the run starts; one that cannot be is a `RewardSpecError` (a ValueError:
+  exit 2) naming the entry and its position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import numbers
 import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,10 +42,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
-from relayrl.types import Trajectory
+from relayrl.types import Prompt, Trajectory, Turn
 
 RewardFunction = Callable[[Trajectory], float]
+
+#: the largest reward magnitude a function may return: a value beyond ±MAX_ABS_REWARD (or NaN, an
+#: infinity, an int too large for a float) fails its call with reason `non_finite` (README,
+#: "Writing a reward function"); rewards that large are a bug (a count, 2**70), not a signal
+MAX_ABS_REWARD = 1e6
+#: how a failed call's detail says so
+OUT_OF_RANGE = f"out of range (|r| > {MAX_ABS_REWARD:g})".replace("e+0", "e").replace("e+", "e")
 #: what a reward entry may be in the Python API: a name / spec, or a function (sync or async)
 RewardEntry = str | Callable[[Trajectory], float] | Callable[[Trajectory], Awaitable[float]]
 
@@ -77,7 +93,8 @@ def env(trajectory: Trajectory) -> float:
     return trajectory.env_reward
 
 
-#: built-in rewards, imported with relayrl; cheap, trusted: they run in the scoring thread
+#: built-in rewards, imported with relayrl: string and regex checks that cannot hang, trusted not to
+#: change the trajectory; they run in the scoring thread on the trajectory itself, with no deadline
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "env": env,
     "exact_match": exact_match,
@@ -88,8 +105,9 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 
 #: built-in rewards imported only when a recipe names them (they need an optional package):
 #: name → "module:function". Register one with one line, e.g.
-#: "math_verify": "relayrl.tasks.math_verify:math_verify". Like every built-in they run in the
-#: scoring thread; a user who wants one isolated with a timeout names its "module:function".
+#: "math_verify": "relayrl.tasks.math_verify:math_verify". They evaluate model output with heavy
+#: libraries (sympy parses untrusted LaTeX, some reasoning-gym datasets evaluate expressions), which
+#: can hang: they run in the reward worker processes, each call bounded by task.reward_timeout_s.
 OPTIONAL_REWARDS: dict[str, str] = {
     "reasoning_gym": "relayrl.tasks.reasoning_gym:reasoning_gym_reward",  # the `tasks` extra
     "math_verify": "relayrl.tasks.math_verify:math_verify",  # the `tasks` extra
@@ -103,9 +121,10 @@ class RewardSpecError(ValueError):
 class Placement(StrEnum):
     """Where a reward function runs (scoring.py)."""
 
-    INLINE = "inline"  # this process, the scoring thread: built-ins and Python-API callables
-    ASYNC = "async"  # this process, awaited on the event loop: any `async def` function
-    POOL = "pool"  # a reward worker process (rewardpool.py): sync functions named by spec
+    INLINE = "inline"  # the scoring thread, no deadline, the trajectory itself: REWARD_FUNCTIONS built-ins
+    THREAD = "thread"  # a reward call thread with a deadline, on a copy: Python-API sync callables
+    ASYNC = "async"  # awaited on the event loop with a deadline, on a copy: any `async def` function
+    POOL = "pool"  # a reward worker process with a deadline (rewardpool.py): other sync functions
 
 
 @dataclass(slots=True, frozen=True)
@@ -217,15 +236,78 @@ def is_async(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or (call is not None and inspect.iscoroutinefunction(call))
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned a number that is no finite float (an int beyond the float
+    range): its call fails with reason `non_finite`, not `raised`."""
+
+
+def _type_name(value: object) -> str:
+    return "None" if value is None else type(value).__name__
+
+
 def as_reward(value: object) -> float:
-    """A reward function's return value as a float: a number (bool, int, float, or anything with
-    `__float__`, such as a numpy scalar), never a string. NaN and infinities pass: the scorer
-    turns them into failed trajectories (reason `non_finite`)."""
-    if isinstance(value, float):
+    """A reward function's return value as a float (exactly `float`, never a subclass such as
+    numpy.float64): a Python int, float or bool, a numpy integer, floating-point or bool scalar, a
+    0-d array, or anything else with `__float__` (a Fraction, a Decimal, a 0-d tensor). NaN,
+    infinities and values beyond ±MAX_ABS_REWARD pass: the scorer fails their calls (`non_finite`).
+    Raises NonFiniteReward for an int too large for a float, and TypeError naming the type for
+    anything else: a string, None, a list, a complex number, an array with one dimension or more."""
+    if value.__class__ is float:
         return value
-    if isinstance(value, str | bytes) or not hasattr(value, "__float__"):
-        raise TypeError(f"a reward function must return a number, got {type(value).__name__}")
-    return float(value)
+    if isinstance(value, str | bytes | bytearray) or not hasattr(value, "__float__"):
+        raise TypeError(f"a reward function must return a number, got {_type_name(value)}")
+    shape = getattr(value, "shape", ())
+    if getattr(value, "ndim", 0) or shape:
+        raise TypeError(f"a reward function must return a number, got {_type_name(value)} of shape {tuple(shape)}")
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        raise TypeError(f"a reward function must return a real number, got {_type_name(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        size = f"{value.bit_length()} bits" if isinstance(value, int) else _type_name(value)
+        raise NonFiniteReward(f"{OUT_OF_RANGE}: returned a number too large for a float ({size})") from None
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"a reward function must return a number, got {_type_name(value)} ({_one_line(exc)})") from None
+
+
+def _copy_json(value: object) -> object:
+    """A copy of JSON-like data (dicts, lists, tuples nested; other values are immutable)."""
+    if isinstance(value, dict):
+        return {k: _copy_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_copy_json(v) for v in value] if isinstance(value, list) else tuple(_copy_json(v) for v in value)
+    return value
+
+
+_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(Turn))
+
+
+def trajectory_copy(t: Trajectory) -> Trajectory:
+    """A copy of `t` that shares nothing a reward function could change with it: its lists, its
+    turns and its prompt's metadata are copied (the rest is immutable). What an in-process user
+    function receives, so one that changes its argument cannot corrupt the trajectory trained on
+    (a worker process receives a pickled copy). About 2 µs for a 200-token completion."""
+    p = t.prompt
+    return Trajectory(
+        group_id=t.group_id,
+        sample_index=t.sample_index,
+        prompt=Prompt(p.prompt_id, p.text, p.answer, _copy_json(p.metadata)) if p.metadata else p,  # type: ignore[arg-type]
+        prompt_tokens=t.prompt_tokens[:],
+        completion_tokens=t.completion_tokens[:],
+        sampler_logprobs=t.sampler_logprobs[:],
+        completion_text=t.completion_text,
+        policy_version=t.policy_version,
+        replica=t.replica,
+        reward=t.reward,
+        advantage=t.advantage,
+        status=t.status,
+        error=t.error,
+        finish_reason=t.finish_reason,
+        turns=[Turn(*[getattr(x, f) for f in _TURN_FIELDS]) for x in t.turns],
+        loss_mask=None if t.loss_mask is None else t.loss_mask[:],
+        env_reward=t.env_reward,
+        env_time=t.env_time,
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -244,23 +326,61 @@ def _spec_name(target: str, function: str, is_file: bool) -> str:
     return f"{Path(target).name}:{function}" if is_file else f"{target}:{function}"
 
 
+_TRAJECTORY = object()  # what a signature check binds in place of a trajectory
+
+
+def check_callable(fn: object) -> str | None:
+    """Why `fn` cannot be a reward function (None if it can): it must be callable with one
+    positional argument, the trajectory, and not be a class (calling a class constructs an
+    object, not a reward). A callable without a signature (some C builtins) is let through: its
+    calls will say."""
+    if not callable(fn):
+        return f"is not callable (it is of type {_type_name(fn)})"
+    if inspect.isclass(fn):
+        return (
+            f"is a class ({fn.__name__}): calling it constructs an object, not a reward; "
+            "name a function, or an instance with __call__(self, trajectory)"
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a C builtin without a text signature: the call will tell
+        return None
+    try:
+        signature.bind(_TRAJECTORY)
+    except TypeError as exc:
+        return f"cannot be called with one argument, the trajectory: its signature is {signature} ({exc})"
+    return None
+
+
+def _checked(where: str, what: str, fn: object) -> Callable[[Trajectory], object]:
+    problem = check_callable(fn)
+    if problem is not None:
+        raise RewardSpecError(f"{where}: {what} {problem}")
+    return cast(Callable[[Trajectory], object], fn)
+
+
 def _resolve_one(i: int, entry: RewardEntry, weight: float) -> ResolvedReward:
     where = f"task.reward_functions[{i}]"
     if not isinstance(entry, str):
         if not callable(entry):
             raise RewardSpecError(f"{where}: {entry!r} is neither a name nor a callable")
-        return ResolvedReward(callable_name(entry), entry, weight, Placement.ASYNC if is_async(entry) else Placement.INLINE)
+        name = callable_name(entry)
+        _checked(where, repr(name), entry)
+        return ResolvedReward(name, entry, weight, Placement.ASYNC if is_async(entry) else Placement.THREAD)
     builtin = REWARD_FUNCTIONS.get(entry)
     if builtin is not None:
+        _checked(where, f"the built-in reward {entry!r}", builtin)
         return ResolvedReward(entry, builtin, weight, Placement.ASYNC if is_async(builtin) else Placement.INLINE)
     if entry in OPTIONAL_REWARDS:
+        spec = OPTIONAL_REWARDS[entry]
         try:
-            fn = import_function(OPTIONAL_REWARDS[entry])
+            fn = import_function(spec)
         except Exception as exc:
             raise RewardSpecError(f"{where}: the built-in reward {entry!r} cannot be loaded ({_one_line(exc)})") from None
-        if not callable(fn):
-            raise RewardSpecError(f"{where}: the built-in reward {entry!r} ({OPTIONAL_REWARDS[entry]}) is not callable")
-        return ResolvedReward(entry, fn, weight, Placement.ASYNC if is_async(fn) else Placement.INLINE)
+        fn = _checked(where, f"the built-in reward {entry!r} ({spec})", fn)
+        if is_async(fn):
+            return ResolvedReward(entry, fn, weight, Placement.ASYNC)
+        return ResolvedReward(entry, fn, weight, Placement.POOL, spec)
     try:
         parsed = parse_spec(entry)
     except ValueError as exc:
@@ -276,8 +396,7 @@ def _resolve_one(i: int, entry: RewardEntry, weight: float) -> ResolvedReward:
         fn = load_named(entry)
     except ValueError as exc:
         raise RewardSpecError(f"{where}: {entry!r}: {exc}") from None
-    if not callable(fn):
-        raise RewardSpecError(f"{where}: {entry!r} is not callable (it is of type {type(fn).__name__})")
+    fn = _checked(where, repr(entry), fn)
     spec = f"{Path(target).resolve()}:{function}" if is_file else entry
     name = _spec_name(target, function, is_file)
     placement = Placement.ASYNC if is_async(fn) else Placement.POOL
