@@ -34,17 +34,24 @@ def cluster() -> Iterator[Any]:
         os.environ.setdefault(key, value)
     temp_dir = tempfile.mkdtemp(prefix="rr-ray-")  # short: Ray's socket paths have a length limit
     head = {"num_cpus": 0, "object_store_memory": STORE, "include_dashboard": False, "temp_dir": temp_dir}
-    c = Cluster(initialize_head=True, head_node_args=head)
-    try:
-        for name in ("node_a", "node_b"):
-            c.add_node(num_cpus=1, object_store_memory=STORE, resources={name: 1, "sampler": 1}, temp_dir=temp_dir)
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace="relayrl", log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with pytest.MonkeyPatch.context() as env:
+        # Cluster writes the head's address to <RAY_TMPDIR>/ray/ray_current_cluster (by default
+        # /tmp/ray/..., which it does not create): keep it in this cluster's own temp dir, so the
+        # test neither needs nor touches what other Ray runs left on the machine
+        env.setenv("RAY_TMPDIR", temp_dir)
+        os.mkdir(os.path.join(temp_dir, "ray"))
+        c = Cluster(initialize_head=False)
+        try:
+            c.add_node(**head)  # inside the try: a head that started is shut down if the rest fails
+            for name in ("node_a", "node_b"):
+                c.add_node(num_cpus=1, object_store_memory=STORE, resources={name: 1, "sampler": 1}, temp_dir=temp_dir)
+            c.wait_for_nodes()
+            ray.init(address=c.address, namespace="relayrl", log_to_driver=False)
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()  # removes the address file under RAY_TMPDIR: still set here
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _node_of(actor: Any) -> str:

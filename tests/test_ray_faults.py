@@ -1,8 +1,15 @@
-"""Faults on the Ray backend: a sampler actor's process killed mid-generation is restarted by Ray
-and serves again with the current weights (its requests go to the other replica meanwhile); the
-trainer actor's process killed fails the run, naming the trainer, and leaves the newest checkpoint
-intact, from which `relayrl train --resume RUN_DIR --ray` completes the run. One local cluster for
-the module."""
+"""Faults on the Ray backend: a sampler actor's process killed with a generate call in flight is
+restarted by Ray and serves again with the current weights (its requests go to the other replica
+meanwhile); the trainer actor's process killed fails the run, naming the trainer, and leaves the
+newest checkpoint intact, from which `relayrl train --resume RUN_DIR --ray` completes the run. One
+local cluster for the module.
+
+Each kill is synchronised with what it must interrupt, so what the run sees does not depend on how
+fast the machine is: the sampler actor tells the test (through a latch actor) that it is inside a
+generate call that cannot return on its own, and the trainer's process is killed from a wrapper of
+the driver-side call, before that call goes out. A kill timed by a clock can land after the call
+returned instead (a sampler actor killed idle is restarted by Ray and healed unseen by the next
+weight load; a trainer killed late may find no checkpoint written yet)."""
 
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,43 +34,115 @@ from relayrl.backends.ray.actors import RaySampler, RayTrainer, TrainerActorDied
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.backends.sim.workers import SimTrainer  # noqa: E402
 from relayrl.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
-from relayrl.config import load_config  # noqa: E402
+from relayrl.config import Config, load_config  # noqa: E402
 from relayrl.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
 from relayrl.run import build_program  # noqa: E402
 from relayrl.telemetry.checker import check_run_dir  # noqa: E402
-from relayrl.types import GenerateResult, SampleRequest  # noqa: E402
+from relayrl.types import GenerateResult, SampleRequest, TrainBatch  # noqa: E402
 from simutil import sim_config  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 
 
-async def _kill_after(pid: int, seconds: float) -> None:
-    await asyncio.sleep(seconds)
-    os.kill(pid, signal.SIGKILL)
+def _latch() -> Any:
+    """A Ray actor used as a one-shot event between processes: `wait` returns once `open` was
+    called. The class is defined in here so that Ray pickles it by value (an actor's process cannot
+    import this test module)."""
+
+    class Latch:
+        def __init__(self) -> None:
+            self._opened = asyncio.Event()
+
+        async def open(self) -> None:
+            self._opened.set()
+
+        async def wait(self) -> None:
+            await self._opened.wait()
+
+    return ray.remote(num_cpus=0)(Latch).remote()
 
 
-def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothing_is_lost(cluster: RayCluster, tmp_path: Path) -> None:
+def _sim_sampler_stalling_once(latch: Any) -> Callable[[Config, int], Any]:
+    """A stand-in for the Ray backend's sim sampler factory (`build._sim_sampler`, run in each
+    sampler actor's process): replica 0's third generate call opens `latch`, then never returns;
+    once Ray has restarted that actor, its sampler does not stall. Pickled by value, as `_latch`."""
+
+    def factory(cfg: Config, replica: int) -> Any:
+        from relayrl.backends.sim.workers import SimSampler
+
+        stall = replica == 0 and not ray.get_runtime_context().was_current_actor_reconstructed
+
+        class StallsOnce(SimSampler):
+            async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+                if stall and self.generate_calls == 2:
+                    await latch.open.remote()
+                    await asyncio.Event().wait()  # until the process is killed
+                return await super().generate(requests)
+
+        return StallsOnce(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=replica)
+
+    return factory
+
+
+def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothing_is_lost(
+    cluster: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica 0's actor process is killed while it executes a generate call (it told the test so
+    through a latch and cannot return on its own), so the call fails whatever the timing; no step
+    commits while the replica is down, so the run cannot end before Ray has restarted it."""
+    from relayrl.backends.ray import build as ray_build
+
+    latch = _latch()
+    monkeypatch.setattr(ray_build, "_sim_sampler", _sim_sampler_stalling_once(latch))
     cfg = sim_config("ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "run.steps=14", "sim.generate_per_request=0.05")
-    # long enough (~10 s) that Ray has restarted the actor (a new worker process) well before the end
     program = build_program(cfg, run_dir=tmp_path / "run")
-    sampler = program.backend.samplers[0]
-    assert isinstance(sampler, RaySampler)
+    sampler, trainer = program.backend.samplers[0], program.backend.trainer
+    assert isinstance(sampler, RaySampler) and isinstance(trainer, RayTrainer)
     pid = ray.get(sampler.actor.pid.remote())
-    generate, calls = sampler.generate, []
-
-    async def generate_then_kill(requests: Sequence[SampleRequest]) -> list[GenerateResult]:
-        calls.append(len(requests))
-        if len(calls) == 3:  # kill the actor's process while this call generates
-            asyncio.get_running_loop().call_later(0.02, os.kill, pid, signal.SIGKILL)
-        return await generate(requests)
-
-    sampler.generate = generate_then_kill  # type: ignore[method-assign]
+    restart, optim_step, optim_step_ahead = sampler.restart, trainer.optim_step, trainer.optim_step_ahead
 
     async def go() -> object:
-        return await asyncio.wait_for(program.run(), 60)
+        killed, back = asyncio.Event(), asyncio.Event()
 
-    with pytest.warns(SamplerRestartedWarning):
-        result = asyncio.run(go())
+        async def kill_once_stalled() -> None:
+            await latch.wait.remote()  # replica 0's actor is inside its third generate call
+            os.kill(pid, signal.SIGKILL)
+            killed.set()
+
+        async def restart_then_release(min_version: int) -> int:
+            try:
+                return await restart(min_version)
+            finally:
+                back.set()
+
+        async def while_down() -> None:
+            if killed.is_set():
+                await back.wait()
+
+        async def optim_step_held() -> int:
+            await while_down()
+            return await optim_step()
+
+        async def optim_step_ahead_held(ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
+            await while_down()
+            return await optim_step_ahead(ahead)
+
+        sampler.restart = restart_then_release  # type: ignore[method-assign]
+        trainer.optim_step = optim_step_held  # type: ignore[method-assign]
+        trainer.optim_step_ahead = optim_step_ahead_held  # type: ignore[method-assign]
+        killer = asyncio.create_task(kill_once_stalled())
+        try:
+            result = await asyncio.wait_for(program.run(), 120)
+        finally:
+            killer.cancel()
+        assert killed.is_set()
+        return result
+
+    try:
+        with pytest.warns(SamplerRestartedWarning):
+            result = asyncio.run(go())
+    finally:
+        ray.kill(latch)
     ledger = result.ledger.as_dict()  # type: ignore[attr-defined]
     assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step  # each group trained once
     settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]
@@ -116,18 +196,28 @@ def test_a_killed_trainer_actor_fails_the_run_naming_it_and_keeps_the_newest_che
     trainer = program.backend.trainer
     assert isinstance(trainer, RayTrainer)
     pid = ray.get(trainer.actor.pid.remote())
-    started = time.monotonic()
+    optim_step, optim_step_ahead, updates, killed_at = trainer.optim_step, trainer.optim_step_ahead, [], []
 
-    async def go() -> None:
-        killer = asyncio.create_task(_kill_after(pid, 3.0))
-        try:
-            await asyncio.wait_for(program.run(), 60)
-        finally:
-            await killer
+    def kill_at_the_third_update() -> None:
+        # step 2's update: the checkpoints of steps 0 and 1 were complete before it was issued
+        updates.append(len(updates))
+        if len(updates) == 3:
+            os.kill(pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
 
+    async def optim_step_then_kill() -> int:
+        kill_at_the_third_update()
+        return await optim_step()
+
+    async def optim_step_ahead_then_kill(ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
+        kill_at_the_third_update()
+        return await optim_step_ahead(ahead)
+
+    trainer.optim_step = optim_step_then_kill  # type: ignore[method-assign]
+    trainer.optim_step_ahead = optim_step_ahead_then_kill  # type: ignore[method-assign]
     with pytest.raises(Exception, match="trainer actor died"):
-        asyncio.run(go())
-    assert time.monotonic() - started < 3.0 + 30.0
+        asyncio.run(asyncio.wait_for(program.run(), 60))
+    assert killed_at and time.monotonic() - killed_at[0] < 30.0  # failed soon after the kill
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "trainer actor died" in summary["error"]
     assert complete_checkpoints(tmp_path / "run" / "checkpoints"), "no complete checkpoint"

@@ -13,14 +13,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from relayrl.backends.sim.workers import SimSampler
 from relayrl.config import ConfigError, load_config
 from relayrl.rundir import MARKER, RunDirError, RunDirLock, is_live
 from relayrl.sizing import check_fits
 from relayrl.telemetry.report import list_runs
+from relayrl.types import GenerateResult, SampleRequest, Weights
 
 QUICK = ["--backend", "sim", "--set", "run.steps=3", "--set", "rollout.groups_per_step=2", "--set", "rollout.num_generations=2"]
 # a sim run that keeps going long enough to be interfered with (a checkpoint every 2 steps)
@@ -121,7 +125,9 @@ def test_a_directory_as_recipe_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_second_run_or_resume_of_a_held_directory_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    first = start("train", *LONG, "--set", "run.name=shared", cwd=tmp_path)
+    # more steps than it can run before the test kills it: it holds the directory however slowly
+    # the two refused runs start on a loaded machine
+    first = start("train", *LONG, "--set", "run.steps=1000000", "--set", "run.name=shared", cwd=tmp_path)
     run_dir = tmp_path / "runs" / "shared"
     try:
         wait_for(lambda: (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()))
@@ -238,7 +244,10 @@ def start_blocked(tmp_path: Path, name: str, grace_s: int) -> subprocess.Popen[s
     proc = start("train", "--backend", "sim", *[a for s in [*sets, f"run.name={name}"] for a in ("--set", s)], cwd=tmp_path)
     assert proc.stdout is not None
     assert "steps on the sim backend" in proc.stdout.readline()
-    time.sleep(1.0)  # into the first step's inline bookkeeping
+    # step 0's metrics row is written by its inline bookkeeping, on the event loop, which then
+    # burns the 60 s without returning to the loop: once the row is there, the loop is caught
+    metrics = tmp_path / "runs" / name / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and metrics.read_text().endswith("\n"))
     return proc
 
 
@@ -298,20 +307,43 @@ def test_the_memory_budget_is_configurable() -> None:
     check_fits(load_config(None, ["rollout.num_generations=1000", "rollout.groups_per_step=100"]))  # fits half of 2 cores' 24 GB
 
 
+class HoldsGenerationAt(SimSampler):
+    """A sim sampler that, once it holds weights of version `version` or newer, sets `reached` at
+    its next generate call and never returns from it (the run's cancellation ends the call)."""
+
+    def __init__(self, version: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.version = version
+        self.loaded = 0
+        self.reached = asyncio.Event()
+
+    async def load_weights(self, weights: Weights) -> None:
+        await super().load_weights(weights)
+        self.loaded = weights.version
+
+    async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        if self.loaded >= self.version:
+            self.reached.set()
+            await asyncio.Event().wait()
+        return await super().generate(requests)
+
+
 def test_a_run_cancelled_between_a_commit_and_its_logs_reports_only_logged_steps(tmp_path: Path) -> None:
-    """On-policy (staleness 0) with slow generation: after step 1 commits, its bookkeeping waits
-    for step 2's first micro-batch, which waits for data. Cancelled there, the summary must not
-    count step 1 in the ledger while its metrics row was never written."""
+    """On-policy (staleness 0): after step 1 commits, its bookkeeping waits for step 2's first
+    micro-batch, which waits for data sampled with step 1's weights (version 2). The sampler holds
+    that generation, so the run is cancelled there, whatever the machine's speed: the summary must
+    not count step 1 in the ledger while its metrics row was never written. (Version 2 exists only
+    once optim_step(1) returned, and the sampler gets it only after that commit.)"""
     from simutil import make_program, sim_config
 
-    cfg = sim_config("run.steps=6", "rollout.max_staleness=0", "sim.generate_per_request=0.3")
+    cfg = sim_config("run.steps=6", "rollout.max_staleness=0")
     program = make_program(cfg, tmp_path)
+    sampler = HoldsGenerationAt(2, cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed)
+    program.backend.samplers[0] = sampler
 
     async def main() -> None:
         task = asyncio.create_task(program.run())
-        trainer = program.backend.trainer
-        while sum(1 for c in trainer.calls if c[0] == "optim_step") < 2:  # type: ignore[attr-defined]
-            await asyncio.sleep(0.002)
+        await sampler.reached.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
