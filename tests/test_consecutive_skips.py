@@ -16,38 +16,19 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
-from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.trainer import NonFiniteStepError, TrainerCompute, TrainerSettings
 from relayrl.config import ConfigError, load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.packing import build_microbatch, plan
 from relayrl.run import build_program
-from relayrl.types import Prompt, TrainBatch, Trajectory
+from relayrl.types import TrainBatch
+from test_local_backend import _tiny_batch
 
 torch.set_num_threads(1)
 NAN = float("nan")
 
 
 def _batch(tok: PreTrainedTokenizerBase, advantage: float) -> TrainBatch:
-    prompt_ids = tok("12+7=", add_special_tokens=False)["input_ids"]
-    trajs = [
-        Trajectory(
-            group_id=0,
-            sample_index=i,
-            prompt=Prompt("p", "12+7=", "19"),
-            prompt_tokens=prompt_ids,
-            completion_tokens=tok(c, add_special_tokens=False)["input_ids"],
-            sampler_logprobs=[-1.0] * len(c),
-            completion_text=c,
-            policy_version=0,
-            replica=0,
-            advantage=a,
-        )
-        for i, (c, a) in enumerate((("19", advantage), ("18", -1.0)))
-    ]
-    mb = build_microbatch(0, 0, trajs, plan(trajs, 64, 4))
-    mb.payload = TorchCollator(pad_token_id=tok.pad_token_id).collate(mb)
-    return mb.train_batch()
+    return _tiny_batch(tok, (advantage, -1.0))
 
 
 @pytest.fixture(scope="module")
