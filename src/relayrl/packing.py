@@ -24,7 +24,7 @@ class PackingError(ValueError):
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Indices of `lengths` grouped into bins whose sums are ≤ budget (FFD order)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)  # ties keep index order (stable)
     bins: list[list[int]] = []
     free: list[int] = []
     for i in order:
@@ -49,15 +49,21 @@ def segments(trajectories: Sequence[Trajectory], indices: Sequence[int], share_p
     if not share_prompt:
         return [[i] for i in indices]
     by_key: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    tokens: list[int] | None = None
+    group = -1
+    segment: list[int] = []
     for i in indices:
         t = trajectories[i]
-        by_key.setdefault((t.group_id, tuple(t.prompt_tokens)), []).append(i)
+        if t.prompt_tokens is not tokens or t.group_id != group:  # a group's trajectories share one list: one key
+            tokens, group = t.prompt_tokens, t.group_id
+            segment = by_key.setdefault((group, tuple(tokens)), [])
+        segment.append(i)
     return list(by_key.values())
 
 
 def segment_tokens(trajectories: Sequence[Trajectory], segment: Sequence[int]) -> int:
     """Tokens a segment occupies: its prompt once, then every completion."""
-    return len(trajectories[segment[0]].prompt_tokens) + sum(len(trajectories[i].completion_tokens) for i in segment)
+    return len(trajectories[segment[0]].prompt_tokens) + sum([len(trajectories[i].completion_tokens) for i in segment])
 
 
 def layout_tokens(trajectories: Sequence[Trajectory], indices: Sequence[int], share_prompt: bool) -> int:
@@ -73,10 +79,10 @@ def _units(trajectories: Sequence[Trajectory], budget: int, share_prompt: bool) 
             units.append(seg)
             continue
         prompt = len(trajectories[seg[0]].prompt_tokens)
-        longest = max(len(trajectories[i].completion_tokens) for i in seg)
+        lengths = [len(trajectories[i].completion_tokens) for i in seg]
+        longest = max(lengths)
         if prompt + longest > budget:
             raise PackingError(f"a trajectory of {prompt + longest} tokens exceeds the row budget of {budget} tokens (train.row_tokens)")
-        lengths = [len(trajectories[i].completion_tokens) for i in seg]
         units.extend([seg[k] for k in sorted(chunk)] for chunk in first_fit_decreasing(lengths, budget - prompt))
     return units
 
@@ -96,8 +102,9 @@ def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], 
     for row_index in pack_plan.microbatches[index]:
         row = pack_plan.rows[row_index]
         mb_rows.append(list(range(len(mb_trajs), len(mb_trajs) + len(row))))
-        mb_trajs.extend(trajectories[t] for t in row)
+        mb_trajs.extend([trajectories[t] for t in row])
     row_lengths = [layout_tokens(mb_trajs, row, pack_plan.share_prompt) for row in mb_rows]
+    policy = [t.policy_tokens for t in trajectories]  # the step's, once
     real = sum(row_lengths)
     return MicroBatch(
         step=step,
@@ -110,10 +117,10 @@ def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], 
             row_tokens=max(row_lengths, default=0),
             real_tokens=real,
             sequences=len(mb_trajs),
-            sequence_tokens=sum(t.num_tokens for t in mb_trajs),
+            sequence_tokens=sum([t.num_tokens for t in mb_trajs]),
         ),
         num_tokens=real,
-        step_completion_tokens=sum(t.policy_tokens for t in trajectories),
-        step_sequences=sum(1 for t in trajectories if t.policy_tokens),
+        step_completion_tokens=sum(policy),
+        step_sequences=len(policy) - policy.count(0),
         share_prompt=pack_plan.share_prompt,
     )

@@ -32,23 +32,25 @@ def group_advantages(rewards: Sequence[float], kind: AdvantageKind = "grpo", sco
             raise ValueError(f"{len(scored)} scored flags for {len(rewards)} rewards")
         inner = iter(group_advantages([r for r, s in zip(rewards, scored) if s], kind))
         return [next(inner) if s else 0.0 for s in scored]
-    finite = [r for r in rewards if math.isfinite(r)]
-    if len(finite) < len(rewards):
-        inner = iter(group_advantages(finite, kind))
-        return [next(inner) if math.isfinite(r) else 0.0 for r in rewards]
+    total = sum(rewards)
+    if total - total != 0.0:  # a NaN or an infinity among them (a finite sum means none is)
+        finite = [r for r in rewards if math.isfinite(r)]
+        if len(finite) < len(rewards):
+            inner = iter(group_advantages(finite, kind))
+            return [next(inner) if math.isfinite(r) else 0.0 for r in rewards]
     n = len(rewards)
     if n < 2:
         return [0.0] * n
-    mean = sum(rewards) / n
+    mean = total / n
     if kind == "drgrpo":
         out = [r - mean for r in rewards]
     elif kind == "rloo":
-        total = sum(rewards)
         out = [r - (total - r) / (n - 1) for r in rewards]
     else:
         std = math.sqrt(sum((r - mean) * (r - mean) for r in rewards) / (n - 1))  # `**` raises on overflow
         out = [(r - mean) / (std + EPS) for r in rewards]
-    if not all(math.isfinite(a) for a in out):  # finite rewards whose spread overflows (|r| ~ 1e308)
+    check = sum(out)  # finite: so is every advantage (the common case, one pass in C)
+    if check - check != 0.0 and not all(math.isfinite(a) for a in out):  # finite rewards whose spread overflows (|r| ~ 1e308)
         return [0.0] * n
     return out
 

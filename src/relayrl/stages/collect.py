@@ -12,21 +12,14 @@ from relayrl.types import GenerateResult, Group, Trajectory
 
 def to_group(result: GenerateResult) -> Group:
     req = result.request
+    group_id, prompt, prompt_tokens, version, replica = req.group_id, req.prompt, req.prompt_tokens, result.policy_version, result.replica
+    # positional, in Trajectory's field order (group_id, sample_index, prompt, prompt_tokens,
+    # completion_tokens, sampler_logprobs, completion_text, policy_version, replica): nine
+    # keywords more would cost about a third of this function, run for every trajectory
     return Group(
-        group_id=req.group_id,
-        trajectories=[
-            Trajectory(
-                group_id=req.group_id,
-                sample_index=i,
-                prompt=req.prompt,
-                prompt_tokens=req.prompt_tokens,
-                completion_tokens=c.tokens,
-                sampler_logprobs=c.logprobs,
-                completion_text=c.text,
-                policy_version=result.policy_version,
-                replica=result.replica,
-                finish_reason=c.finish_reason,
-            )
+        group_id,
+        [
+            Trajectory(group_id, i, prompt, prompt_tokens, c.tokens, c.logprobs, c.text, version, replica, finish_reason=c.finish_reason)
             for i, c in enumerate(result.completions)
         ],
     )

@@ -15,6 +15,7 @@ step's file.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import re
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 TRAJECTORY_DIR = "trajectories"
+_TURNS = operator.attrgetter("turns")
 _FILE_RE = re.compile(r"^step=(\d+)\.parquet$")
 _TMP_GLOB = ".step=*.parquet.tmp"
 
@@ -89,7 +91,7 @@ def _token_lists(lists: list[list[int]]) -> pa.Array:
     import pyarrow as pa
 
     offsets = np.zeros(len(lists) + 1, dtype=np.int32)
-    offsets[1:] = np.cumsum([len(x) for x in lists], dtype=np.int64)  # < 2**31 tokens per step
+    offsets[1:] = np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)))  # < 2**31 tokens per step
     values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(offsets[-1]))
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
@@ -101,6 +103,11 @@ def trajectory_table(step: int, trained_version: int, trajectories: list[Traject
 
     pairs = list(_rows(trajectories, filtered))
     ts = [t for t, _ in pairs]
+    turns: object = np.zeros(len(ts), dtype=np.int32)  # single completions: no turns, nothing built per trajectory
+    turn_versions: list[list[int]] = [[]] * len(ts)
+    if any(map(_TURNS, ts)):  # multi-turn episodes
+        turns = [len(t.turns) for t in ts]
+        turn_versions = [[turn.policy_version for turn in t.turns] for t in ts]
     columns: dict[str, object] = {
         "step": [step] * len(ts),
         "prompt_id": [t.prompt.prompt_id for t in ts],
@@ -120,8 +127,8 @@ def trajectory_table(step: int, trained_version: int, trajectories: list[Traject
         "status": [status for _, status in pairs],
         "error": [t.error for t in ts],
         "replica": [t.replica for t in ts],
-        "turns": [len(t.turns) for t in ts],
-        "turn_versions": _token_lists([[turn.policy_version for turn in t.turns] for t in ts]),
+        "turns": turns,
+        "turn_versions": _token_lists(turn_versions),
     }
     schema = trajectory_schema()
     arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=schema.field(name).type) for name, c in columns.items()]

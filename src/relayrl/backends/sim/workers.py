@@ -72,6 +72,8 @@ class SimSampler:
         p = self.success_rate(version)
         results: list[GenerateResult] = []
         longest = 0
+        # uniform lengths drawn here as completion_length draws them (one call less per completion)
+        uniform_max = self._max_new_tokens if self._cfg.length_dist == "uniform" else 0
         for req in requests:
             rng = random.Random(self._seed * 1_000_003 + req.group_id * 7919 + version)
             wrong = str(int(req.prompt.answer) + 1) if req.prompt.answer.lstrip("-").isdigit() else "?"
@@ -80,8 +82,9 @@ class SimSampler:
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     await asyncio.sleep(0)  # a huge request must not hold the event loop for seconds
                 text = req.prompt.answer if rng.random() < p else wrong
-                n = self.completion_length(rng)
-                longest = max(longest, n)
+                n = rng.randint(1, uniform_max) if uniform_max else self.completion_length(rng)
+                if n > longest:
+                    longest = n
                 tokens = [rng.randrange(2, 64) for _ in range(n)]
                 completions.append(Completion(tokens=tokens, logprobs=[-rng.random()] * n, text=text))
             results.append(GenerateResult(req, completions, version, self._replica))
