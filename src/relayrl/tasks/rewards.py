@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -44,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import cast
 
-from relayrl.types import Prompt, Trajectory, Turn
+from relayrl.types import Trajectory
 
 RewardFunction = Callable[[Trajectory], float]
 
@@ -279,35 +280,20 @@ def _copy_json(value: object) -> object:
     return value
 
 
-_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(Turn))
-
-
 def trajectory_copy(t: Trajectory) -> Trajectory:
     """A copy of `t` that shares nothing a reward function could change with it: its lists, its
     turns and its prompt's metadata are copied (the rest is immutable). What an in-process user
     function receives, so one that changes its argument cannot corrupt the trajectory trained on
     (a worker process receives a pickled copy). About 2 µs for a 200-token completion."""
+    c = copy.copy(t)  # every field, so one added to Trajectory is never dropped; then the mutable ones
     p = t.prompt
-    return Trajectory(
-        group_id=t.group_id,
-        sample_index=t.sample_index,
-        prompt=Prompt(p.prompt_id, p.text, p.answer, _copy_json(p.metadata)) if p.metadata else p,  # type: ignore[arg-type]
-        prompt_tokens=t.prompt_tokens[:],
-        completion_tokens=t.completion_tokens[:],
-        sampler_logprobs=t.sampler_logprobs[:],
-        completion_text=t.completion_text,
-        policy_version=t.policy_version,
-        replica=t.replica,
-        reward=t.reward,
-        advantage=t.advantage,
-        status=t.status,
-        error=t.error,
-        finish_reason=t.finish_reason,
-        turns=[Turn(*[getattr(x, f) for f in _TURN_FIELDS]) for x in t.turns],
-        loss_mask=None if t.loss_mask is None else t.loss_mask[:],
-        env_reward=t.env_reward,
-        env_time=t.env_time,
-    )
+    c.prompt = dataclasses.replace(p, metadata=_copy_json(p.metadata)) if p.metadata else p  # type: ignore[arg-type]
+    c.prompt_tokens = t.prompt_tokens[:]
+    c.completion_tokens = t.completion_tokens[:]
+    c.sampler_logprobs = t.sampler_logprobs[:]
+    c.turns = [copy.copy(x) for x in t.turns]  # a Turn's fields are immutable
+    c.loss_mask = None if t.loss_mask is None else t.loss_mask[:]
+    return c
 
 
 def _one_line(exc: BaseException) -> str:
