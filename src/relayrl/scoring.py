@@ -42,6 +42,7 @@ import itertools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from relayrl.rewardpool import CallOutcome, PoolLimits, RewardPool, describe
 from relayrl.rewardthreads import MAX_ABANDONED_THREADS, ThreadedCalls, TooManyAbandoned
@@ -116,6 +117,27 @@ def _clipped(x: float, clip: float) -> float:
     return clip if x > clip else -clip if x < -clip else x
 
 
+def _taken_totals(weights: Sequence[float], columns: list[list[Outcome]], n: int, clip: float) -> list[float] | None:
+    """The `n` trajectories' weighted sums, added in the order `Scorer._settle` adds them row by
+    row, when every value (`columns[i]`: function i's outcomes) is one the scorer takes (a float
+    within ±MAX_ABS_REWARD) and every sum is finite; None otherwise (`_settle` then goes row by
+    row). A function's column at a time, in C: nothing runs in Python per trajectory unless
+    `clip` is on."""
+    lo, hi = -MAX_ABS_REWARD, MAX_ABS_REWARD
+    totals = [0.0] * n
+    for w, column in zip(weights, columns):
+        if not set(map(type, column)) <= {float}:  # a Failure (or anything else, which as_reward prevents)
+            return None
+        floats = cast("list[float]", column)
+        check = sum(floats)
+        if check - check != 0.0 or min(floats, default=0.0) < lo or max(floats, default=0.0) > hi:
+            return None  # NaN, an infinity or a value out of range (with no NaN, min and max are exact)
+        values = map(_clipped, floats, itertools.repeat(clip)) if clip else floats
+        totals = list(map(operator.add, totals, map(operator.mul, itertools.repeat(w), values)))
+    check = sum(totals)
+    return totals if check - check == 0.0 else None  # a finite sum: every total is finite
+
+
 def _call_value(value: object) -> Outcome:
     """A function's return value as an outcome (`as_reward`, its failures as Failures)."""
     try:
@@ -136,23 +158,6 @@ def _check_strict(r: ResolvedReward, t: Trajectory, x: object) -> None:
     failure = _failure_of(x)
     if failure is not None:
         raise strict_error([FailedCall(r.name, failure.reason, failure.detail, t)])
-
-
-def _plain_totals(weights: Sequence[float], grid: list[list[Outcome]]) -> list[float] | None:
-    """Each row's weighted sum, added in the order `Scorer._settle` adds it, when every value is a
-    float within ±MAX_ABS_REWARD and every sum is finite (the common case); None otherwise, for
-    `_settle`'s per-value path to judge. A function's column at a time, in C: nothing runs in
-    Python per trajectory."""
-    totals = [0.0] * len(grid)
-    try:
-        for w, column in zip(weights, zip(*grid)):
-            if max(map(abs, column)) > MAX_ABS_REWARD:  # a Failure raises TypeError here
-                return None
-            totals = list(map(operator.add, totals, map(operator.mul, itertools.repeat(w), column)))
-    except TypeError:
-        return None
-    check = sum(totals)  # NaN or an infinity anywhere makes it so; a float subclass makes it one
-    return totals if check.__class__ is float and check - check == 0.0 else None
 
 
 class Scorer:
@@ -178,20 +183,35 @@ class Scorer:
 
     # -- running the functions ---------------------------------------------------------------
 
+    def _inline_column(self, r: ResolvedReward, trajectories: Sequence[Trajectory], strict: bool) -> list[Outcome]:
+        """An INLINE function's outcomes on the batch, in trajectory order (in the scoring thread)."""
+        fn = r.fn
+        column: list[Outcome] = []
+        for t in trajectories:
+            x: Outcome
+            try:
+                value = fn(t)
+                x = value if value.__class__ is float else as_reward(value)
+            except NonFiniteReward as exc:
+                x = Failure(RewardFailure.NON_FINITE, str(exc))
+            except Exception as exc:  # a reward function may raise anything
+                x = Failure(RewardFailure.RAISED, describe(exc))
+            column.append(x)
+            if strict:
+                _check_strict(r, t, x)
+        return column
+
+    def _score_inline(self, trajectories: Sequence[Trajectory], strict: bool) -> list[FailedCall]:
+        """`score` when every function is INLINE (the default recipes), in the scoring thread: the
+        outcomes stay columns, one per function, and no row is made per trajectory unless some
+        value is not taken (`_settle`)."""
+        return self._settle(trajectories, None, [self._inline_column(r, trajectories, strict) for _, r in self._inline])
+
     def _run_sync(self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]], strict: bool) -> None:
         """The INLINE, THREAD and POOL parts of a batch (in the scoring thread)."""
         for i, r in self._inline:
-            fn = r.fn
-            for t, row in zip(trajectories, grid):
-                try:
-                    value = fn(t)
-                    row[i] = value if value.__class__ is float else as_reward(value)
-                except NonFiniteReward as exc:
-                    row[i] = Failure(RewardFailure.NON_FINITE, str(exc))
-                except Exception as exc:  # a reward function may raise anything
-                    row[i] = Failure(RewardFailure.RAISED, describe(exc))
-                if strict:
-                    _check_strict(r, t, row[i])
+            for row, x in zip(grid, self._inline_column(r, trajectories, strict)):
+                row[i] = x
         for i, r in self._threaded:
             self._run_threaded(i, r, trajectories, grid, strict)
         if self.pool is not None:
@@ -271,7 +291,10 @@ class Scorer:
     async def _run(
         self, trajectories: Sequence[Trajectory], settle: bool, strict: bool = False
     ) -> tuple[list[list[Outcome]], list[FailedCall]]:
-        grid: list[list[Outcome]] = [[0.0] * len(self.rewards) for _ in trajectories]
+        if settle and len(self._inline) == len(self.rewards):  # the default recipes: one call into the scoring thread
+            return [], await self._workers.run("score", functools.partial(self._score_inline, trajectories, strict))
+        zeros = (0.0,) * len(self.rewards)
+        grid: list[list[Outcome]] = list(map(list, itertools.repeat(zeros, len(trajectories))))  # a row each, made in C
         failed: list[FailedCall] = []
 
         def sync_part(then_settle: bool) -> None:
@@ -318,14 +341,23 @@ class Scorer:
                     row[i] = _clipped(x, clip)  # type: ignore[arg-type]
         return grid
 
-    def _settle(self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]]) -> list[FailedCall]:
+    def _settle(
+        self, trajectories: Sequence[Trajectory], grid: list[list[Outcome]] | None, columns: list[list[Outcome]] | None = None
+    ) -> list[FailedCall]:
+        """Set each trajectory's reward, status and error from its outcomes: `grid` by trajectory,
+        or `columns` by function (`_score_inline`'s); the failed calls."""
         rewards = self.rewards
         clip = self.settings.clip
-        totals = None if clip else _plain_totals([r.weight for r in rewards], grid)
-        if totals is not None:  # every value a float within range, every sum finite: no failure
+        if columns is None:
+            assert grid is not None
+            columns = [list(map(operator.itemgetter(i), grid)) for i in range(len(rewards))]
+        totals = _taken_totals([r.weight for r in rewards], columns, len(trajectories), clip)
+        if totals is not None:  # every value taken, every sum finite (the common case): no failure
             for t, total in zip(trajectories, totals):
                 t.reward = total
             return []
+        if grid is None:
+            grid = [list(row) for row in zip(*columns)]
         lo, hi = -MAX_ABS_REWARD, MAX_ABS_REWARD
         failed: list[FailedCall] = []
         for t, row in zip(trajectories, grid):

@@ -9,6 +9,7 @@ so it can be sent to a worker in another process.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -169,10 +170,11 @@ class Trajectory:
     status: TrajectoryStatus = TrajectoryStatus.OK
     error: str | None = None
     finish_reason: str = "stop"
-    # multi-turn episodes: the policy turns (empty for a single completion); `loss_mask[i]` is 1
-    # where completion token i is the policy's (trained) and 0 where it is an observation
-    # (context only; its `sampler_logprobs` entry is 0.0); None: every token is the policy's
-    turns: list[Turn] = field(default_factory=list)
+    # multi-turn episodes: the policy turns (empty for a single completion: the shared empty
+    # tuple, so a single completion allocates no list the garbage collector must then track);
+    # `loss_mask[i]` is 1 where completion token i is the policy's (trained) and 0 where it is an
+    # observation (context only; its `sampler_logprobs` entry is 0.0); None: every token is the policy's
+    turns: Sequence[Turn] = ()
     loss_mask: list[int] | None = None
     env_reward: float | None = None  # the environment's reward parts summed (None: no environment)
     env_time: float = 0.0  # seconds its environment steps took

@@ -16,16 +16,29 @@ to be logged (status `failed`) and counted (the ledger's `trajectories_failed`).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import operator
 
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
 from relayrl.ledger import Ledger
 from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory, TrajectoryStatus
 from relayrl.window import DispatchWindow
 
+_PROMPT_TOKENS = operator.attrgetter("prompt_tokens")
+_COMPLETION_TOKENS = operator.attrgetter("completion_tokens")
+_STATUS = operator.attrgetter("status")
+
 
 def scored(trajectories: list[Trajectory]) -> list[bool]:
     """Per trajectory, whether its reward counts (False: its reward call failed)."""
-    return [t.status is not TrajectoryStatus.FAILED for t in trajectories]
+    return list(map(operator.is_not, map(_STATUS, trajectories), itertools.repeat(TrajectoryStatus.FAILED)))
+
+
+def _longest(trajs: list[Trajectory]) -> int:
+    """The most tokens any of `trajs` has (`Trajectory.num_tokens`), in C: this runs for every
+    trajectory of the run."""
+    lengths = map(operator.add, map(len, map(_PROMPT_TOKENS, trajs)), map(len, map(_COMPLETION_TOKENS, trajs)))
+    return max(lengths, default=0)
 
 
 def filter_reason(
@@ -37,8 +50,9 @@ def filter_reason(
     trajectories, if known."""
     trajs = group.trajectories
     flags = scored(trajs) if counted is None else counted
-    if row_tokens is not None and any(s and t.num_tokens > row_tokens for s, t in zip(flags, trajs)):
-        return FilterReason.TOO_LONG
+    if row_tokens is not None and _longest(trajs) > row_tokens:  # rare: then look at the scored ones
+        if any(s and t.num_tokens > row_tokens for s, t in zip(flags, trajs)):
+            return FilterReason.TOO_LONG
     if not any(flags):
         return FilterReason.ALL_FAILED
     if dynamic_sampling and rewards_tie([t.reward for t in trajs], flags):

@@ -39,6 +39,7 @@ from relayrl.backends.protocols import Collator, QueueAheadTrainer, Trainer
 from relayrl.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.ledger import Ledger
 from relayrl.packing import build_microbatch, plan
+from relayrl.stages.advantage import scored
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory, TrajectoryStatus
@@ -324,7 +325,7 @@ class TrainLoop:
             record.commit_time = end
             step_start = last_commit = end
             for group in prepared.groups:
-                self._ledger.trained(group.group_id, sum(t.status is not TrajectoryStatus.FAILED for t in group.trajectories))
+                self._ledger.trained(group.group_id, sum(scored(group.trajectories)))
             record.filtered = self._ledger.drain_filtered()
             self._on_commit(record)
             self.records.append(record)

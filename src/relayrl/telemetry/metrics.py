@@ -48,7 +48,7 @@ def reduce_step(record: StepRecord) -> Metrics:
         "num_trajectories": len(trajs),
         "num_groups": len(record.groups),
         "filtered_groups": len(record.filtered),
-        "failed_trajectories": sum(1 for t in trajs if t.status is TrajectoryStatus.FAILED),
+        "failed_trajectories": len(trajs) - len(rewards),  # those `rewards` leaves out
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "staleness_max": max(staleness, default=0),
         "completion_len_mean": sum(completion_lengths) / len(completion_lengths) if trajs else 0.0,
