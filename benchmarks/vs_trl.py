@@ -181,8 +181,8 @@ def run_relayrl(w: Workload, heldout: list[Prompt], workdir: Path) -> Outcome:
     from transformers import PreTrainedModel
 
     from relayrl.recipes import default_recipe
-    from relayrl.config import load_config
-    from relayrl.run import build_program
+    from relayrl.config.schema import load_config
+    from relayrl.orchestrator.build import build_program
 
     cfg = load_config(default_recipe(), relayrl_overrides(w, workdir / "relayrl"))
     program = build_program(cfg, run_dir=workdir / "relayrl" / cfg.run.name)
@@ -236,7 +236,7 @@ class ExactMatchReward:
         self.batch_means: list[float] = []
 
     def __call__(self, prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
-        from relayrl.tasks.rewards import exact_match
+        from relayrl.rewards.registry import exact_match
         from relayrl.types import Prompt, Trajectory
 
         out = []

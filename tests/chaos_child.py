@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from relayrl.backends.sim.workers import SimSampler  # noqa: E402
-from relayrl.run import build_program  # noqa: E402
+from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest, Trajectory  # noqa: E402
 from simutil import sim_config  # noqa: E402
 

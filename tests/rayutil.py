@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from relayrl.backends.ray.cluster import RayCluster, connect
-from relayrl.config import RayConfig
+from relayrl.config.schema import RayConfig
 
 
 def local_cluster() -> Iterator[RayCluster]:

@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from relayrl.callbacks import Callback
-from relayrl.config import Config, load_config
-from relayrl.program import Program, RunResult
-from relayrl.run import build_program
-from relayrl.telemetry.checker import check_run_dir
-from relayrl.telemetry.timeline import Span, spans
+from relayrl.analysis.checker import check_run_dir
+from relayrl.analysis.timeline import Span, spans
+from relayrl.config.schema import Config, load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.program import Program, RunResult
+from relayrl.telemetry.callbacks import Callback
 
 
 def sim_config(*overrides: str) -> Config:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from relayrl.bench import BOUNDARY_PROFILE, run_boundary, run_control_plane, run_e2e, run_ray_scale, run_weight_sync
+from relayrl.bench.suite import BOUNDARY_PROFILE, run_boundary, run_control_plane, run_e2e, run_ray_scale, run_weight_sync
 
 
 def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeeping() -> None:
@@ -38,7 +38,7 @@ def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeep
 
 def test_boundary_bench_json_output() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02"],
+        [sys.executable, "-m", "relayrl", "bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.callbacks import Callback
+from relayrl.telemetry.callbacks import Callback
 from relayrl.types import StepResult
 from simutil import find, make_program, run_checked, sim_config, trace_spans
 

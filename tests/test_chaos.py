@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 
 from chaos_child import STEPS
-from relayrl.checkpoint import CHECKPOINTS
-from relayrl.telemetry.checker import check_run_dir
+from relayrl.analysis.checker import check_run_dir
+from relayrl.rundir.checkpoint import CHECKPOINTS
 
 CHILD = Path(__file__).parent / "chaos_child.py"
 FAULTS = ("sampler_raises", "slow_fetch", "hanging_reward", "stalled_trainer", "sigkill")

@@ -18,11 +18,11 @@ import pandas as pd
 import pytest
 import torch
 
-from relayrl.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
-from relayrl.config import load_config
-from relayrl.ledger import Ledger
-from relayrl.run import build_program
-from relayrl.telemetry.checker import check_run_dir
+from relayrl.analysis.checker import check_run_dir
+from relayrl.config.schema import load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.rundir.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
 from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, Prompt
 from simutil import StopAt, Stopped, run_checked, sim_config
 
@@ -45,7 +45,7 @@ SIM_RUN = [
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "relayrl.cli", "train", *args]
+    return [sys.executable, "-m", "relayrl", "train", *args]
 
 
 def _env() -> dict[str, str]:

@@ -15,7 +15,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 
 
 def relayrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300)
+    return subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,10 @@ def test_bad_jsonl_row_is_named(tmp_path: Path) -> None:
 
 def test_runs_piped_prints_whole_values(trained: Path) -> None:
     """stdout is a pipe here (capture_output) and the terminal narrow: no value is cut."""
-    from relayrl.telemetry.runlist import RUN_COLUMNS, run_figures, runs_cells
+    from relayrl.analysis.runlist import RUN_COLUMNS, run_figures, runs_cells
 
     env = {**ENV, "COLUMNS": "40"}
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", "runs"], cwd=trained, capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "relayrl", "runs"], cwd=trained, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "…" not in res.stdout
     header, row = res.stdout.splitlines()
@@ -88,7 +88,7 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Block())
 sys.argv = ["relayrl", *sys.argv[1:]]
-from relayrl.cli import main
+from relayrl.cli.main import main
 main()
 """
 

@@ -17,9 +17,9 @@ from transformers import PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.trainer import NonFiniteStepError, TrainerCompute, TrainerSettings
-from relayrl.config import ConfigError, load_config
+from relayrl.config.schema import ConfigError, load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.run import build_program
+from relayrl.orchestrator.build import build_program
 from relayrl.types import TrainBatch
 from test_local_backend import _tiny_batch
 
@@ -141,7 +141,7 @@ def test_the_command_line_reports_it_in_one_line(tmp_path: Path) -> None:
                 out.loss = out.loss * float("nan")
                 return out
             t.policy_loss = nan_loss
-            from relayrl.cli import main
+            from relayrl.cli.main import main
             sys.argv = ["relayrl", "train", *sys.argv[1:]]
             main()
             """

@@ -1,7 +1,7 @@
-"""Bounds on worker calls (relayrl.deadlines): a generate or weight load that never returns fails
+"""Bounds on worker calls (relayrl.orchestrator.deadlines): a generate or weight load that never returns fails
 its replica over; a trainer call that never returns fails the run naming the call; the bound
 itself cancels what it gave up on and leaves no task or unretrieved error behind. The stall
-watchdog (relayrl.watchdog) ends a run in which no step commits, saying where it is stuck."""
+watchdog (relayrl.orchestrator.watchdog) ends a run in which no step commits, saying where it is stuck."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from relayrl.backends.sim.workers import SimSampler
-from relayrl.deadlines import CallTimeoutError, bounded
-from relayrl.replicas import SamplerRetiredWarning
+from relayrl.orchestrator.deadlines import CallTimeoutError, bounded
+from relayrl.orchestrator.replicas import SamplerRetiredWarning
+from relayrl.orchestrator.watchdog import StallError
 from relayrl.types import GenerateResult, SampleRequest, Weights
-from relayrl.watchdog import StallError
 from simutil import make_program, run_checked, sim_config
 
 
@@ -159,7 +159,7 @@ def test_a_stalled_run_writes_where_it_is_stuck_and_fails(tmp_path: Path, capfd:
 BLOCKED_LOOP = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from relayrl.callbacks import Callback
+from relayrl.telemetry.callbacks import Callback
 from simutil import make_program, sim_config
 from pathlib import Path
 import asyncio

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config import AlgorithmConfig, Config, config_to_toml, load_config
+from relayrl.config.schema import AlgorithmConfig, Config, config_to_toml, load_config
 
 
 def test_drgrpo_brings_its_constant_normaliser() -> None:

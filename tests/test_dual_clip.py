@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from relayrl.algorithms.losses import LossConfig, LossOutput, policy_loss
-from relayrl.config import Config, ConfigError, load_config
+from relayrl.config.schema import Config, ConfigError, load_config
 from simutil import make_program, run_checked, sim_config
 
 torch.set_num_threads(1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from relayrl.config import OPTIONAL_SINKS, SINK_EXTRAS, SINK_MODULES, Config, TelemetryConfig, load_config
-from relayrl.extras import MissingExtra, check_extras, is_installed, needed, require
+from relayrl.config.extras import MissingExtra, check_extras, is_installed, needed, require
+from relayrl.config.schema import OPTIONAL_SINKS, SINK_EXTRAS, SINK_MODULES, Config, TelemetryConfig, load_config
 from relayrl.recipes import default_recipe
 
 

@@ -12,13 +12,13 @@ import pytest
 
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
 from relayrl.backends.sim import SimTrainer
-from relayrl.ledger import Ledger
-from relayrl.program import RunResult
-from relayrl.run import build_program
-from relayrl.stages.advantage import advantage_stage, filter_reason
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.program import RunResult
+from relayrl.orchestrator.stages.advantage import advantage_stage, filter_reason
+from relayrl.orchestrator.window import DispatchWindow
 from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import FilterReason, Group, Prompt, TrainBatch, Trajectory, TrajectoryStatus
-from relayrl.window import DispatchWindow
 from simutil import run_checked, sim_config
 
 KINDS: tuple[AdvantageKind, ...] = ("grpo", "drgrpo", "rloo")

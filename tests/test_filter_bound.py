@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
-from relayrl.run import build_program
-from relayrl.telemetry.checker import check_run_dir
+from relayrl.analysis.checker import check_run_dir
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
 from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory
 from simutil import make_program, run_checked, sim_config
 
@@ -162,7 +162,7 @@ def test_the_cli_exits_1_with_one_line_naming_the_step_and_the_reasons(tmp_path:
     sets += ["algorithm.dynamic_sampling=true", 'task.reward_functions=["const.py:one"]']
     args = [arg for s in sets for arg in ("--set", s)]
     res = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "train", "--backend", "sim", *args],
+        [sys.executable, "-m", "relayrl", "train", "--backend", "sim", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config import load_config
-from relayrl.run import build_program
+from relayrl.config.schema import load_config
+from relayrl.orchestrator.build import build_program
 from relayrl.telemetry.trajlog import read_trajectories
 from simutil import run_checked
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.backends.sim import SimSampler, SimTrainer
-from relayrl.evaluation import HeldoutEvaluator
+from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.threads import ThreadHost, Workers
 from relayrl.types import GenerateResult, Prompt, SampleRequest, TrainBatch, Trajectory, Weights
 from simutil import make_program, run_checked, sim_config, trace_spans

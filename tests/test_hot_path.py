@@ -14,12 +14,12 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relayrl import scoring
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages
+from relayrl.orchestrator.stages.collect import to_group
 from relayrl.packing import first_fit_decreasing, segments
-from relayrl.scoring import Failure, Outcome, Scorer, ScorerSettings
-from relayrl.stages.collect import to_group
-from relayrl.tasks.rewards import Placement, ResolvedReward
+from relayrl.rewards import scoring
+from relayrl.rewards.registry import Placement, ResolvedReward
+from relayrl.rewards.scoring import Failure, Outcome, Scorer, ScorerSettings
 from relayrl.threads import Workers
 from relayrl.types import Completion, GenerateResult, Prompt, RewardFailure, SampleRequest, Trajectory, TrajectoryStatus
 

@@ -201,5 +201,5 @@ def test_default_recipe_lives_outside_cli() -> None:
 
     assert default_recipe().is_file()
     graph = import_graph()
-    assert "relayrl.cli" not in graph["relayrl.bench"]
-    assert "relayrl.cli" not in graph["relayrl.recipes"]
+    assert "relayrl.cli.main" not in graph["relayrl.bench.suite"]
+    assert "relayrl.cli.main" not in graph["relayrl.recipes"]

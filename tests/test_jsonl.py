@@ -1,4 +1,4 @@
-"""The one JSON-lines reader and writer (relayrl.jsonl): the checkpoint rewind and the report read a
+"""The one JSON-lines reader and writer (relayrl.rundir.jsonl): the checkpoint rewind and the report read a
 file the same way — a torn last line is dropped by both — and only differ on other damage, which
 the rewind refuses (naming file and line) and the report counts."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.checkpoint import CheckpointError, ResumePoint, rewind_run_dir
-from relayrl.jsonl import JsonlError, JsonlWriter, append_rows, read_rows, rewrite_rows
-from relayrl.telemetry.report import read_jsonl
+from relayrl.analysis.report import read_jsonl
+from relayrl.rundir.checkpoint import CheckpointError, ResumePoint, rewind_run_dir
+from relayrl.rundir.jsonl import JsonlError, JsonlWriter, append_rows, read_rows, rewrite_rows
 
 ROWS = [{"step": s, "reward_mean": s / 10, "note": "a\u2028b"} for s in range(3)]
 WHOLE = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS).encode()

@@ -13,10 +13,10 @@ import torch
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings, lr_multiplier
-from relayrl.config import load_config
+from relayrl.config.schema import load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+from relayrl.orchestrator.build import build_program
 from relayrl.recipes import default_recipe
-from relayrl.run import build_program
 from relayrl.types import TrainBatch
 from simutil import StopAt, Stopped, run_checked
 

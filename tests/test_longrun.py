@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.callbacks import Callback
-from relayrl.ledger import Ledger, LedgerError
-from relayrl.run import build_program
-from relayrl.telemetry import timeline
+from relayrl.analysis import timeline
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import Ledger, LedgerError
+from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.stepbook import StepResults
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, Prompt, StepResult
@@ -134,7 +134,7 @@ def test_the_ledger_keeps_no_per_group_record_of_settled_groups() -> None:
 
 
 def test_soak_bench_reports_every_figure() -> None:
-    from relayrl.bench import run_soak
+    from relayrl.bench.suite import run_soak
 
     try:
         figures = run_soak(steps=200, time_scale=0.002)
@@ -154,7 +154,7 @@ def test_soak_bench_reports_every_figure() -> None:
 
 def test_soak_bench_json_output() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "bench", "soak", "--json", "--steps", "40", "--time-scale", "0.002"],
+        [sys.executable, "-m", "relayrl", "bench", "soak", "--json", "--steps", "40", "--time-scale", "0.002"],
         capture_output=True,
         text=True,
         timeout=120,

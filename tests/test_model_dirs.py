@@ -79,7 +79,7 @@ def test_the_cli_refuses_a_broken_model_directory_and_writes_nothing(
     out = tmp_path / "runs"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = ["train", "--set", f"model.path={model_dir}", "--set", f"run.output_dir={out}", "--set", "run.steps=1"]
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], res.stderr

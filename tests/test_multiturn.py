@@ -14,11 +14,11 @@ import torch
 
 from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logprobs
-from relayrl.config import ConfigError, load_config
+from relayrl.config.schema import ConfigError, load_config
 from relayrl.envs.base import EnvStep
-from relayrl.run import build_program
-from relayrl.stages.dispatch import PromptTooLongWarning
-from relayrl.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner, EpisodeSettings
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning
+from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner, EpisodeSettings
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult

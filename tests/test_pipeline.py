@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.backends.sim import SimSampler
-from relayrl.tasks import rewards
+from relayrl.rewards import registry as rewards
 from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import GenerateResult, SampleRequest, Trajectory
 from simutil import make_program, run_checked, sim_config, trace_spans
@@ -229,7 +229,7 @@ def test_requests_that_fail_on_two_replicas_fail_the_run_instead_of_retiring_the
 
 
 def test_a_replica_is_retired_once_however_often_it_fails() -> None:
-    from relayrl.replicas import ReplicaPool
+    from relayrl.orchestrator.replicas import ReplicaPool
 
     pool = ReplicaPool.of([SimSampler(sim_config().sim, 4, 0, replica=i) for i in range(2)], failover=True)
     a, b = pool.slots

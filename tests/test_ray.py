@@ -19,14 +19,14 @@ import torch
 ray = pytest.importorskip("ray")
 
 from rayutil import local_cluster  # noqa: E402
+from relayrl.analysis import timeline  # noqa: E402
+from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
 from relayrl.backends.ray.build import build_ray_backend  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.backends.ray.transport import ArrayState, decode, encode  # noqa: E402
-from relayrl.config import load_config  # noqa: E402
-from relayrl.run import build_program  # noqa: E402
-from relayrl.telemetry import timeline  # noqa: E402
-from relayrl.telemetry.checker import check_run_dir  # noqa: E402
+from relayrl.config.schema import load_config  # noqa: E402
+from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
 from simutil import run_checked, sim_config  # noqa: E402
 
@@ -156,7 +156,7 @@ def test_a_run_that_starts_its_own_cluster_leaves_no_ray_process(cluster: RayClu
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
     recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
     args = ["train", str(recipe), "--ray", "--set", "ray.num_cpus=1", "--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}"]
-    res = subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=180)
+    res = subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "started a local Ray cluster" in res.stdout
     assert _ray_processes() == before

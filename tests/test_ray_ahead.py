@@ -17,16 +17,16 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rayutil import local_cluster  # noqa: E402
+from relayrl.analysis import timeline  # noqa: E402
+from relayrl.analysis.checker import check_events, check_run_dir  # noqa: E402
 from relayrl.backends.local.build import load_base, make_trainer  # noqa: E402
 from relayrl.backends.ray.actors import RayTrainer, TrainStepError  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.backends.sim.workers import SimTrainer  # noqa: E402
-from relayrl.config import load_config  # noqa: E402
-from relayrl.deadlines import BoundedTrainer, CallTimeoutError  # noqa: E402
-from relayrl.program import RunResult  # noqa: E402
-from relayrl.run import build_program  # noqa: E402
-from relayrl.telemetry import timeline  # noqa: E402
-from relayrl.telemetry.checker import check_events, check_run_dir  # noqa: E402
+from relayrl.config.schema import load_config  # noqa: E402
+from relayrl.orchestrator.build import build_program  # noqa: E402
+from relayrl.orchestrator.deadlines import BoundedTrainer, CallTimeoutError  # noqa: E402
+from relayrl.orchestrator.program import RunResult  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
 from simutil import run_checked, sim_config  # noqa: E402
 

@@ -30,14 +30,14 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rayutil import local_cluster  # noqa: E402
+from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer, TrainerActorDiedError  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.backends.sim.workers import SimTrainer  # noqa: E402
-from relayrl.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
-from relayrl.config import Config, load_config  # noqa: E402
-from relayrl.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
-from relayrl.run import build_program  # noqa: E402
-from relayrl.telemetry.checker import check_run_dir  # noqa: E402
+from relayrl.config.schema import Config, load_config  # noqa: E402
+from relayrl.orchestrator.build import build_program  # noqa: E402
+from relayrl.orchestrator.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
+from relayrl.rundir.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch  # noqa: E402
 from simutil import sim_config  # noqa: E402
 
@@ -275,7 +275,7 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     # (c) the real CLI resumes it on Ray, joining the module's cluster, and completes the run
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
     resumed = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "train", "--resume", str(run_dir), "--ray", "--set", f"ray.address={cluster.address}"],
+        [sys.executable, "-m", "relayrl", "train", "--resume", str(run_dir), "--ray", "--set", f"ray.address={cluster.address}"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -341,7 +341,7 @@ def test_sigterm_stops_a_cli_run_on_its_own_ray_cluster_cleanly(cluster: RayClus
     sets = ["ray.num_cpus=1", "run.steps=100000", f"run.output_dir={tmp_path}", "run.name=t", "orchestrator.checkpoint_every=1"]
     args = ["train", str(recipe), "--ray", *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "relayrl", *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 60

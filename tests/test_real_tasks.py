@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config import ConfigError, load_config
-from relayrl.extras import MissingExtra, check_extras
-from relayrl.run import build_program
-from relayrl.tasks import rewards
+from relayrl.config.extras import MissingExtra, check_extras
+from relayrl.config.schema import ConfigError, load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.rewards import registry as rewards
+from relayrl.rewards.math_verify import answers_match, math_verify
 from relayrl.tasks.build import build_task
-from relayrl.tasks.math_verify import answers_match, math_verify
 from relayrl.tasks.reasoning_gym import (
     METADATA_KEY,
     ReasoningGymConfig,
@@ -143,7 +143,7 @@ def test_config_keys_of_the_reasoning_gym_task_are_validated() -> None:
 
 
 def test_the_tasks_extra_is_required_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
-    import relayrl.extras as extras
+    import relayrl.config.extras as extras
 
     cfg = load_config(None, ["task.kind=reasoning_gym", "task.dataset=chain_sum", 'task.reward_functions=["math_verify"]'])
     check_extras(cfg)  # installed here
@@ -183,7 +183,7 @@ def test_answers_are_read_from_the_last_answer_tag_else_the_whole_completion() -
 
 
 #: the lines that register the two rewards under their built-in names
-OPTIONAL = {"reasoning_gym": "relayrl.tasks.reasoning_gym:reasoning_gym_reward", "math_verify": "relayrl.tasks.math_verify:math_verify"}
+OPTIONAL = {"reasoning_gym": "relayrl.tasks.reasoning_gym:reasoning_gym_reward", "math_verify": "relayrl.rewards.math_verify:math_verify"}
 
 
 def test_the_built_in_names_resolve_to_the_rewards(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,7 +257,7 @@ def test_a_resumed_reasoning_gym_run_scores_its_replayed_prompts(tmp_path: Path,
 
 
 def test_a_bad_dataset_name_exits_2_naming_task_dataset(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "relayrl.cli", "train", str(SIM_RECIPE), "--set", "task.kind=reasoning_gym"]
+    args = [sys.executable, "-m", "relayrl", "train", str(SIM_RECIPE), "--set", "task.kind=reasoning_gym"]
     res = subprocess.run(
         [*args, "--set", "task.dataset=no_such_dataset"], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300
     )

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.callbacks import Callback
-from relayrl.config import load_config
-from relayrl.run import build_program
-from relayrl.telemetry import timeline
-from relayrl.telemetry.plots import PLOTS, SPAN_COLOURS, step_time_stack, timeline_window
-from relayrl.telemetry.report import write_report
-from relayrl.telemetry.rundata import load_run, read_jsonl
-from relayrl.telemetry.runlist import list_runs, runs_text
+from relayrl.analysis import timeline
+from relayrl.analysis.plots import PLOTS, SPAN_COLOURS, step_time_stack, timeline_window
+from relayrl.analysis.report import write_report
+from relayrl.analysis.rundata import load_run, read_jsonl
+from relayrl.analysis.runlist import list_runs, runs_text
+from relayrl.config.schema import load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.tracer import load_trace
 from relayrl.types import StepResult
 
@@ -396,7 +396,7 @@ def test_step_time_bars_stack_only_exposed_time() -> None:
 def test_step_time_plot_draws_bars_no_higher_than_the_step(finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from matplotlib.axes import Axes
 
-    from relayrl.telemetry.plots import plot_step_time
+    from relayrl.analysis.plots import plot_step_time
 
     data = load_run(finished, trace=False, trajectories=False)
     assert data.metrics and all("packing_time" in r for r in data.metrics)

@@ -1,6 +1,6 @@
 """What one reward call returns or how it fails, on every path a function can run on.
 
-Paths (tasks/rewards.py `Placement`): INLINE (a built-in, in the scoring thread), THREAD (a
+Paths (rewards/registry.py `Placement`): INLINE (a built-in, in the scoring thread), THREAD (a
 Python-API sync callable, in a reward call thread with a deadline), ASYNC (awaited on the loop),
 POOL (a worker process). Each numeric type a function may return is scored as its value on each
 path; out-of-range values and non-numbers fail with the right reason; `task.reward_clip`;
@@ -31,12 +31,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from relayrl.config import load_config
-from relayrl.rewardthreads import MAX_ABANDONED_THREADS, AbandonedRewardThreadWarning
-from relayrl.run import build_program
-from relayrl.scoring import RewardError, Scorer, ScorerSettings
-from relayrl.tasks import rewards
-from relayrl.tasks.rewards import MAX_ABS_REWARD, Placement, RewardSpecError, resolve_rewards, trajectory_copy
+from relayrl.config.schema import load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.rewards import registry as rewards
+from relayrl.rewards.registry import MAX_ABS_REWARD, Placement, RewardSpecError, resolve_rewards, trajectory_copy
+from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
+from relayrl.rewards.threads import MAX_ABANDONED_THREADS, AbandonedRewardThreadWarning
 from relayrl.threads import Workers
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Turn
 from simutil import run_checked, sim_config
@@ -376,7 +376,7 @@ def test_an_entry_that_cannot_take_a_trajectory_exits_2_naming_it(tmp_path: Path
     (tmp_path / "rwsig.py").write_text(SIGNATURES)
     out = tmp_path / "runs"
     done = subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", "train", str(SIM_RECIPE), "--set", f'task.reward_functions=["rwsig.py:fine", "{entry}"]']
+        [sys.executable, "-m", "relayrl", "train", str(SIM_RECIPE), "--set", f'task.reward_functions=["rwsig.py:fine", "{entry}"]']
         + ["--set", f"run.output_dir={out}"],
         cwd=tmp_path,
         capture_output=True,
@@ -607,7 +607,7 @@ def test_too_many_abandoned_threads_fail_the_run_naming_the_function(tmp_path: P
 
 
 def test_the_optional_built_ins_run_in_the_worker_pool_with_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert rewards.OPTIONAL_REWARDS["math_verify"] == "relayrl.tasks.math_verify:math_verify"
+    assert rewards.OPTIONAL_REWARDS["math_verify"] == "relayrl.rewards.math_verify:math_verify"
     (tmp_path / "rwslow_builtin.py").write_text("import threading\ndef verify(t):\n    threading.Event().wait()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(rewards.OPTIONAL_REWARDS, "hangs_on_sympy", "rwslow_builtin:verify")  # registered as math_verify is
@@ -629,7 +629,7 @@ def test_the_optional_built_ins_run_in_the_worker_pool_with_the_deadline(tmp_pat
 def test_math_verify_resolves_to_the_worker_pool() -> None:
     pytest.importorskip("math_verify")
     (resolved,) = resolve_rewards(["math_verify"])
-    assert (resolved.placement, resolved.spec) == (Placement.POOL, "relayrl.tasks.math_verify:math_verify")
+    assert (resolved.placement, resolved.spec) == (Placement.POOL, "relayrl.rewards.math_verify:math_verify")
     assert [r.placement for r in resolve_rewards(["exact_match", "numeric_match", "first_integer_match", "last_integer_match", "env"])] == [
         Placement.INLINE
     ] * 5

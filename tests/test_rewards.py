@@ -28,13 +28,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from relayrl.algorithms.advantages import group_advantages, rewards_tie
-from relayrl.config import load_config
-from relayrl.evaluation import HeldoutEvaluator
-from relayrl.ledger import Ledger
-from relayrl.rewardpool import PoolLimits, RewardPool
-from relayrl.run import build_program
-from relayrl.scoring import RewardError, Scorer, ScorerSettings
-from relayrl.tasks.rewards import Placement, RewardSpecError, resolve_rewards
+from relayrl.config.schema import load_config
+from relayrl.eval.heldout import HeldoutEvaluator
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.rewards.pool import PoolLimits, RewardPool
+from relayrl.rewards.registry import Placement, RewardSpecError, resolve_rewards
+from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.threads import Workers
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Weights
 from simutil import make_program, run_checked, sim_config
@@ -80,7 +80,7 @@ def _rows(run_dir: Path) -> list[dict[str, object]]:
 
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", *args],
+        [sys.executable, "-m", "relayrl", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from relayrl.analysis.report import list_runs
 from relayrl.backends.sim.workers import SimSampler
-from relayrl.config import ConfigError, load_config
-from relayrl.rundir import MARKER, RunDirError, RunDirLock, is_live
-from relayrl.sizing import check_fits
-from relayrl.telemetry.report import list_runs
+from relayrl.config.schema import ConfigError, load_config
+from relayrl.config.sizing import check_fits
+from relayrl.rundir.lock import MARKER, RunDirError, RunDirLock, is_live
 from relayrl.types import GenerateResult, SampleRequest, Weights
 
 QUICK = ["--backend", "sim", "--set", "run.steps=3", "--set", "rollout.groups_per_step=2", "--set", "rollout.num_generations=2"]
@@ -46,13 +46,13 @@ LONG = [
 
 def relayrl(*args: str, cwd: Path, **kw: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300, **kw)  # type: ignore[call-overload]
+    return subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300, **kw)  # type: ignore[call-overload]
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-m", "relayrl", *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
 
 

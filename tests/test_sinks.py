@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config import ConfigError
+from relayrl.config.schema import ConfigError
 from relayrl.telemetry import sinks as sinks_mod
 from relayrl.telemetry.sinks import (
     GuardedSink,
@@ -313,7 +313,7 @@ def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: 
     from mlflow.tracking import MlflowClient
     from tensorboardX.proto import event_pb2
 
-    from relayrl.run import build_program
+    from relayrl.orchestrator.build import build_program
     from simutil import StopAt, Stopped, sim_config
 
     sets = ['telemetry.sinks=["tensorboard", "wandb", "mlflow"]', "orchestrator.checkpoint_every=2"]

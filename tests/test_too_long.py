@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.checkpoint import PromptSource
-from relayrl.config import load_config
-from relayrl.ledger import Ledger
-from relayrl.run import build_program
-from relayrl.stages.advantage import filter_reason
-from relayrl.stages.dispatch import PromptTooLongWarning, dispatch_stage
+from relayrl.config.schema import load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.stages.advantage import filter_reason
+from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning, dispatch_stage
+from relayrl.orchestrator.window import DispatchWindow
+from relayrl.rundir.checkpoint import PromptSource
 from relayrl.types import FilterReason, Group, Prompt, SampleRequest, Trajectory
-from relayrl.window import DispatchWindow
 from simutil import run_checked
 
 

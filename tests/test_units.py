@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from relayrl.algorithms.advantages import group_advantages
 from relayrl.backends.sim import workers as sim_workers
 from relayrl.backends.sim.workers import SimSampler
-from relayrl.config import ConfigError, load_config
-from relayrl.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
+from relayrl.config.schema import ConfigError, load_config
+from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
+from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, layout_tokens, plan
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Completion, Prompt, SampleRequest, Trajectory
-from relayrl.window import DispatchWindow
 
 
 # -- deferred jobs ---------------------------------------------------------------------------

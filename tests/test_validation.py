@@ -21,16 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relayrl.config import Config, ConfigError, load_config, parse_override
+from relayrl.analysis import timeline
+from relayrl.analysis.checker import check_events
+from relayrl.analysis.report import RunData, key_figures
+from relayrl.config.schema import Config, ConfigError, load_config, parse_override
 from relayrl.tasks.jsonl import (
     JsonlTask,
     JsonlTaskConfig,
     TaskDataError,
     load_jsonl_prompts,
 )
-from relayrl.telemetry import timeline
-from relayrl.telemetry.checker import check_events
-from relayrl.telemetry.report import RunData, key_figures
 from relayrl.telemetry.tracer import TraceError, load_trace
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
@@ -42,7 +42,7 @@ PROPERTY = settings(
 
 def relayrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "relayrl.cli", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300, check=False
+        [sys.executable, "-m", "relayrl", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300, check=False
     )
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from relayrl.signals import exit_on_signals
+    from relayrl.cli.signals import exit_on_signals
 
     exit_on_signals()  # a Ctrl-C while typer, pydantic or torch import exits 130 without a traceback
-    from relayrl.cli import main as cli_main
+    from relayrl.cli.main import main as cli_main
 
     cli_main()
 

@@ -25,7 +25,7 @@ class RewardFailure(StrEnum):
     TIMEOUT = "timeout"  # no result within task.reward_timeout_s
     RAISED = "raised"  # it raised (or returned something that is not a number: the detail names its type)
     CRASHED = "crashed"  # its worker process died: a signal, os._exit, the CPU or memory limit
-    # it returned NaN, an infinity or a magnitude beyond MAX_ABS_REWARD (1e6, tasks/rewards.py)
+    # it returned NaN, an infinity or a magnitude beyond MAX_ABS_REWARD (1e6, rewards/registry.py)
     NON_FINITE = "non_finite"
 
 

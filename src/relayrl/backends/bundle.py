@@ -3,7 +3,7 @@
 
 Invariant: the program only sees the protocols; which backend built them, and where its workers
 run (threads of this process, other processes), is invisible to it. Samplers are numbered by
-their position in `samplers` (see `relayrl.replicas.ReplicaPool`), not by asking them.
+their position in `samplers` (see `relayrl.orchestrator.replicas.ReplicaPool`), not by asking them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Invariants:
   handle look the same to the orchestrator. Heavy compute never runs on the event loop;
 - the orchestrator reads no attribute off a worker: everything it learns comes from an awaitable
   call's result or is a plain value fixed when the bundle was built and kept on the orchestrator
-  side (a sampler's replica number is its slot in `relayrl.replicas.ReplicaPool`; the version a
+  side (a sampler's replica number is its slot in `relayrl.orchestrator.replicas.ReplicaPool`; the version a
   sampler holds is the one the sync stage last loaded into it; results carry their version);
 - what a worker receives holds only what it computes on (`SampleRequest`, `Weights`,
   `TrainBatch`: token ids and numbers, no trajectories), so it can be sent to another process.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from relayrl.types import GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
 if TYPE_CHECKING:
-    from relayrl.evaluation import EvalResult
+    from relayrl.eval.heldout import EvalResult
 
 __all__ = ["Collator", "Evaluator", "GreedyEngine", "PromptEncoder", "QueueAheadTrainer", "Sampler", "Trainer", "Weights"]
 
@@ -147,7 +147,7 @@ class PromptEncoder(Protocol):
 
 
 class Evaluator(Protocol):
-    """Held-out evaluation of a policy version (e.g. `relayrl.evaluation.HeldoutEvaluator`)."""
+    """Held-out evaluation of a policy version (e.g. `relayrl.eval.heldout.HeldoutEvaluator`)."""
 
     async def evaluate(self, weights: Weights | None) -> EvalResult:
         """Accuracy of `weights` (None: of the weights the evaluator's engine holds now); the

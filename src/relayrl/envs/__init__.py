@@ -4,11 +4,11 @@ A `task.environment` entry is one of
 - a built-in name: `ENVIRONMENTS` (`arithmetic_feedback`, `calculator`);
 - `package.module:Class`: a class (or any factory returning an environment) of an importable
   module;
-- `path/to/file.py:Class`: one defined in a Python file (config.py anchors a relative path to the
+- `path/to/file.py:Class`: one defined in a Python file (config/schema.py anchors a relative path to the
   recipe's directory or the working directory, as it does reward files).
 `build_environment` calls it with `task.environment_config` as keyword arguments; a built-in also
 gets `max_turns` (`rollout.max_turns`, for its last-try logic), a user's class only its options.
-Specs are parsed and imported by relayrl.tasks.rewards (`parse_spec`, `load_named`), so an
+Specs are parsed and imported by relayrl.rewards.registry (`parse_spec`, `load_named`), so an
 environment file is loaded exactly as a reward file is.
 
 Invariant: `build_environment` returns an object with a callable `start`, or raises one
@@ -26,7 +26,7 @@ from typing import cast
 from relayrl.envs.arithmetic_feedback import ArithmeticFeedback
 from relayrl.envs.base import Environment, EnvStep, Episode
 from relayrl.envs.calculator import Calculator
-from relayrl.tasks.rewards import load_named, parse_spec
+from relayrl.rewards.registry import load_named, parse_spec
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentSpecError", "Episode", "build_environment"]
 

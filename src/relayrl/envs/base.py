@@ -7,7 +7,7 @@ over) and this action's reward part. The trajectory's reward is the sum of its p
 
 Both methods may be `async def` (awaited on the event loop: I/O, an HTTP tool, a subprocess; a
 wait holds no thread) or plain `def` (run in the orchestrator's `env` worker thread: CPU-bound
-steps never run on the event loop). The episode runner (stages/episodes.py) ends every episode
+steps never run on the event loop). The episode runner (orchestrator/stages/episodes.py) ends every episode
 after `rollout.max_turns` actions, or earlier when the next turn would not fit in
 `rollout.max_total_tokens`; the step of the last action is still taken (it scores it) and its
 observation is dropped.

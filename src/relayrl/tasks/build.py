@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.config import Config
+from relayrl.config.schema import Config
 from relayrl.types import Prompt
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from relayrl.config import ConfigError
+from relayrl.config.schema import ConfigError
 from relayrl.tasks.epochs import EpochCycle
 from relayrl.types import Prompt, Trajectory
 

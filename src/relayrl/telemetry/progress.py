@@ -13,8 +13,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
-from relayrl.callbacks import Callback
-from relayrl.evaluation import EvalResult
+from relayrl.eval.heldout import EvalResult
+from relayrl.telemetry.callbacks import Callback
 from relayrl.types import StepResult
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from relayrl.config import OPTIONAL_SINKS, SINK_EXTRAS, ConfigError
-from relayrl.jsonl import JsonlWriter, read_rows
+from relayrl.config.schema import OPTIONAL_SINKS, SINK_EXTRAS, ConfigError
+from relayrl.rundir.jsonl import JsonlWriter, read_rows
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric

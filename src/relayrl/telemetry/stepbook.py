@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import overload
 
 from relayrl.backends.protocols import HostWork
-from relayrl.callbacks import Callback
+from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.memory import freeze_long_lived, release_memory
 from relayrl.telemetry.metrics import reduce_step
 from relayrl.telemetry.sinks import SinkSet

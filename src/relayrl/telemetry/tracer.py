@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, cast
 
-from relayrl.rundir import writing
+from relayrl.rundir.lock import writing
 
 TraceEvent = dict[str, object]
 PID = 1

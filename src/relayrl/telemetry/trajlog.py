@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from relayrl.rundir import writing
+from relayrl.rundir.lock import writing
 from relayrl.types import FilteredGroup, Trajectory
 
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import GreedyEngine
-from relayrl.config import Config
-from relayrl.evaluation import HeldoutEvaluator
+from relayrl.config.schema import Config
+from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.tasks import rewards
+from relayrl.rewards import registry as rewards
 from relayrl.types import Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -20,7 +20,7 @@ from typing import Any
 from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Collator, Evaluator, HostWork, PromptEncoder
 from relayrl.backends.ray.cluster import RayCluster, connect
-from relayrl.config import Config
+from relayrl.config.schema import Config
 from relayrl.types import Prompt
 
 READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster lacks) fail the build

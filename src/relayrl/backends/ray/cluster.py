@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from relayrl.config import RayConfig
+from relayrl.config.schema import RayConfig
 
 # set before ray.init: no usage-stats reporting, no auth token written under the home directory
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}

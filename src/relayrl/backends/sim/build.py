@@ -6,7 +6,7 @@ import threading
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimSampler, SimTokenizer, SimTrainer, sim_encode_text
-from relayrl.config import Config
+from relayrl.config.schema import Config
 
 
 def build_sim_backend(cfg: Config, abort: threading.Event) -> Backend:

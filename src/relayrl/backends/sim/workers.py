@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.config import Config, SimConfig
+from relayrl.config.schema import Config, SimConfig
 from relayrl.threads import burn_cpu
 from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 

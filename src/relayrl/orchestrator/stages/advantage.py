@@ -1,0 +1,84 @@
+"""Group + advantages: group-relative advantages, and the groups that must not train.
+
+Invariant: a group leaves either to the train queue with advantages set, or to the ledger as
+filtered (all failed; zero reward variance under dynamic sampling, NaN-safe; a trajectory too
+long for a packed row), returning its window credit. Advantages are finite whatever the rewards
+(algorithms/advantages.py).
+
+A trajectory whose reward call failed (`TrajectoryStatus.FAILED`, reward 0 as a placeholder) is
+not a sample of the reward: it gets advantage 0 and takes no part in its group's statistics, the
+zero-variance test included (a group whose scored members all tie is filtered as any tie is; one
+whose members all failed is filtered as `all_failed`). The train loop packs only the scored
+trajectories, so a failed one adds no token to the loss or its normaliser; it stays in its group
+to be logged (status `failed`) and counted (the ledger's `trajectories_failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import operator
+
+from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.window import DispatchWindow
+from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory, TrajectoryStatus
+
+_PROMPT_TOKENS = operator.attrgetter("prompt_tokens")
+_COMPLETION_TOKENS = operator.attrgetter("completion_tokens")
+_STATUS = operator.attrgetter("status")
+
+
+def scored(trajectories: list[Trajectory]) -> list[bool]:
+    """Per trajectory, whether its reward counts (False: its reward call failed)."""
+    return list(map(operator.is_not, map(_STATUS, trajectories), itertools.repeat(TrajectoryStatus.FAILED)))
+
+
+def _longest(trajs: list[Trajectory]) -> int:
+    """The most tokens any of `trajs` has (`Trajectory.num_tokens`), in C: this runs for every
+    trajectory of the run."""
+    lengths = map(operator.add, map(len, map(_PROMPT_TOKENS, trajs)), map(len, map(_COMPLETION_TOKENS, trajs)))
+    return max(lengths, default=0)
+
+
+def filter_reason(
+    group: Group, dynamic_sampling: bool, row_tokens: int | None = None, counted: list[bool] | None = None
+) -> FilterReason | None:
+    """Why `group` must not train (None: it trains). `row_tokens`: a trajectory longer than a
+    packed row cannot be packed, so its group is filtered rather than failing its step (a failed
+    trajectory is never packed, so only the scored ones count). `counted`: `scored(...)` of its
+    trajectories, if known."""
+    trajs = group.trajectories
+    flags = scored(trajs) if counted is None else counted
+    if row_tokens is not None and _longest(trajs) > row_tokens:  # rare: then look at the scored ones
+        if any(s and t.num_tokens > row_tokens for s, t in zip(flags, trajs)):
+            return FilterReason.TOO_LONG
+    if not any(flags):
+        return FilterReason.ALL_FAILED
+    if dynamic_sampling and rewards_tie([t.reward for t in trajs], flags):
+        return FilterReason.ZERO_VARIANCE
+    return None
+
+
+async def advantage_stage(
+    inbox: asyncio.Queue[list[Group]],
+    outbox: asyncio.Queue[Group],
+    kind: AdvantageKind,
+    dynamic_sampling: bool,
+    ledger: Ledger,
+    window: DispatchWindow,
+    row_tokens: int | None = None,
+) -> None:
+    while True:
+        for group in await inbox.get():
+            trajs = group.trajectories
+            flags = scored(trajs)
+            reason = filter_reason(group, dynamic_sampling, row_tokens, flags)
+            if reason is not None:
+                ledger.filtered(FilteredGroup(group, reason))
+                window.release_filtered()
+                continue
+            for traj, adv in zip(trajs, group_advantages([t.reward for t in trajs], kind, flags)):
+                traj.advantage = adv
+            ledger.kept()
+            await outbox.put(group)

@@ -1,0 +1,41 @@
+"""Score: the run's reward functions on each batch of groups (rewards/scoring.py runs them: in the
+scoring thread, in a reward call thread, in reward worker processes, or awaited on the loop for
+async ones).
+
+Invariant: every trajectory leaves with a finite reward; one on which a reward function failed
+(timed out, raised, crashed, returned NaN/inf or a magnitude beyond MAX_ABS_REWARD) is marked
+failed with reward 0 and each failed call is counted in the ledger by function and reason, before
+the batch moves on. With `task.strict_rewards` the first failed call fails the run at once (a
+`RewardError` naming the function and the trajectory; the batch's other calls are cancelled or
+killed, not awaited), after that call was counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.rewards.scoring import RewardError, Scorer, strict_error
+from relayrl.types import Group
+
+
+async def score_stage(
+    inbox: asyncio.Queue[list[Group]],
+    outbox: asyncio.Queue[list[Group]],
+    scorer: Scorer,
+    ledger: Ledger,
+    strict: bool = False,
+) -> None:
+    while True:
+        groups = await inbox.get()
+        try:
+            failed = await scorer.score([t for g in groups for t in g.trajectories], strict=strict)
+        except RewardError as exc:  # strict_rewards' first failed call, or too many abandoned reward threads
+            if exc.failed is not None:
+                ledger.count_reward_failures([(exc.failed.function, exc.failed.reason.value)], 1)
+            raise
+        if failed:
+            ledger.count_reward_failures([(f.function, f.reason.value) for f in failed], len({id(f.trajectory) for f in failed}))
+            if strict:  # a weighted sum that overflows is found only when the batch is settled
+                raise strict_error(failed)
+        await outbox.put(groups)
