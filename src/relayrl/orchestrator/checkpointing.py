@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import shutil
 from collections import deque
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Trainer, Weights
-from relayrl.eval.heldout import EvalResult
-from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.state import RunState
 from relayrl.rundir.checkpoint import (
     CheckpointError,
-    PromptSource,
     ResumePoint,
     checkpoint_dir,
     checkpoint_state,
@@ -76,41 +74,40 @@ class LoggedSteps(Callback):
         return taken
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointPolicy:
+    every: int  # orchestrator.checkpoint_every (0: never)
+    steps: int  # run.steps: the last step's commit always checkpoints
+    keep: int  # orchestrator.keep_checkpoints
+
+
 class Checkpointer:
-    """Takes a checkpoint's state at a due commit and writes it after that step's logs."""
+    """Takes a checkpoint's state at a due commit and writes it after that step's logs. What it
+    records beyond the trainer's state (prompt cursor, ledger, evaluations, elapsed time, step 0's
+    reward mean) it reads off the run's `RunState`."""
 
     def __init__(
         self,
         *,
         run_dir: Path | None,
-        every: int,
-        steps: int,
-        keep: int,
+        policy: CheckpointPolicy,
         backend_name: str,
         trainer: Trainer,
         workers: Workers,
         tracer: Tracer,
         logged: LoggedSteps,
-        prompts: PromptSource,
-        ledger: Ledger,
-        evals: Sequence[EvalResult],
-        elapsed: Callable[[], float],
-        reward_mean_first: Callable[[], float | None],
+        state: RunState,
     ) -> None:
         self._run_dir = run_dir
-        self._every = every if run_dir is not None else 0
-        self._steps = steps
-        self._keep = keep
+        self._every = policy.every if run_dir is not None else 0
+        self._steps = policy.steps
+        self._keep = policy.keep
         self._backend_name = backend_name
         self._trainer = trainer
         self._workers = workers
         self._tracer = tracer
         self._logged = logged
-        self._prompts = prompts
-        self._ledger = ledger
-        self._evals = evals  # the run's list: read at each commit
-        self._elapsed = elapsed
-        self._reward_mean_first = reward_mean_first
+        self._state = state
         self._pending: dict[int, dict[str, object]] = {}  # due, state taken, not yet written
 
     def due(self, done: int) -> bool:
@@ -130,21 +127,22 @@ class Checkpointer:
             await self.write(record.step, state)
 
     def state(self, next_step: int) -> dict[str, object]:
+        state = self._state
         return checkpoint_state(
             next_step=next_step,
             backend=self._backend_name,
-            source=self._prompts,
-            in_flight=self._ledger.in_flight(),
-            ledger=self._ledger.checkpoint(),
-            evals=[eval_row(e) for e in self._evals],
-            elapsed_s=self._elapsed(),
+            source=state.prompts,
+            in_flight=state.ledger.in_flight(),
+            ledger=state.ledger.checkpoint(),
+            evals=[eval_row(e) for e in state.evals],
+            elapsed_s=state.elapsed(),
         )
 
     async def write(self, step: int, state: dict[str, object]) -> None:
         assert self._run_dir is not None
         start = self._tracer.now()
         # step 0's result exists by now, and so do the rows of every step up to this one
-        state = {**state, "reward_mean_first": self._reward_mean_first(), "metrics_rows": self._logged.take(step)}
+        state = {**state, "reward_mean_first": self._state.reward_mean_first, "metrics_rows": self._logged.take(step)}
         final = checkpoint_dir(self._run_dir, step)
         staging = staging_dir(final)
         keep = self._keep
