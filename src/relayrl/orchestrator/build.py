@@ -15,7 +15,7 @@ from pathlib import Path
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.sim.build import build_sim_backend
-from relayrl.config.schema import Config, ConfigError, load_config
+from relayrl.config.schema import Config, ConfigError, load_config, resumable_keys
 from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
 from relayrl.envs.base import Environment
@@ -220,55 +220,21 @@ def _release(lock: RunDirLock | None, built: Backend | None) -> None:
         built.cleanup()  # e.g. a Ray cluster the backend started
 
 
-# Keys a resume may change: they decide how the run is hosted, logged, checkpointed, evaluated or
-# how long it goes on, never what a step computes. Everything else is fixed by the steps already
-# trained (a different group size, learning rate or task would make one run of two experiments).
-RESUMABLE_KEYS = (
-    "run.steps",
-    "run.overwrite",
-    "orchestrator.",
-    "eval.",
-    "telemetry.",
-    "ray.",
-    "rollout.sampler_threads",
-    "rollout.sampler_nice",
-    "rollout.sampler_failover",
-    "rollout.episode_cache_mb",
-    "train.torch_threads",
-    # how reward functions are hosted and bounded, and whether a failed call fails the run
-    "task.reward_workers",
-    "task.reward_timeout_s",
-    "task.reward_concurrency",
-    "task.reward_memory_mb",
-    "task.reward_cpu_s",
-    "task.strict_rewards",
-    "sim.generate",
-    "sim.train_step",
-    "sim.optim_step",
-    "sim.get_metrics",
-    "sim.weight_sync",
-    "sim.pack_per_microbatch",
-    "sim.reduce_metrics",
-    "sim.log_metrics",
-    "sim.log_trajectories",
-    "sim.on_step_end",
-    "sim.release_memory",
-)
-
-
 def _flat(cfg: Config) -> dict[str, object]:
     return {f"{section}.{key}": value for section, values in cfg.model_dump().items() for key, value in values.items()}
 
 
 def resume_changes(before: Config, after: Config, next_step: int) -> list[dict[str, object]]:
     """The keys `after` changes from the run's recorded config, each as a row to record; a
-    ConfigError names the first change a resumed run cannot take."""
+    ConfigError names the first change a resumed run cannot take: a key without the RESUMABLE
+    mark (config/schema.py)."""
     old, new = _flat(before), _flat(after)
+    resumable = resumable_keys()
     rows: list[dict[str, object]] = []
     for key in new:
         if old.get(key) == new[key]:
             continue
-        if not key.startswith(RESUMABLE_KEYS):
+        if key not in resumable:
             raise ConfigError(
                 f"--resume cannot change {key} ({old.get(key)!r} → {new[key]!r}): steps 0–{next_step - 1} "
                 "were trained with the recorded value; start a new run to change it"
