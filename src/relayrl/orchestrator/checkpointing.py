@@ -10,7 +10,8 @@ the metrics.jsonl rows logged since the previous checkpoint (`LoggedSteps`).
 Invariant: a checkpoint never claims a step whose logs a kill could still lose, and it holds the
 state of the moment its step committed (prompts drawn, in-flight prompts, settled ledger,
 evaluations so far); a restored run starts from trainer state of exactly the checkpoint's
-version, with those weights on every sampler.
+version, with those weights on every sampler in service (published by the weight publisher, so
+bounded and failed over like any sync round: a replica that cannot load them is retired).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Trainer, Weights
+from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.state import RunState
 from relayrl.rundir.checkpoint import (
     CheckpointError,
@@ -157,15 +158,15 @@ class Checkpointer:
         self._tracer.complete("orchestrator", "checkpoint", start, self._tracer.now(), step=step)
 
 
-async def restore(backend: Backend, point: ResumePoint) -> Weights:
-    """Before a resumed run starts: the trainer's state, and its weights on every sampler (returned)."""
+async def restore(point: ResumePoint, *, trainer: Trainer, publisher: WeightPublisher) -> Weights:
+    """Before a resumed run starts: the trainer's state (`trainer`'s `load_state`, bounded by
+    `train.call_timeout_s`: the program's `BoundedTrainer`), then its weights published to every
+    sampler through `publisher` (each load bounded by `rollout.weight_load_timeout_s`, a replica
+    whose load fails failed over as in any sync round). Returns the weights."""
     try:
-        version = await backend.trainer.load_state(point.directory)
+        version = await trainer.load_state(point.directory)
     except Exception as exc:
         raise CheckpointError(f"{point.directory}: cannot restore the trainer state ({type(exc).__name__}: {exc})") from exc
     if version != point.next_step:
         raise CheckpointError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.next_step}")
-    weights = await backend.trainer.export_weights()
-    for sampler in backend.samplers:
-        await sampler.load_weights(weights)
-    return weights
+    return await publisher.publish_newest()

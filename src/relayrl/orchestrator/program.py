@@ -32,6 +32,7 @@ from relayrl.orchestrator.checkpointing import Checkpointer, CheckpointPolicy, L
 from relayrl.orchestrator.deadlines import BoundedTrainer
 from relayrl.orchestrator.deferred import DeferredJobs
 from relayrl.orchestrator.ledger import FilterWatch, Ledger
+from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool
 from relayrl.orchestrator.stages.advantage import advantage_stage
 from relayrl.orchestrator.stages.dispatch import dispatch_stage
@@ -264,6 +265,8 @@ class Program:
         ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
         start = self.start_step
         self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover, version=start)
+        # every way weights reach the samplers (sync rounds, restarts, the resume) goes through it
+        publisher = WeightPublisher(self.trainer, self.replicas, self.tracer, load_timeout_s=cfg.rollout.weight_load_timeout_s)
         window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps, start)
         committed = VersionSignal(start)
         sync_times = SyncTimes()
@@ -271,7 +274,7 @@ class Program:
         watchdog = StallWatchdog(cfg.orchestrator.stall_timeout_s, self.run_dir, cfg.orchestrator.stop_grace_s)
         try:
             if self.state.point is not None:
-                weights = await restore(backend, self.state.point)
+                weights = await restore(self.state.point, trainer=self.trainer, publisher=publisher)
                 await self.eval_schedule.owed_on_resume(self.state.point.next_step, weights)
             else:
                 await self.eval_schedule.at_start()
@@ -294,7 +297,7 @@ class Program:
                     ),
                     *[
                         tg.create_task(
-                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout()),
+                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout(), publisher=publisher),
                             name=f"sampler/{s.replica}",
                         )
                         for s in self.replicas.slots
@@ -314,14 +317,7 @@ class Program:
                     ),
                     tg.create_task(
                         sync_stage(
-                            self.trainer,
-                            self.replicas,
-                            committed,
-                            window,
-                            self.tracer,
-                            sync_times,
-                            start,
-                            cfg.rollout.weight_load_timeout_s,
+                            publisher=publisher, committed=committed, window=window, tracer=self.tracer, times=sync_times, synced=start
                         ),
                         name="weight-sync",
                     ),
