@@ -162,6 +162,7 @@ class Program:
             log_trajectories=cfg.orchestrator.log_trajectories,
             release=cfg.orchestrator.release_memory,
             trim=cfg.orchestrator.malloc_trim,
+            checkpoint_after=lambda step: self.checkpointer.due(step + 1),  # called once the run runs
             sinks=build_sinks(
                 run_dir,
                 cfg.telemetry.sinks,
