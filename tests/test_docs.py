@@ -31,9 +31,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "relayrl"
 SOURCE_DIRS = ("src", "tests", "scripts", "benchmarks", "examples")
-# written by a generator from the config models (docs/configuration.md): a branch that predates the
-# generator may not have it yet; once it exists it is checked like any other doc
-GENERATED = {"docs/configuration.md"}
 
 URL = re.compile(r"[a-z]+://[^\s)>`]+")
 # a path with at least one folder: parts of word characters, dots and dashes; the first part must
@@ -57,7 +54,7 @@ def _text(path: Path) -> str:
 
 
 def _resolves(rel: str) -> bool:
-    return rel in GENERATED or any((base / rel).exists() for base in (ROOT, ROOT / "src", PACKAGE))
+    return any((base / rel).exists() for base in (ROOT, ROOT / "src", PACKAGE))
 
 
 @cache
@@ -158,9 +155,6 @@ def broken_links(path: Path) -> list[str]:
             continue
         file, _, anchor = target.partition("#")
         dest = (path.parent / file).resolve() if file else path
-        rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
-        if rel in GENERATED and not dest.exists():
-            continue
         if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
             broken.append(target)
     return broken
