@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from relayrl.errors import UserError
+
 #: Optional metric sinks (telemetry.sinks) besides metrics.jsonl: the one list of their names.
 SinkName = Literal["tensorboard", "wandb", "mlflow"]
 OPTIONAL_SINKS: tuple[str, ...] = get_args(SinkName)
@@ -36,7 +38,7 @@ SINK_MODULES: dict[str, str] = {"tensorboard": "tensorboardX", "wandb": "wandb",
 assert set(SINK_EXTRAS) == set(SINK_MODULES) == set(OPTIONAL_SINKS)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad configuration value; the message names the key and, where known, the file."""
 
 

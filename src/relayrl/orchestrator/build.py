@@ -18,11 +18,12 @@ from relayrl.config.schema import Config, ConfigError, load_config
 from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
 from relayrl.envs.base import Environment
+from relayrl.errors import UserError
 from relayrl.orchestrator.program import Program
 from relayrl.rewards import registry as rewards
 from relayrl.rundir.checkpoint import CheckpointError, load_resume_point, rewind_run_dir
 from relayrl.rundir.files import append_config_changes
-from relayrl.rundir.lock import MARKER, RunDirLock
+from relayrl.rundir.lock import MARKER, RunDirError, RunDirLock
 from relayrl.tasks.build import build_task
 from relayrl.telemetry.callbacks import Callback
 from relayrl.threads import Workers
@@ -52,7 +53,7 @@ def build_program(
     (which must then be set too, naming it: the run's config.toml records that name)."""
     if reward_fns is not None:
         if not reward_fns:
-            raise ValueError("reward_fns: give at least one reward function")
+            raise UserError("reward_fns: give at least one reward function")
         cfg = cfg.model_copy(deep=True)
         cfg.task.reward_functions = [f if isinstance(f, str) else rewards.callable_name(f) for f in reward_fns]
     lock = RunDirLock(run_dir) if run_dir is not None else None
@@ -62,7 +63,7 @@ def build_program(
         changes: list[dict[str, object]] = []
         if resume:
             if run_dir is None or lock is None:
-                raise ValueError("resume needs a run directory")
+                raise UserError("resume needs a run directory")
             load_resume_point(run_dir)  # a run directory with a checkpoint, before it is adopted and locked
             lock.acquire(adopt=True)
             point = load_resume_point(run_dir)  # read again under the lock
@@ -82,7 +83,7 @@ def build_program(
         if environment is None and cfg.task.environment is not None:
             environment = build_environment(cfg.task.environment, cfg.task.environment_config, cfg.rollout.max_turns)
         elif environment is not None and cfg.task.environment is None:
-            raise ValueError("environment: set task.environment too (its name is recorded in the run's config.toml)")
+            raise UserError("environment: set task.environment too (its name is recorded in the run's config.toml)")
         task = build_task(cfg)
         workers = Workers()
         if backend is None:
@@ -105,7 +106,7 @@ def build_program(
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
                 if not cfg.run.overwrite:
-                    raise ValueError(
+                    raise RunDirError(
                         f"run directory {run_dir} is not empty and run.overwrite=false: resume it with --resume, or choose another run.name"
                     )
                 lock.clear()

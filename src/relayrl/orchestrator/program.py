@@ -25,6 +25,7 @@ from pathlib import Path
 from relayrl.backends.bundle import Backend
 from relayrl.config.schema import Config
 from relayrl.envs.base import Environment
+from relayrl.errors import UserError
 from relayrl.eval.heldout import EvalResult, HeldoutEvaluator
 from relayrl.eval.schedule import EvalSchedule
 from relayrl.orchestrator.checkpointing import Checkpointer, LoggedSteps, restore
@@ -149,7 +150,7 @@ class Program:
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
         if environment is not None:
             if backend.encode_text is None:
-                raise ValueError(
+                raise UserError(
                     f"the {cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
                 )
             limits = episode_settings(cfg, backend.max_prompt_tokens)
