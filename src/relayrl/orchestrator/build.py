@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
-from relayrl.backends.sim.build import build_sim_backend
+from relayrl.backends.registry import build_backend
 from relayrl.config.schema import Config, ConfigError, load_config
 from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
@@ -85,17 +85,8 @@ def build_program(
             raise ValueError("environment: set task.environment too (its name is recorded in the run's config.toml)")
         task = build_task(cfg)
         workers = Workers()
-        if backend is None:
-            if cfg.ray.enabled:
-                from relayrl.backends.ray.build import build_ray_backend
-
-                backend = built = build_ray_backend(cfg, task.heldout, workers.abort)
-            elif cfg.run.backend == "local":
-                from relayrl.backends.local.build import build_local_backend
-
-                backend = build_local_backend(cfg, task.heldout)
-            else:
-                backend = build_sim_backend(cfg, workers.abort)
+        if backend is None:  # run.backend's compute kind, placed by the ray.enabled host
+            backend = built = build_backend(cfg, workers.abort, evaluate=cfg.eval.enabled and bool(task.heldout))
         if point is not None:
             assert run_dir is not None
             rewind_run_dir(run_dir, point)
@@ -120,11 +111,12 @@ def build_program(
             resume=point,
             lock=lock,
             environment=environment,
+            heldout=task.heldout,
         )
     except BaseException:
         if lock is not None:
             lock.release()
-        if built is not None and built.cleanup is not None:
+        if built is not None:
             built.cleanup()  # e.g. a Ray cluster the backend started
         raise
 

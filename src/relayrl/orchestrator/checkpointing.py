@@ -22,7 +22,6 @@ from pathlib import Path
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Trainer, Weights
-from relayrl.eval.heldout import EvalResult
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.rundir.checkpoint import (
     CheckpointError,
@@ -38,7 +37,7 @@ from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.sinks import metrics_row
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
-from relayrl.types import StepRecord, StepResult
+from relayrl.types import EvalResult, StepRecord, StepResult
 
 
 class LoggedSteps(Callback):

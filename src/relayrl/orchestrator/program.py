@@ -25,7 +25,7 @@ from pathlib import Path
 from relayrl.backends.bundle import Backend
 from relayrl.config.schema import Config
 from relayrl.envs.base import Environment
-from relayrl.eval.heldout import EvalResult, HeldoutEvaluator
+from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.eval.schedule import EvalSchedule
 from relayrl.orchestrator.checkpointing import Checkpointer, LoggedSteps, restore
 from relayrl.orchestrator.deadlines import BoundedTrainer
@@ -55,6 +55,7 @@ from relayrl.telemetry.stepbook import StepBookkeeper
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import (
+    EvalResult,
     Group,
     Prompt,
     SampleRequest,
@@ -102,6 +103,7 @@ class Program:
         resume: ResumePoint | None = None,
         lock: RunDirLock | None = None,
         environment: Environment | None = None,
+        heldout: Sequence[Prompt] = (),
     ) -> None:
         self.cfg = cfg
         self.environment = environment  # multi-turn episodes (task.environment); None: single completions
@@ -121,8 +123,6 @@ class Program:
         # the reward functions, on the scoring thread, in worker processes (started at their first
         # call, ended with the run) or on the loop; the held-out evaluator judges through it too
         self.scorer = Scorer(rewards, settings, workers)
-        if isinstance(backend.evaluator, HeldoutEvaluator):
-            backend.evaluator.attach_scorer(self.scorer)
         self.callbacks = list(callbacks)
         self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
         # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
@@ -142,20 +142,28 @@ class Program:
             run_dir.mkdir(parents=True, exist_ok=True)
             runfiles.write_config(run_dir, cfg)
         self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
-        if backend.attach_tracer is not None:
-            backend.attach_tracer(self.tracer)
+        backend.attach_tracer(self.tracer)
         for name, seconds in backend.startup.items():  # before the run's clock started: ends at 0
             self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
         if environment is not None:
-            if backend.encode_text is None:
-                raise ValueError(
-                    f"the {cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
-                )
             limits = episode_settings(cfg, backend.max_prompt_tokens)
             self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, workers, self.tracer)
-            if isinstance(backend.evaluator, HeldoutEvaluator):
-                backend.evaluator.attach_episodes(self.episodes)
+        # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
+        # run evaluates), judged through the run's scorer, greedy episodes for multi-turn tasks
+        evaluator = (
+            HeldoutEvaluator(
+                backend.greedy,
+                heldout,
+                backend.tokenize,
+                backend.decode,
+                cfg.eval.max_new_tokens,
+                scorer=self.scorer,
+                episodes=self.episodes,
+            )
+            if backend.greedy is not None and heldout
+            else None
+        )
         self.bookkeeper = StepBookkeeper(
             tracer=self.tracer,
             run_dir=run_dir,
@@ -181,7 +189,7 @@ class Program:
             [EvalResult(**e) for e in resume.evals] if resume else []  # type: ignore[arg-type]
         )
         self.eval_schedule = EvalSchedule(
-            evaluator=backend.evaluator,
+            evaluator=evaluator,
             trainer=self.trainer,
             every=cfg.eval.every_steps,
             steps=cfg.run.steps,

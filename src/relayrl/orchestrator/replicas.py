@@ -21,7 +21,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from relayrl.backends.protocols import Sampler
 
@@ -32,20 +31,6 @@ class SamplerRetiredWarning(RuntimeWarning):
 
 class SamplerRestartedWarning(RuntimeWarning):
     pass
-
-
-@runtime_checkable
-class Restartable(Protocol):
-    """A sampler whose worker can die and be restarted (the Ray backend's `RaySampler`)."""
-
-    def restartable(self, exc: BaseException) -> bool:
-        """Whether `exc` means the worker died (or came back without weights) and can be restarted."""
-        ...
-
-    async def restart(self, min_version: int) -> int:
-        """Wait (bounded) for the worker to be alive again, load the newest weights (at least
-        `min_version`), and return the version loaded; raise if it cannot be restarted."""
-        ...
 
 
 @dataclass(slots=True, eq=False)

@@ -8,7 +8,7 @@ orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s
 groups leave in the order the call returned them. An environment's error, or a prompt that
 leaves an episode no room, fails the run (it is the task's, not the replica's). A replica whose `generate` raises is retired
 (see `relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas: no group
-is lost or sampled twice. A replica whose worker died and can be restarted (`Restartable`, the
+is lost or sampled twice. A replica whose worker died and can be restarted (`Sampler.restartable`, the
 Ray backend) re-queues its requests, restarts holding the version the sync stage pushes or newer,
 and samples again; one that cannot be restarted is retired.
 """
@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from relayrl.backends.protocols import Sampler
 from relayrl.orchestrator.deadlines import bounded
-from relayrl.orchestrator.replicas import ReplicaPool, Restartable, SamplerSlot
+from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
 from relayrl.telemetry.tracer import Tracer
@@ -90,7 +91,7 @@ async def sampler_stage(
             raise
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
-            if isinstance(sampler, Restartable) and sampler.restartable(exc):
+            if sampler.restartable(exc):
                 await inbox.put(requests)  # the other replicas sample them while this one restarts
                 failed = await _restart(slot, sampler, exc, tracer, pool)
                 if failed is None:
@@ -103,7 +104,7 @@ async def sampler_stage(
         await outbox.put(groups)
 
 
-async def _restart(slot: SamplerSlot, sampler: Restartable, exc: Exception, tracer: Tracer, pool: ReplicaPool) -> Exception | None:
+async def _restart(slot: SamplerSlot, sampler: Sampler, exc: Exception, tracer: Tracer, pool: ReplicaPool) -> Exception | None:
     """Bring a replica whose worker died back into service holding the version the sync stage
     pushes (`pool.target`) or newer; returns why it cannot be restarted (None: it serves again)."""
     lane = f"sampler/{slot.replica}"

@@ -14,7 +14,7 @@ import asyncio
 
 from relayrl.backends.protocols import Trainer
 from relayrl.orchestrator.deadlines import bounded
-from relayrl.orchestrator.replicas import ReplicaPool, Restartable, SamplerSlot
+from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Weights
@@ -85,7 +85,7 @@ async def sync_stage(
                 if task is not None and task.cancelling():
                     raise outcome  # this stage is being cancelled
                 outcome = RuntimeError(f"load_weights was cancelled by the sampler: {outcome!r}")
-            if isinstance(outcome, Exception) and isinstance(slot.worker, Restartable) and slot.worker.restartable(outcome):
+            if isinstance(outcome, Exception) and slot.worker.restartable(outcome):
                 # its worker died: it refuses to generate until it has restarted and loaded the newest weights
                 error = f"{type(outcome).__name__}: {outcome}"
                 tracer.complete(f"sampler/{slot.replica}", "load_weights_failed", start, tracer.now(), version=weights.version, error=error)
