@@ -8,6 +8,8 @@ inside functions), `if TYPE_CHECKING:` imports left out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from test_imports import import_graph
 
 LOWER = ("relayrl.backends", "relayrl.telemetry", "relayrl.algorithms", "relayrl.envs")
@@ -18,7 +20,7 @@ def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def _path_to_forbidden(graph: dict[str, dict[str, tuple[object, int, str]]], start: str) -> list[str] | None:
+def _path_to_forbidden(graph: Mapping[str, Mapping[str, tuple[object, int, str]]], start: str) -> list[str] | None:
     """The shortest import chain from `start` to a module of the orchestrator (None: there is none)."""
     prev: dict[str, str] = {}
     seen = {start}
