@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
+from relayrl.backends.registry import build_backend
 from relayrl.backends.sim import SimTrainer
-from relayrl.backends.sim.build import build_sim_backend
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.program import RunResult
@@ -142,7 +142,7 @@ async def _wrong_and_sometimes_hanging(t: Trajectory) -> float:
 def _run(tmp_path: Path, *overrides: str) -> tuple[RunResult, RecordingTrainer, list[dict[str, object]]]:
     cfg = sim_config("run.steps=2", "task.reward_timeout_s=1", *overrides)
     trainer = RecordingTrainer(cfg.sim)
-    backend = build_sim_backend(cfg, threading.Event())
+    backend = build_backend(cfg, threading.Event(), evaluate=False)
     backend.trainer = trainer
     program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[_wrong_and_sometimes_hanging], backend=backend)
     result = run_checked(program)

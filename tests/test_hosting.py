@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.backends.registry import build_backend
 from relayrl.backends.sim import SimSampler, SimTrainer
-from relayrl.backends.sim.build import build_sim_backend
 from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.orchestrator.build import build_program
 from relayrl.threads import ThreadHost, Workers
@@ -145,7 +145,7 @@ class _SpyTrainer(SimTrainer):
 def test_train_step_receives_only_the_collated_payload_and_counts(tmp_path: Path) -> None:
     cfg = sim_config()
     spy = _SpyTrainer(cfg.sim)
-    backend = build_sim_backend(cfg, threading.Event())
+    backend = build_backend(cfg, threading.Event(), evaluate=False)
     backend.trainer = spy
     program = build_program(cfg, run_dir=tmp_path / "run", backend=backend)
     result = run_checked(program)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -217,13 +218,13 @@ def test_threads_are_split_between_trainer_and_samplers(
 ) -> None:
     """By default the trainer and the samplers, which compute at the same time, share the
     process's intra-op threads (4 here) instead of each taking all of them."""
-    from relayrl.backends.local.build import build_local_backend
+    from relayrl.backends.registry import build_backend
 
     cfg = load_config(None, [*QUICK, "eval.enabled=false", *overrides])
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        backend = build_local_backend(cfg, [])
+        backend = build_backend(cfg, threading.Event(), evaluate=False)
     finally:
         torch.set_num_threads(before)
     try:

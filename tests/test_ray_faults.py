@@ -63,7 +63,7 @@ def _latch() -> Any:
 
 
 def _sim_sampler_stalling_once(latch: Any) -> Callable[[Config, int], Any]:
-    """A stand-in for the Ray backend's sim sampler factory (`build._sim_sampler`, run in each
+    """A stand-in for the sim kind's sampler factory (`relayrl.backends.sim.build.sim_sampler`, run in each
     sampler actor's process): replica 0's third generate call opens `latch`, then never returns;
     once Ray has restarted that actor, its sampler does not stall. Pickled by value, as `_latch`."""
 
@@ -90,10 +90,10 @@ def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothin
     """Replica 0's actor process is killed while it executes a generate call (it told the test so
     through a latch and cannot return on its own), so the call fails whatever the timing; no step
     commits while the replica is down, so the run cannot end before Ray has restarted it."""
-    from relayrl.backends.ray import build as ray_build
+    from relayrl.backends.sim import build as sim_build
 
     latch = _latch()
-    monkeypatch.setattr(ray_build, "_sim_sampler", _sim_sampler_stalling_once(latch))
+    monkeypatch.setattr(sim_build, "sim_sampler", _sim_sampler_stalling_once(latch))
     cfg = sim_config("ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "run.steps=14", "sim.generate_per_request=0.05")
     program = build_program(cfg, run_dir=tmp_path / "run")
     sampler, trainer = program.backend.samplers[0], program.backend.trainer

@@ -437,10 +437,9 @@ def test_the_evaluator_judges_through_the_runs_scorer(tmp_path: Path) -> None:
         return 1.0 if t.prompt.prompt_id != "p2" else math.nan
 
     prompts = [Prompt(f"p{i}", "x" * i, "") for i in range(6)]
-    evaluator = HeldoutEvaluator(Engine(), prompts, lambda text: [0] * len(text), lambda tokens: "", max_new_tokens=4)
     workers = Workers()
     scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(workers=1), workers)
-    evaluator.attach_scorer(scorer)
+    evaluator = HeldoutEvaluator(Engine(), prompts, lambda text: [0] * len(text), lambda tokens: "", max_new_tokens=4, scorer=scorer)
     try:
         result = asyncio.run(evaluator.evaluate(Weights(version=1, payload=None)))
     finally:

@@ -1,24 +1,22 @@
 """The run's state (orchestrator/state.py) and building a run (orchestrator/build.py): a fresh and
-a restored state have one shape; a run that is refused after its workers were built leaves the
-run directory as it found it (no config.toml, trace.json or config change written)."""
+a restored state have one shape; a run refused by its last check (building its workers) leaves
+the run directory as it found it (no config.toml, trace.json or config change written)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 from pathlib import Path
 
 import pytest
 
-from relayrl.backends.sim.build import build_sim_backend
+from relayrl.errors import UserError
+from relayrl.orchestrator import build
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.state import RunState
 from relayrl.rundir.checkpoint import load_resume_point
 from relayrl.types import Prompt, StepResult
 from simutil import make_program, run_checked, sim_config
-
-MULTITURN = ("task.environment=arithmetic_feedback", "rollout.max_turns=2", "rollout.max_new_tokens=4")
 
 
 def _prompts() -> itertools.count[Prompt]:  # type: ignore[type-var]
@@ -51,28 +49,32 @@ def test_a_restored_state_continues_the_checkpoint(tmp_path: Path) -> None:
     assert next(state.prompts).index == point.prompts_drawn  # then the stream where it stopped
 
 
-def _without_text_encoder(cfg_steps: str) -> object:
-    cfg = sim_config(cfg_steps, *MULTITURN)
-    backend = build_sim_backend(cfg, threading.Event())
-    backend.encode_text = None  # a backend that cannot run multi-turn episodes
-    return backend
+def _failing_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the workers fails (e.g. a model directory that cannot be loaded): the last check a
+    run passes before its run directory is touched."""
+
+    def build_backend(*args: object, **kwargs: object) -> object:
+        raise UserError("model.path: cannot load the model")
+
+    monkeypatch.setattr(build, "build_backend", build_backend)
 
 
-def test_a_fresh_run_refused_after_its_backend_was_built_writes_nothing(tmp_path: Path) -> None:
-    cfg = sim_config("run.steps=2", *MULTITURN)
-    with pytest.raises(ValueError, match="cannot run multi-turn episodes"):
-        build_program(cfg, run_dir=tmp_path / "run", backend=_without_text_encoder("run.steps=2"))  # type: ignore[arg-type]
+def test_a_fresh_run_refused_when_its_workers_cannot_be_built_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _failing_backend(monkeypatch)
+    with pytest.raises(UserError, match="cannot load the model"):
+        build_program(sim_config("run.steps=2"), run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()  # no config.toml, no trace.json, not even the directory
 
 
-def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path) -> None:
-    cfg = sim_config("run.steps=2", "orchestrator.checkpoint_every=1", *MULTITURN)
-    run_checked(make_program(cfg, tmp_path))
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_checked(make_program(sim_config("run.steps=2", "orchestrator.checkpoint_every=1"), tmp_path))
     run_dir = tmp_path / "run"
     before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".relayrl-run"}
-    more = sim_config("run.steps=4", "orchestrator.checkpoint_every=1", *MULTITURN)
-    with pytest.raises(ValueError, match="cannot run multi-turn episodes"):
-        build_program(more, run_dir=run_dir, resume=True, backend=_without_text_encoder("run.steps=4"))  # type: ignore[arg-type]
+    more = sim_config("run.steps=4", "orchestrator.checkpoint_every=1")
+    with monkeypatch.context() as m:
+        _failing_backend(m)  # type: ignore[arg-type]
+        with pytest.raises(UserError, match="cannot load the model"):
+            build_program(more, run_dir=run_dir, resume=True)
     after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".relayrl-run"}
     assert after == before  # config.toml not rewritten, no config_changes.jsonl, nothing rewound
     resumed = build_program(more, run_dir=run_dir, resume=True)  # the lock was released: a good resume goes on

@@ -335,3 +335,18 @@ class StepRecord:
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
+
+
+@dataclass(slots=True, frozen=True)
+class EvalResult:
+    """A held-out evaluation of one policy version (`relayrl.eval.heldout`). `accuracy`: the share
+    of held-out prompts answered correctly (multi-turn: solved within `rollout.max_turns`);
+    multi-turn only: `first_turn_accuracy` (solved by the first action) and `mean_turns` (policy
+    turns per episode)."""
+
+    version: int
+    accuracy: float
+    num_prompts: int
+    seconds: float
+    first_turn_accuracy: float | None = None
+    mean_turns: float | None = None

@@ -10,8 +10,15 @@ Invariants:
 - what a worker receives holds only what it computes on (`SampleRequest`, `Weights`,
   `TrainBatch`: token ids and numbers, no trajectories), so it can be sent to another process.
 
-Orchestrator-side pieces a backend also provides (`Collator`, `PromptEncoder`, `Evaluator`) are
-protocols too; they run in the orchestrator's process.
+Orchestrator-side pieces a backend also provides (`Collator`, `PromptEncoder`, `TextEncoder`,
+`TextDecoder`, `GreedyEngine`) are protocols too; they run in the orchestrator's process.
+
+`Sampler` and `Trainer` carry the defaults of their optional parts, so a worker that subclasses
+them writes only what it computes, and callers never ask what a worker is (`isinstance`): a
+sampler that cannot run episodes raises one clear error from `generate_turns`, one that keeps no
+caches ignores `end_episodes`, one that cannot be restarted says so (`restartable` is false); a
+trainer that cannot queue ahead has `queue_ahead` false; one that cannot checkpoint raises one
+clear error from `save_state` / `load_state`.
 """
 
 from __future__ import annotations
@@ -19,17 +26,33 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol
 
-from relayrl.types import GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
+from relayrl.types import EvalResult, GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
-if TYPE_CHECKING:
-    from relayrl.eval.heldout import EvalResult
+__all__ = [
+    "Collator",
+    "Evaluator",
+    "GreedyEngine",
+    "PromptEncoder",
+    "Sampler",
+    "TextDecoder",
+    "TextEncoder",
+    "Trainer",
+    "UnsupportedError",
+    "Weights",
+]
 
-__all__ = ["Collator", "Evaluator", "GreedyEngine", "PromptEncoder", "QueueAheadTrainer", "Sampler", "Trainer", "Weights"]
+
+class UnsupportedError(NotImplementedError):
+    """A worker or compute kind was asked for something it cannot do; the message names what,
+    and the config key that asks for it."""
 
 
 class Sampler(Protocol):
+    """A sampler replica. Subclass it to inherit the defaults of the optional parts
+    (`generate_turns`, `end_episodes`, `restartable` / `restart`, `close`)."""
+
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         """Sample every request with the weights loaded when the call starts; each result carries
         the version of those weights."""
@@ -40,18 +63,34 @@ class Sampler(Protocol):
         with the weights loaded when the call starts. A sampler may keep each episode's KV cache
         after the call, to read only the new tokens of its next turn's context; it must produce
         what re-reading the whole context would (and re-read it when the cache does not cover a
-        prefix of the context or was computed with other weights)."""
-        ...
+        prefix of the context or was computed with other weights). Default: this sampler cannot
+        run episodes (one error naming it)."""
+        raise UnsupportedError(f"the {type(self).__name__} sampler cannot run multi-turn episodes (task.environment)")
 
     async def end_episodes(self, episodes: Sequence[str]) -> None:
-        """Forget the caches of these episodes (they are over). Unknown names are ignored."""
-        ...
+        """Forget the caches of these episodes (they are over). Unknown names are ignored.
+        Default: nothing to forget (a sampler that keeps no caches)."""
+        return None
 
     async def load_weights(self, weights: Weights) -> None:
         """Swap to `weights` (no reload from disk). Never called while another load runs."""
         ...
 
-    async def close(self) -> None: ...
+    def restartable(self, exc: BaseException) -> bool:
+        """Whether `exc` means the worker died (or came back without weights) and can be restarted
+        with `restart`. Default: never (an in-process worker does not die alone)."""
+        return False
+
+    async def restart(self) -> None:
+        """Wait (bounded) for the worker to be alive again, holding no weights; raise if it cannot
+        be restarted. Called only after `restartable(exc)` said yes. The weight publisher then
+        loads the current version into it: a worker never fetches weights itself
+        (orchestrator/publisher.py)."""
+        raise UnsupportedError(f"the {type(self).__name__} sampler cannot be restarted")
+
+    async def close(self) -> None:
+        """Release the worker. Default: nothing to release."""
+        return None
 
 
 class GreedyEngine(Protocol):
@@ -65,6 +104,34 @@ class GreedyEngine(Protocol):
 
 
 class Trainer(Protocol):
+    """The trainer. Subclass it to inherit the defaults of the optional parts (`queue_ahead` /
+    `optim_step_ahead`, `save_state` / `load_state`, `close`).
+
+    Queue ahead (the Ray trainer can): queue the next step's first micro-batch right behind the
+    optimizer update, so the trainer starts it the moment the update ends instead of a driver
+    round trip later (docs/design.md, rule 10). `queue_ahead` says whether it may be used now
+    (false: the trainer cannot, or it is disabled); the caller uses `optim_step_ahead` only then.
+
+    `optim_step_ahead(ahead)` is `optim_step()`, calling `ahead()` once, as late as it can: when
+    the update has been sent (every training call before it having ended). `ahead()` returns the
+    next step's first micro-batch if it is ready by then (else None); the trainer sends it right
+    behind the update, as the next training call. It returns the new version once the update
+    returned, and whether a micro-batch was queued so, without waiting for its train step, which is
+    then outstanding exactly as if `train_step(batch)` had been called right after `optim_step()`
+    returned (its result or error is awaited by the next training call). The trainer must start
+    it only after the update ended (so it accumulates only into gradients the update already
+    zeroed, and what the update published, the version's weights and metrics, is what it would
+    have been without it). The caller does not call `train_step` for a queued micro-batch."""
+
+    @property
+    def queue_ahead(self) -> bool:
+        """Whether `optim_step_ahead` may be used now. Default: no."""
+        return False
+
+    async def optim_step_ahead(self, ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
+        """See the class. Default (a trainer that cannot queue): `optim_step()`, queueing nothing."""
+        return await self.optim_step(), False
+
     async def train_step(self, batch: TrainBatch) -> None:
         """Forward + backward on one collated micro-batch, accumulating gradients."""
         ...
@@ -86,38 +153,18 @@ class Trainer(Protocol):
     async def save_state(self, directory: Path) -> None:
         """Write the committed state (weights, optimizer, schedule, version) into `directory`.
         Called between a commit and the next `optim_step`, which waits for it; training may run
-        meanwhile, so it must not wait behind a train step."""
-        ...
+        meanwhile, so it must not wait behind a train step. Default: this trainer cannot
+        checkpoint (one error naming it)."""
+        raise UnsupportedError(f"the {type(self).__name__} trainer cannot save its state (orchestrator.checkpoint_every)")
 
     async def load_state(self, directory: Path) -> int:
-        """Restore what `save_state` wrote (before any training); returns its version."""
-        ...
+        """Restore what `save_state` wrote (before any training); returns its version. Default:
+        this trainer cannot resume (one error naming it)."""
+        raise UnsupportedError(f"the {type(self).__name__} trainer cannot load a checkpoint (--resume)")
 
-    async def close(self) -> None: ...
-
-
-@runtime_checkable
-class QueueAheadTrainer(Protocol):
-    """An optional capability of a `Trainer` (the Ray trainer has it): queue the next step's first
-    micro-batch right behind the optimizer update, so the trainer starts it the moment the update
-    ends instead of a driver round trip later (docs/design.md, rule 10).
-
-    `optim_step_ahead(ahead)` is `optim_step()`, calling `ahead()` once, as late as it can: when
-    the update has been sent (every training call before it having ended). `ahead()` returns the
-    next step's first micro-batch if it is ready by then (else None); the trainer sends it right
-    behind the update, as the next training call. It returns the new version once the update
-    returned, and whether a micro-batch was queued so, without waiting for its train step, which is
-    then outstanding exactly as if `train_step(batch)` had been called right after `optim_step()`
-    returned (its result or error is awaited by the next training call). The trainer must start
-    it only after the update ended (so it accumulates only into gradients the update already
-    zeroed, and what the update published, the version's weights and metrics, is what it would
-    have been without it). The caller does not call `train_step` for a queued micro-batch.
-    `queue_ahead` says whether the capability may be used now (false: disabled)."""
-
-    @property
-    def queue_ahead(self) -> bool: ...
-
-    async def optim_step_ahead(self, ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]: ...
+    async def close(self) -> None:
+        """Release the trainer. Default: nothing to release."""
+        return None
 
 
 class Collator(Protocol):
@@ -146,8 +193,22 @@ class PromptEncoder(Protocol):
     def __call__(self, text: str) -> list[int]: ...
 
 
+class TextEncoder(Protocol):
+    """An observation's text → token ids, no special tokens (multi-turn episodes). Orchestrator-side,
+    on the event loop. A kind that cannot run episodes gives one that raises `UnsupportedError`."""
+
+    def __call__(self, text: str) -> list[int]: ...
+
+
+class TextDecoder(Protocol):
+    """Completion token ids → text, cut at the end-of-sequence token (held-out evaluation).
+    Orchestrator-side, on the event loop."""
+
+    def __call__(self, tokens: list[int]) -> str: ...
+
+
 class Evaluator(Protocol):
-    """Held-out evaluation of a policy version (e.g. `relayrl.eval.heldout.HeldoutEvaluator`)."""
+    """Held-out evaluation of a policy version (`relayrl.eval.heldout.HeldoutEvaluator`)."""
 
     async def evaluate(self, weights: Weights | None) -> EvalResult:
         """Accuracy of `weights` (None: of the weights the evaluator's engine holds now); the

@@ -3,9 +3,13 @@ greedy episodes with the environment, solved within the turn limit).
 
 A completion is correct when every configured reward function gives it a positive reward (the
 same functions that score training rollouts). In a run the functions are called through the run's
-scorer (`attach_scorer`): user functions in their worker processes, async ones on the loop, each
-bounded by its timeout; a failed call (timeout, raised, crashed, non-finite) makes the completion
-wrong and is not counted in the ledger. Without a scorer the functions are called here.
+scorer (given at construction): user functions in their worker processes, async ones on the loop,
+each bounded by its timeout; a failed call (timeout, raised, crashed, non-finite) makes the
+completion wrong and is not counted in the ledger. Without a scorer the functions are called here.
+
+The evaluator is the orchestrator's (orchestrator/program.py builds it from the backend's greedy
+engine, the run's scorer and, for multi-turn tasks, its episode runner); the engine never knows
+who drives it.
 
 Invariant: an evaluation reports the version whose weights it measured (the engine loads those
 weights first; the evaluator remembers the version it last loaded, and does not ask the engine),
@@ -16,30 +20,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relayrl.rewards.registry import RewardFunction, exact_match
-from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, TurnRequest, TurnResult, Weights
+from relayrl.types import Completion, EvalResult, Prompt, SampleRequest, Trajectory, TurnRequest, TurnResult, Weights
 
 if TYPE_CHECKING:
     from relayrl.backends.protocols import GreedyEngine
     from relayrl.orchestrator.stages.episodes import EpisodeRunner, TurnFn
     from relayrl.rewards.scoring import Scorer
-
-
-@dataclass(slots=True, frozen=True)
-class EvalResult:
-    """`accuracy`: the share of held-out prompts answered correctly (multi-turn: solved within
-    `rollout.max_turns`); multi-turn only: `first_turn_accuracy` (solved by the first action)
-    and `mean_turns` (policy turns per episode)."""
-
-    version: int
-    accuracy: float
-    num_prompts: int
-    seconds: float
-    first_turn_accuracy: float | None = None
-    mean_turns: float | None = None
 
 
 class HeldoutEvaluator:
@@ -52,9 +41,14 @@ class HeldoutEvaluator:
         max_new_tokens: int,
         reward_fns: Sequence[RewardFunction] = (exact_match,),
         version: int = 0,
+        *,
+        scorer: Scorer | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
-        """`version`: the policy version the engine holds when built. Multi-turn tasks evaluate
-        greedy episodes once `attach_episodes` gave the run's episode runner."""
+        """`version`: the policy version the engine holds when built. `scorer`: judge completions
+        with the run's scorer (and its reward functions) instead of calling `reward_fns` here.
+        `episodes`: evaluate greedy multi-turn episodes of that runner's environment (a prompt
+        counts as correct when an action solved it within the turn limit)."""
         if not prompts:
             raise ValueError("held-out evaluation needs at least one prompt (task.heldout_size)")
         self._engine = engine
@@ -64,17 +58,8 @@ class HeldoutEvaluator:
         self._max_new_tokens = max_new_tokens
         self._reward_fns = list(reward_fns)
         self._version = version  # what the engine holds: the version last loaded into it
-        self._scorer: Scorer | None = None
-        self._episodes: EpisodeRunner | None = None
-
-    def attach_episodes(self, runner: EpisodeRunner) -> None:
-        """Evaluate greedy multi-turn episodes of `runner`'s environment from now on: a prompt
-        counts as correct when an action solved it within the turn limit."""
-        self._episodes = runner
-
-    def attach_scorer(self, scorer: Scorer) -> None:
-        """Judge completions with the run's scorer (and its reward functions) from now on."""
         self._scorer = scorer
+        self._episodes = episodes
 
     async def evaluate(self, weights: Weights | None) -> EvalResult:
         """Accuracy of `weights` (None: of the weights the engine holds now)."""

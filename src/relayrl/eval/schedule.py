@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relayrl.backends.protocols import Evaluator, Trainer, Weights
-from relayrl.eval.heldout import EvalResult
 from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, commit
 from relayrl.rundir.files import append_eval
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
+from relayrl.types import EvalResult
 
 
 class EvalSchedule:

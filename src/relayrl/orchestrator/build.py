@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
-from relayrl.backends.sim.build import build_sim_backend
+from relayrl.backends.registry import build_backend
 from relayrl.config.schema import Config, ConfigError, load_config, resumable_keys
 from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
@@ -90,27 +90,10 @@ def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, enviro
 
 
 def _backend(checked: _Checked, workers: Workers) -> Backend:
-    """The configured backend's workers (a Ray backend starts or joins its cluster), refused
-    before the run directory is touched if it cannot run the task."""
+    """`run.backend`'s compute kind, placed by the `ray.enabled` host (backends/registry.py); a
+    Ray backend starts or joins its cluster."""
     cfg = checked.cfg
-    if cfg.ray.enabled:
-        from relayrl.backends.ray.build import build_ray_backend
-
-        backend = build_ray_backend(cfg, checked.task.heldout, workers.abort)
-    elif cfg.run.backend == "local":
-        from relayrl.backends.local.build import build_local_backend
-
-        backend = build_local_backend(cfg, checked.task.heldout)
-    else:
-        backend = build_sim_backend(cfg, workers.abort)
-    return backend
-
-
-def _check_backend(checked: _Checked, backend: Backend) -> None:
-    if checked.environment is not None and backend.encode_text is None:
-        raise UserError(
-            f"the {checked.cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
-        )
+    return build_backend(cfg, workers.abort, evaluate=cfg.eval.enabled and bool(checked.task.heldout))
 
 
 def start_run(
@@ -132,7 +115,6 @@ def start_run(
     try:
         if backend is None:
             backend = built = _backend(checked, workers)
-        _check_backend(checked, backend)
         if run_dir is not None and lock is not None:
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
@@ -181,7 +163,6 @@ def resume_run(
         workers = Workers()
         if backend is None:
             backend = built = _backend(checked, workers)
-        _check_backend(checked, backend)
         rewind_run_dir(run_dir, point)
         if changes:
             append_config_changes(run_dir, changes)
@@ -211,13 +192,14 @@ def _program(
         callbacks=callbacks,
         lock=lock,
         environment=checked.environment,
+        heldout=checked.task.heldout,
     )
 
 
 def _release(lock: RunDirLock | None, built: Backend | None) -> None:
     if lock is not None:
         lock.release()
-    if built is not None and built.cleanup is not None:
+    if built is not None:
         built.cleanup()  # e.g. a Ray cluster the backend started
 
 

@@ -2,8 +2,8 @@
 call and the config key that bounds it, instead of hanging the run.
 
 `bounded` bounds one awaitable; `BoundedTrainer` bounds every call of a `Trainer`
-(`train.call_timeout_s`), including the optional queue-ahead call (`QueueAheadTrainer`), which it
-forwards when the trainer it wraps has it. The sample and sync stages bound `generate` and
+(`train.call_timeout_s`), including the optional queue-ahead call (`Trainer.optim_step_ahead`),
+which it forwards when the trainer it wraps may use it. The sample and sync stages bound `generate` and
 `load_weights` (`rollout.generate_timeout_s`, `rollout.weight_load_timeout_s`); a replica that
 exceeds them is failed over like one that raised.
 
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from relayrl.backends.protocols import QueueAheadTrainer, Trainer
+from relayrl.backends.protocols import Trainer
 from relayrl.types import TrainBatch, Weights
 
 T = TypeVar("T")
@@ -63,14 +63,14 @@ async def _cancel(task: asyncio.Future[T], grace: float) -> None:
     await asyncio.wait({task}, timeout=grace)
 
 
-class BoundedTrainer:
+class BoundedTrainer(Trainer):
     """A `Trainer` whose every call is bounded by `seconds` (`train.call_timeout_s`); exceeding it
     fails the run naming the call.
 
-    It is a `QueueAheadTrainer` whose `queue_ahead` is the wrapped trainer's (false when that has
-    no such capability). `optim_step_ahead` is bounded like `optim_step`: the bound covers the
-    update; the queued train step is covered, as any train step sent ahead is, by the bound of the
-    next training call, which awaits it."""
+    Its `queue_ahead` is the wrapped trainer's (false when that cannot queue ahead).
+    `optim_step_ahead` is bounded like `optim_step`: the bound covers the update; the queued train
+    step is covered, as any train step sent ahead is, by the bound of the next training call,
+    which awaits it."""
 
     def __init__(self, inner: Trainer, seconds: float) -> None:
         self.inner = inner
@@ -87,14 +87,10 @@ class BoundedTrainer:
 
     @property
     def queue_ahead(self) -> bool:
-        inner = self.inner
-        return isinstance(inner, QueueAheadTrainer) and inner.queue_ahead
+        return self.inner.queue_ahead
 
     async def optim_step_ahead(self, ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
-        inner = self.inner
-        if not isinstance(inner, QueueAheadTrainer):
-            raise TypeError(f"the trainer {type(inner).__name__} cannot queue a micro-batch behind optim_step")
-        return await self._bound(inner.optim_step_ahead(ahead), "optim_step")
+        return await self._bound(self.inner.optim_step_ahead(ahead), "optim_step")
 
     async def get_metrics(self) -> dict[str, float]:
         return await self._bound(self.inner.get_metrics(), "get_metrics")

@@ -58,6 +58,7 @@ from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import (
     Group,
+    Prompt,
     SampleRequest,
     StepRecord,
     StepResult,
@@ -102,6 +103,7 @@ class Program:
         callbacks: Sequence[Callback] = (),
         lock: RunDirLock | None = None,
         environment: Environment | None = None,
+        heldout: Sequence[Prompt] = (),
     ) -> None:
         """`state` is fresh or restored (orchestrator/state.py); everything was validated and the
         run directory prepared (config.toml written) by orchestrator/build.py: constructing a
@@ -124,8 +126,6 @@ class Program:
         # the reward functions, on the scoring thread, in worker processes (started at their first
         # call, ended with the run) or on the loop; the held-out evaluator judges through it too
         self.scorer = Scorer(rewards, settings, workers)
-        if isinstance(backend.evaluator, HeldoutEvaluator):
-            backend.evaluator.attach_scorer(self.scorer)
         self.callbacks = list(callbacks)
         self.ledger = state.ledger
         # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
@@ -142,17 +142,28 @@ class Program:
             "first_step": self.start_step,
         }
         self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
-        if backend.attach_tracer is not None:
-            backend.attach_tracer(self.tracer)
+        backend.attach_tracer(self.tracer)
         for name, seconds in backend.startup.items():  # before the run's clock started: ends at 0
             self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
         if environment is not None:
-            assert backend.encode_text is not None  # orchestrator/build.py refused the run otherwise
             limits = episode_settings(cfg, backend.max_prompt_tokens)
             self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, workers, self.tracer)
-            if isinstance(backend.evaluator, HeldoutEvaluator):
-                backend.evaluator.attach_episodes(self.episodes)
+        # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
+        # run evaluates), judged through the run's scorer, greedy episodes for multi-turn tasks
+        evaluator = (
+            HeldoutEvaluator(
+                backend.greedy,
+                heldout,
+                backend.tokenize,
+                backend.decode,
+                cfg.eval.max_new_tokens,
+                scorer=self.scorer,
+                episodes=self.episodes,
+            )
+            if backend.greedy is not None and heldout
+            else None
+        )
         self.bookkeeper = StepBookkeeper(
             tracer=self.tracer,
             run_dir=run_dir,
@@ -176,7 +187,7 @@ class Program:
         )
         self.loop: TrainLoop | None = None
         self.eval_schedule = EvalSchedule(
-            evaluator=backend.evaluator,
+            evaluator=evaluator,
             trainer=self.trainer,
             every=cfg.eval.every_steps,
             steps=cfg.run.steps,

@@ -10,7 +10,7 @@ It gets a version's weights from the trainer once (`export_weights`, through the
 given: the program's `BoundedTrainer`, so bounded by `train.call_timeout_s`) and keeps the newest
 export, which a restarted replica loads; it loads them into each replica bounded by
 `rollout.weight_load_timeout_s`. A load that raises or exceeds its bound fails its replica: one
-whose worker died and can be restarted (`Restartable`) stays in service, holding its old version,
+whose worker died and can be restarted (`Sampler.restartable`) stays in service, holding its old version,
 and restarts when it next samples; any other is retired (`ReplicaPool.retire`, which fails the
 run with the replica's own error when failover is off or no replica is left). Each failed load
 is traced as `load_weights_failed` on the replica's lane.
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 
-from relayrl.backends.protocols import Trainer
+from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.orchestrator.deadlines import bounded
-from relayrl.orchestrator.replicas import ReplicaPool, Restartable, SamplerSlot
+from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Weights
 
@@ -82,7 +82,7 @@ class WeightPublisher:
                 self._tracer.complete(
                     f"sampler/{slot.replica}", "load_weights_failed", start, self._tracer.now(), version=weights.version, error=error
                 )
-                if not (isinstance(slot.worker, Restartable) and slot.worker.restartable(outcome)):
+                if not slot.worker.restartable(outcome):
                     self.pool.retire(slot, outcome, "load_weights")  # raises unless another replica serves
                 # else its worker died: it refuses to generate until it has restarted and loaded the newest weights
             elif isinstance(outcome, BaseException):
@@ -91,7 +91,7 @@ class WeightPublisher:
                 slot.version = weights.version
         return weights
 
-    async def restart(self, slot: SamplerSlot, worker: Restartable, exc: Exception, during: str) -> Exception | None:
+    async def restart(self, slot: SamplerSlot, worker: Sampler, exc: Exception, during: str) -> Exception | None:
         """Bring `slot`'s replica, whose worker died during `during` (raising `exc`), back into
         service: wait for its worker to be alive again (`worker.restart()`), then load the newest
         version into it, again while a round pushed a newer one meanwhile. Returns why it cannot

@@ -22,7 +22,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from relayrl.backends.protocols import Sampler
 
@@ -33,21 +32,6 @@ class SamplerRetiredWarning(RuntimeWarning):
 
 class SamplerRestartedWarning(RuntimeWarning):
     pass
-
-
-@runtime_checkable
-class Restartable(Protocol):
-    """A sampler whose worker can die and be restarted (the Ray backend's `RaySampler`)."""
-
-    def restartable(self, exc: BaseException) -> bool:
-        """Whether `exc` means the worker died (or came back without weights) and can be restarted."""
-        ...
-
-    async def restart(self) -> None:
-        """Wait (bounded) for the worker to be alive again, holding no weights; raise if it cannot
-        be restarted. The weight publisher then loads the current version into it: a worker never
-        fetches weights itself (`relayrl.orchestrator.publisher`)."""
-        ...
 
 
 @dataclass(slots=True, eq=False)

@@ -19,11 +19,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from relayrl.eval.heldout import EvalResult
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.rundir.checkpoint import PromptSource, ResumePoint
 from relayrl.telemetry.callbacks import Callback
-from relayrl.types import Prompt, StepResult
+from relayrl.types import EvalResult, Prompt, StepResult
 
 
 @dataclass(slots=True, eq=False)

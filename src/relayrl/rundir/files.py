@@ -17,10 +17,9 @@ from pathlib import Path
 
 from relayrl.analysis import timeline
 from relayrl.config.schema import Config, config_to_toml
-from relayrl.eval.heldout import EvalResult
 from relayrl.rundir.jsonl import append_rows, write_text_atomic
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import StepResult
+from relayrl.types import EvalResult, StepResult
 
 CONFIG = "config.toml"
 EVALS = "evals.jsonl"

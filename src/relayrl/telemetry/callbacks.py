@@ -8,8 +8,7 @@ An exception from any of them fails the run.
 
 from __future__ import annotations
 
-from relayrl.eval.heldout import EvalResult
-from relayrl.types import StepResult
+from relayrl.types import EvalResult, StepResult
 
 
 class Callback:

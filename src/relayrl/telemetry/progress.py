@@ -13,9 +13,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
-from relayrl.eval.heldout import EvalResult
 from relayrl.telemetry.callbacks import Callback
-from relayrl.types import StepResult
+from relayrl.types import EvalResult, StepResult
 
 
 def _fmt(value: object, spec: str) -> str:

@@ -1,5 +1,11 @@
-"""Build the local (in-process PyTorch) backend: a Hugging Face causal LM loaded with
-`from_pretrained`, one trainer thread, N sampler threads, and a held-out evaluator.
+"""The local compute kind (`run.backend = "local"`, see `relayrl.backends.registry`): a Hugging Face
+causal LM loaded with `from_pretrained`; a PyTorch trainer and N samplers, each on its own worker
+thread of the process that hosts it, and a greedy engine for the held-out evaluation.
+
+The driver loads the model once (its tokenizer, collator, prompt bound and greedy engine come
+from it). A worker factory called in the driver's process builds its worker from that loaded
+model, as copies (the trainer trains the loaded model itself, so the host calls it last); sent to
+another process (a Ray actor) a factory loads the model there.
 
 Invariant: every worker gets its own model copy and its own tokenizer copy (fast tokenizers are
 not safe to share across threads); weights then move only through `Weights` payloads.
@@ -9,25 +15,23 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
-from relayrl.backends.bundle import Backend
 from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
-from relayrl.backends.protocols import GreedyEngine
+from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
-from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.rewards import registry as rewards
-from relayrl.types import Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,7 +81,9 @@ class EncodeText:
         return [int(i) for i in self._tok(text, add_special_tokens=False)["input_ids"]]
 
 
-class _Decode:
+class Decode:
+    """Completion token ids → text, cut at the end-of-sequence token (a `TextDecoder`)."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tok = tokenizer
         self._eos = tokenizer.eos_token_id
@@ -93,7 +99,7 @@ def split_threads(budget: int, trainer: int, sampler: int, num_samplers: int) ->
     time, so the ones left at 0 (auto) share what the explicit ones leave of the process's
     `budget`, at least 1 each, rather than each taking all of it (measured on 2 cores: 1 + 1 is
     as fast as 2 + 2 on the default recipe and ~1.4x faster on small steps). The held-out
-    evaluator, which runs briefly, uses the samplers' count."""
+    evaluation's greedy engine, which runs briefly, uses the samplers' count."""
     if trainer and sampler:
         return trainer, sampler
     if trainer:
@@ -171,35 +177,16 @@ def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
     return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
 
 
-def make_evaluator(
-    cfg: Config,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    heldout: Sequence[Prompt],
-    threads: int,
-    wrap: Callable[[LocalSampler], GreedyEngine] | None = None,
-) -> HeldoutEvaluator | None:
-    """The held-out evaluator on its own engine (None when eval is off or there is no held-out
-    set); `wrap` adapts the engine (e.g. to weights that arrive by reference)."""
-    if not (cfg.eval.enabled and heldout):
-        return None
-    engine = LocalSampler(
+def make_greedy_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int) -> LocalSampler:
+    """The held-out evaluation's engine: a sampler on its own frozen model copy, numbered after
+    the rollout replicas."""
+    return LocalSampler(
         _frozen_copy(model),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=cfg.rollout.num_samplers,
         seed=cfg.run.seed,
         torch_threads=threads,
-    )
-    return HeldoutEvaluator(
-        engine if wrap is None else wrap(engine),
-        heldout,
-        make_tokenize(cfg, tokenizer),
-        _Decode(copy.deepcopy(tokenizer)),
-        cfg.eval.max_new_tokens,
-        # a run judges through its scorer (Program attaches it: user functions isolated, async
-        # ones awaited); these in-process built-ins are the fallback for standalone use
-        [rewards.REWARD_FUNCTIONS[n] for n in cfg.task.reward_functions if n in rewards.REWARD_FUNCTIONS] or [rewards.exact_match],
     )
 
 
@@ -208,19 +195,55 @@ def make_collator(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TorchColla
     return TorchCollator(pad_token_id=pad, mask_kind="bool" if cfg.model.attn_implementation == "sdpa" else "float")
 
 
-def build_local_backend(cfg: Config, heldout: Sequence[Prompt]) -> Backend:
-    model, tokenizer = load_base(cfg)
+_Base = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+
+class _Factory:
+    """A picklable worker factory carrying the driver's loaded model while it stays in the driver's
+    process; pickled (for another process) it carries only the config, and loads the model there."""
+
+    def __init__(self, cfg: Config, args: tuple[int, ...], base: _Base | None = None) -> None:
+        self.cfg = cfg
+        self.args = args
+        self._base = base
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.cfg, self.args))
+
+    def base(self) -> _Base:
+        return self._base if self._base is not None else load_base(self.cfg)
+
+
+class SamplerFactory(_Factory):
+    """Sampler replica `args[0]` with `args[1]` torch threads."""
+
+    def __call__(self) -> LocalSampler:
+        model, tokenizer = self.base()
+        replica, threads = self.args
+        return make_sampler(self.cfg, model, tokenizer, replica, threads)
+
+
+class TrainerFactory(_Factory):
+    """The trainer with `args[0]` torch threads; it trains the model it is given itself."""
+
+    def __call__(self) -> LocalTrainer:
+        model, _ = self.base()
+        return make_trainer(self.cfg, model, self.args[0])
+
+
+def compute(cfg: Config, abort: threading.Event) -> Compute:
+    model, tokenizer = load_base(cfg)  # the driver's copy: encoders, collator, prompt bound, greedy engine
     trainer_threads, sampler_threads = worker_threads(cfg)
-    samplers = [make_sampler(cfg, model, tokenizer, i, sampler_threads) for i in range(cfg.rollout.num_samplers)]
-    evaluator = make_evaluator(cfg, model, tokenizer, heldout, sampler_threads)
-    return Backend(
-        trainer=make_trainer(cfg, model, trainer_threads),
-        samplers=list(samplers),
+    base = (model, tokenizer)
+    return Compute(
         collator=make_collator(cfg, tokenizer),
         tokenize=make_tokenize(cfg, tokenizer),
         encode_text=EncodeText(copy.deepcopy(tokenizer)),
-        evaluator=evaluator,
+        decode=Decode(copy.deepcopy(tokenizer)),
         max_prompt_tokens=max_prompt_tokens(cfg, model),
+        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads),
+        trainer=TrainerFactory(cfg, (trainer_threads,), base),
+        samplers=[SamplerFactory(cfg, (i, sampler_threads), base) for i in range(cfg.rollout.num_samplers)],
     )
 
 

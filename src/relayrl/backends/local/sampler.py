@@ -53,6 +53,7 @@ from relayrl.backends.local.generation import (
     sample,
     sample_turns,
 )
+from relayrl.backends.protocols import Sampler
 from relayrl.threads import ThreadHost
 from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
 
@@ -276,7 +277,7 @@ class SamplerCompute:
         return [Completion(tokens=s.tokens, logprobs=s.logprobs, text=text, finish_reason=s.finish_reason) for s, text in zip(group, texts)]
 
 
-class LocalSampler:
+class LocalSampler(Sampler):
     """A `SamplerCompute` hosted in its own worker thread (implements `Sampler` and
     `GreedyEngine`). Each call gets its own abort flag: cancelling one stops its compute (between
     decode steps) and waits for it, without aborting the calls queued after it.

@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from relayrl.algorithms.losses import LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
 from relayrl.models.loading import disable_dropout
 from relayrl.threads import ThreadHost
@@ -264,7 +265,7 @@ class TrainerCompute:
         return Weights(version=self.version, payload=state)
 
 
-class LocalTrainer:
+class LocalTrainer(Trainer):
     """A `TrainerCompute` hosted in one worker thread ("relayrl-trainer"; implements `Trainer`).
     `get_metrics`, `export_weights` (after the first commit) and `save_state` call the compute's
     thread-safe methods outside that thread, so they never wait behind a train step."""

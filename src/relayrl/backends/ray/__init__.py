@@ -1,1 +1,1 @@
-"""The Ray backend: the sim or local workers hosted in Ray actors (`relayrl.backends.ray.build`)."""
+"""The Ray host: any compute kind's trainer and samplers, each in its own Ray actor (`relayrl.backends.ray.build`)."""

@@ -1,9 +1,13 @@
 """Ray actors hosting the same workers the in-process backends use, and the driver-side adapters
 that implement the `Sampler` / `Trainer` protocols by awaiting actor calls.
 
-Each actor is built from a factory run inside the actor's process (the sim's `SimSampler` /
-`SimTrainer`; the local backend's `LocalSampler` / `LocalTrainer`, i.e. `SamplerCompute` /
-`TrainerCompute` on their worker thread), and awaits that worker's async methods.
+Each actor is built from a compute kind's factory run inside the actor's process (the sim's
+`SimSampler` / `SimTrainer`; the local kind's `LocalSampler` / `LocalTrainer`, i.e.
+`SamplerCompute` / `TrainerCompute` on their worker thread), and awaits that worker's async
+methods. The actors forward protocol calls generically (`call(method, ...)`), by one table of
+the calls each forwards (`SAMPLER_CALLS`, `TRAINER_CALLS`: the trainer's names the concurrency
+group each runs in); only what adds behaviour is written out (the trainer's numbered training
+calls and weight export, the sampler's weight load).
 
 Invariants:
 - a sampler actor runs one call at a time, in call order (max_concurrency=1), so a load never
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,6 +55,7 @@ from typing import Any
 
 import ray
 
+from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import decode, encode
 from relayrl.telemetry.tracer import Tracer
@@ -94,6 +100,34 @@ async def _timed(work: Awaitable[Any]) -> Timed:
     return Timed(value, start, time.time())
 
 
+# the sampler actor's forwarded calls (one at a time, in call order); True: refused by a restarted
+# actor until it loaded the current weights
+SAMPLER_CALLS: dict[str, bool] = {
+    "generate": True,
+    "greedy": True,
+    "generate_turns": True,
+    "end_episodes": False,
+    "load_weights": False,
+    "close": False,
+}
+# the trainer actor's forwarded calls -> their concurrency group: "train" calls run one at a time in
+# the driver's numbering (`_TrainerActor._in_turn`); "io" calls never wait behind a train step
+TRAINER_CALLS: dict[str, str] = {
+    "train_step": "train",
+    "optim_step": "train",
+    "load_state": "train",
+    "get_metrics": "io",
+    "export_weights": "io",
+    "save_state": "io",
+    "close": "io",
+}
+
+
+def _forwarded(table: dict[str, Any], method: str) -> None:
+    if method not in table:
+        raise AttributeError(f"the actor forwards no call named {method!r} (known: {', '.join(table)})")
+
+
 class _SamplerActor:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._worker = factory()  # on a restart, Ray runs this again: a fresh worker
@@ -112,38 +146,23 @@ class _SamplerActor:
     async def pid(self) -> int:
         return os.getpid()
 
-    def _check_weights(self) -> None:
-        if self._restarted and self._loaded is None:
+    async def call(self, method: str, *args: Any) -> Timed:
+        """The worker's `method(*args)` (one of `SAMPLER_CALLS`), timed on this process's clock."""
+        _forwarded(SAMPLER_CALLS, method)
+        if SAMPLER_CALLS[method] and self._restarted and self._loaded is None:
             raise SamplerNeedsWeightsError("this sampler actor was restarted and has not loaded the current weights")
+        if method == "load_weights":
+            return await _timed(self._load_weights(*args))
+        return await _timed(getattr(self._worker, method)(*args))
 
-    async def generate(self, requests: list[SampleRequest]) -> Timed:
-        self._check_weights()
-        return await _timed(self._worker.generate(requests))
-
-    async def greedy(self, prompts_tokens: list[list[int]], max_new_tokens: int) -> Timed:
-        self._check_weights()
-        return await _timed(self._worker.greedy(prompts_tokens, max_new_tokens))
-
-    async def generate_turns(self, requests: list[TurnRequest]) -> Timed:
-        self._check_weights()
-        return await _timed(self._worker.generate_turns(requests))
-
-    async def end_episodes(self, episodes: list[str]) -> None:
-        await self._worker.end_episodes(episodes)
-
-    async def load_weights(self, weights: Weights) -> Timed:
-        start = time.time()
+    async def _load_weights(self, weights: Weights) -> None:
         resolved = await resolve(weights)
         await self._worker.load_weights(resolved)
         self._loaded = resolved.version
-        return Timed(None, start, time.time())
 
     async def loaded_version(self) -> int | None:
         """The version of the last weights this actor loaded (None: none yet)."""
         return self._loaded
-
-    async def close(self) -> None:
-        await self._worker.close()
 
 
 class _TrainerActor:
@@ -164,6 +183,24 @@ class _TrainerActor:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def call(self, method: str, turn: int | None, *args: Any) -> Timed:
+        """The worker's `method(*args)` (one of `TRAINER_CALLS`, sent in its concurrency group),
+        timed on this process's clock; a "train" call runs as training call number `turn`."""
+        _forwarded(TRAINER_CALLS, method)
+        work: Callable[[], Awaitable[Any]]
+        if method == "train_step":
+            (batch,) = args
+            batch = dataclasses.replace(batch, payload=decode(batch.payload, writable=True))
+            work = functools.partial(self._worker.train_step, batch)
+        elif method == "export_weights":
+            work = self._export
+        else:
+            work = functools.partial(getattr(self._worker, method), *args)
+        if TRAINER_CALLS[method] == "train":
+            assert turn is not None, f"{method} is a training call: it needs its number"
+            return await self._in_turn(turn, work)
+        return await _timed(work())
+
     async def _in_turn(self, turn: int, work: Callable[[], Awaitable[Any]]) -> Timed:
         """Run `work` as training call number `turn`: after every earlier one ended (Ray does not
         promise an async actor runs calls in submission order), one at a time."""
@@ -176,27 +213,6 @@ class _TrainerActor:
                 self._next += 1
                 self._turn.notify_all()
 
-    @ray.method(concurrency_group="train")
-    async def train_step(self, turn: int, batch: TrainBatch) -> Timed:
-        batch = dataclasses.replace(batch, payload=decode(batch.payload, writable=True))
-        return await self._in_turn(turn, lambda: self._worker.train_step(batch))
-
-    @ray.method(concurrency_group="train")
-    async def optim_step(self, turn: int) -> Timed:
-        return await self._in_turn(turn, self._worker.optim_step)
-
-    @ray.method(concurrency_group="train")
-    async def load_state(self, turn: int, directory: Path) -> Timed:
-        return await self._in_turn(turn, lambda: self._worker.load_state(directory))
-
-    @ray.method(concurrency_group="io")
-    async def get_metrics(self) -> Timed:
-        return await _timed(self._worker.get_metrics())
-
-    @ray.method(concurrency_group="io")
-    async def export_weights(self) -> Timed:
-        return await _timed(self._export())
-
     async def _export(self) -> Weights:
         weights: Weights = await self._worker.export_weights()
         exported = self._exported
@@ -205,14 +221,6 @@ class _TrainerActor:
             self._exported = exported  # the previous version's object is freed once no sampler holds it
         return exported
 
-    @ray.method(concurrency_group="io")
-    async def save_state(self, directory: Path) -> Timed:
-        return await _timed(self._worker.save_state(directory))
-
-    @ray.method(concurrency_group="io")
-    async def close(self) -> None:
-        await self._worker.close()
-
 
 SamplerActor: Any = ray.remote(max_concurrency=1, max_restarts=SAMPLER_MAX_RESTARTS)(_SamplerActor)
 # "train" admits a call queued behind the running one (TRAIN_AHEAD, or the next step's first
@@ -220,18 +228,26 @@ SamplerActor: Any = ray.remote(max_concurrency=1, max_restarts=SAMPLER_MAX_RESTA
 TrainerActor: Any = ray.remote(concurrency_groups={"train": 1 + TRAIN_AHEAD, "io": 2})(_TrainerActor)
 
 
-async def _close_actor(actor: Any) -> None:
-    """Close the hosted worker, then end the actor's process (even when closing failed). An actor
-    whose process already died has nothing to close: that is no error (it would hide the run's own)."""
+def trainer_call(actor: Any, method: str, *args: Any) -> Any:
+    """Send `method` (one of `TRAINER_CALLS`; a "train" call's first argument is its number) to a
+    trainer actor, in the method's concurrency group; returns the ObjectRef of its `Timed`."""
+    group = TRAINER_CALLS[method]
+    return actor.call.options(concurrency_group=group).remote(method, *(args if group == "train" else (None, *args)))
+
+
+async def _close_actor(actor: Any, close: Any) -> None:
+    """Close the hosted worker (`close`: the ObjectRef of its close call), then end the actor's
+    process (even when closing failed). An actor whose process already died has nothing to close:
+    that is no error (it would hide the run's own)."""
     try:
-        await actor.close.remote()
+        await close
     except ACTOR_GONE:
         pass
     finally:
         ray.kill(actor, no_restart=True)
 
 
-class RaySampler:
+class RaySampler(Sampler):
     """Driver-side `Sampler` / `GreedyEngine` over a `SamplerActor`."""
 
     def __init__(self, actor: Any, replica: int, restart_timeout_s: float = RESTART_TIMEOUT_S) -> None:
@@ -251,7 +267,7 @@ class RaySampler:
         """Await one actor call and trace the actor's span of it."""
         await self.spans.sync(self.actor)
         start = self.spans.now()
-        timed: Timed = await getattr(self.actor, method).remote(*args)
+        timed: Timed = await self.actor.call.remote(method, *args)
         self.spans.record(method, start, timed, **span_args)
         return timed.value
 
@@ -277,7 +293,7 @@ class RaySampler:
         return result
 
     async def end_episodes(self, episodes: Sequence[str]) -> None:
-        await self.actor.end_episodes.remote(list(episodes))
+        await self.actor.call.remote("end_episodes", list(episodes))
 
     async def load_weights(self, weights: Weights) -> None:
         restarts = self._restarts
@@ -327,7 +343,7 @@ class RaySampler:
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
-            await _close_actor(self.actor)
+            await _close_actor(self.actor, self.actor.call.remote("close"))
 
 
 @dataclass(slots=True)
@@ -340,7 +356,7 @@ class _Sent:
     span_args: dict[str, object]
 
 
-class RayTrainer:
+class RayTrainer(Trainer):
     """Driver-side `Trainer` over a `TrainerActor`. A micro-batch is collated on the driver (in
     the packing thread, overlapping the previous train step) and crosses as numpy arrays.
 
@@ -350,8 +366,8 @@ class RayTrainer:
     therefore raised by the next training call (`train_step`, `optim_step`, `load_state`), which
     first awaits everything sent before it, as a `TrainStepError` naming the step.
 
-    Across a step boundary the same holds with `optim_step_ahead(ahead)` (a `QueueAheadTrainer`,
-    see relayrl.backends.protocols; used while `queue_ahead`, i.e. `ray.queue_ahead`): the next
+    Across a step boundary the same holds with `optim_step_ahead(ahead)` (see
+    `relayrl.backends.protocols.Trainer`; used while `queue_ahead`, i.e. `ray.queue_ahead`): the next
     step's first micro-batch is sent right behind `optim_step`, before the update's result came
     back, and the actor starts it the moment the update ends. `queued_ahead` counts the
     micro-batches sent so."""
@@ -359,11 +375,15 @@ class RayTrainer:
     def __init__(self, actor: Any, queue_ahead: bool = True) -> None:
         self.actor = actor
         self.spans = ActorSpans("actor:trainer")
-        self.queue_ahead = queue_ahead
+        self._queue_ahead = queue_ahead
         self.queued_ahead = 0  # micro-batches sent behind an optim_step so far
         self._closed = False
         self._turn = 0  # training calls sent so far (the actor runs them in this order)
         self._sent: list[_Sent] = []
+
+    @property
+    def queue_ahead(self) -> bool:
+        return self._queue_ahead
 
     def _gone(self, exc: BaseException, method: str) -> TrainerActorDiedError:
         return TrainerActorDiedError(f"trainer actor died: {type(exc).__name__} during {method}: {exc}")
@@ -375,7 +395,7 @@ class RayTrainer:
         except ACTOR_GONE as exc:
             raise self._gone(exc, method) from exc
         start = self.spans.now()  # before the call goes out: the actor may start at once
-        sent = _Sent(method, getattr(self.actor, method).remote(self._turn, *args), start, span_args)
+        sent = _Sent(method, trainer_call(self.actor, method, self._turn, *args), start, span_args)
         self._turn += 1
         return sent
 
@@ -410,7 +430,7 @@ class RayTrainer:
         try:
             await self.spans.sync(self.actor)
             start = self.spans.now()
-            sent = _Sent(method, getattr(self.actor, method).remote(*args), start, {})
+            sent = _Sent(method, trainer_call(self.actor, method, *args), start, {})
         except ACTOR_GONE as exc:
             raise self._gone(exc, method) from exc
         return await self._result(sent)
@@ -461,7 +481,7 @@ class RayTrainer:
         if not self._closed:
             self._closed = True
             self._sent.clear()  # a failed or cancelled run's unawaited calls end with the actor
-            await _close_actor(self.actor)
+            await _close_actor(self.actor, trainer_call(self.actor, "close"))
 
 
 def attach_tracer(workers: Sequence[RaySampler | RayTrainer], tracer: Tracer) -> None:

@@ -1,10 +1,12 @@
-"""Build the Ray backend: the configured backend's sampler replicas and trainer, each in its own
-Ray actor (`relayrl.backends.ray.actors`), on a cluster the run starts or joins.
+"""The Ray host (`ray.enabled`, see `relayrl.backends.registry`): the compute kind's sampler
+replicas and trainer, each built by its factory in its own Ray actor (`relayrl.backends.ray.actors`),
+on a cluster the run starts or joins. It knows no compute kind.
 
-What runs where: the actors host the sampler / trainer compute (for `run.backend = "local"` each
-actor loads the model itself); the driver (this process) keeps the orchestrator, the prompt
-encoder, the collator (micro-batches are collated here and sent to the trainer actor), the
-held-out evaluator (local backend) and the sim's simulated host work.
+What runs where: the actors host the sampler / trainer compute (each calls its factory in its own
+process: the local kind loads the model there); the driver (this process) keeps the orchestrator
+and the kind's driver-side pieces: the prompt and text encoders, the collator (micro-batches are
+collated here and sent to the trainer actor), the held-out evaluation's greedy engine (loading
+weights that arrive by object-store reference) and the sim's simulated host work.
 
 Invariant: the cluster is closed with the backend (`Backend.cleanup`), and at once if building
 fails; a started cluster is shut down, a joined one is left running.
@@ -13,15 +15,13 @@ fails; a started cluster is shut down, a joined one is left running.
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from relayrl.backends.bundle import Backend
-from relayrl.backends.protocols import Collator, Evaluator, HostWork, PromptEncoder
+from relayrl.backends.protocols import Sampler
 from relayrl.backends.ray.cluster import RayCluster, connect
+from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
-from relayrl.types import Prompt
 
 READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster lacks) fail the build
 
@@ -58,92 +58,30 @@ def spread(replicas: int, resources: dict[str, float]) -> list[dict[str, Any]]:
     return [{"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True)} for i in range(replicas)]
 
 
-# -- factories, run inside the actor's process --------------------------------------------------
-def _sim_sampler(cfg: Config, replica: int) -> Any:
-    from relayrl.backends.sim.workers import SimSampler
-
-    return SimSampler(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=replica)
-
-
-def _sim_trainer(cfg: Config) -> Any:
-    from relayrl.backends.sim.workers import SimTrainer
-
-    return SimTrainer(cfg.sim)
-
-
-def _local_sampler(cfg: Config, replica: int, threads: int) -> Any:
-    from relayrl.backends.local.build import load_base, make_sampler
-
-    model, tokenizer = load_base(cfg)
-    return make_sampler(cfg, model, tokenizer, replica, threads)
-
-
-def _local_trainer(cfg: Config, threads: int) -> Any:
-    from relayrl.backends.local.build import load_base, make_trainer
-
-    model, _ = load_base(cfg)
-    return make_trainer(cfg, model, threads)
-
-
-def build_ray_backend(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event) -> Backend:
-    """A `Backend` whose samplers and trainer are Ray actors; `abort` is the orchestrator's abort
-    flag (the sim collator's CPU burn checks it)."""
+def place_on_ray(cfg: Config, compute: Compute, evaluate: bool) -> Backend:
+    """A `Backend` whose samplers and trainer are Ray actors built by `compute`'s factories;
+    `evaluate`: build the greedy engine (in this process) for the held-out evaluation."""
     cluster = connect(cfg.ray)
     actors: list[Any] = []
     try:
-        return _build(cfg, heldout, abort, cluster, actors)
+        return _place(cfg, compute, evaluate, cluster, actors)
     except BaseException:
         _kill(actors)
         cluster.close()
         raise
 
 
-def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, cluster: RayCluster, actors: list[Any]) -> Backend:
+def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, actors: list[Any]) -> Backend:
     import ray
 
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor, attach_tracer
 
-    n = cfg.rollout.num_samplers
-    collator: Collator
-    tokenize: PromptEncoder
-    evaluator: Evaluator | None = None
-    host_work: HostWork | None = None
-    prompt_bound: int | None = None
-    if cfg.run.backend == "local":
-        from relayrl.backends.local.build import (
-            EncodeText,
-            load_base,
-            make_collator,
-            make_evaluator,
-            make_tokenize,
-            max_prompt_tokens,
-            worker_threads,
-        )
-
-        model, tokenizer = load_base(cfg)  # the driver's copy: tokenizer, collator, evaluator
-        trainer_threads, sampler_threads = worker_threads(cfg)
-        sampler_factories = [functools.partial(_local_sampler, cfg, i, sampler_threads) for i in range(n)]
-        trainer_factory = functools.partial(_local_trainer, cfg, trainer_threads)
-        collator = make_collator(cfg, tokenizer)
-        tokenize = make_tokenize(cfg, tokenizer)
-        evaluator = make_evaluator(cfg, model, tokenizer, heldout, sampler_threads, wrap=ResolvingEngine)
-        prompt_bound = max_prompt_tokens(cfg, model)
-        encode_text: Callable[[str], list[int]] = EncodeText(tokenizer)
-    else:
-        from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimTokenizer, sim_encode_text
-
-        sampler_factories = [functools.partial(_sim_sampler, cfg, i) for i in range(n)]
-        trainer_factory = functools.partial(_sim_trainer, cfg)
-        collator = SimCollator(cfg.sim, abort)
-        tokenize = SimTokenizer(cfg.sim.prompt_tokens)
-        host_work = SimHostWork(cfg)
-        encode_text = sim_encode_text
     sampler_opts = actor_options(cfg.ray.sampler_resources)
     trainer_opts = actor_options(cfg.ray.trainer_resources)
-    trainer_actor = TrainerActor.options(**trainer_opts).remote(trainer_factory)
+    trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)
     actors.append(trainer_actor)
     sampler_actors = []
-    for factory, placement in zip(sampler_factories, spread(len(sampler_factories), cfg.ray.sampler_resources), strict=True):
+    for factory, placement in zip(compute.samplers, spread(len(compute.samplers), cfg.ray.sampler_resources), strict=True):
         actor = SamplerActor.options(**sampler_opts, **placement).remote(factory)
         actors.append(actor)
         sampler_actors.append(actor)
@@ -155,20 +93,17 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
             f"resources they ask for (ray.sampler_resources={cfg.ray.sampler_resources}, ray.trainer_resources={cfg.ray.trainer_resources})"
         )
     ray.get(done)  # an actor whose constructor failed raises here
+    greedy = ResolvingEngine(compute.greedy_engine()) if evaluate and compute.greedy_engine is not None else None
     trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead)
-    samplers = [RaySampler(a, i) for i, a in enumerate(sampler_actors)]
-    return Backend(
+    ray_samplers = [RaySampler(a, i) for i, a in enumerate(sampler_actors)]
+    samplers: list[Sampler] = list(ray_samplers)
+    return compute.backend(
         trainer=trainer,
-        samplers=list(samplers),
-        collator=collator,
-        tokenize=tokenize,
-        encode_text=encode_text,
-        host_work=host_work,
-        evaluator=evaluator,
+        samplers=samplers,
+        greedy=greedy,
         startup={"ray_start": cluster.start_seconds},
         cleanup=cluster.close,
-        attach_tracer=functools.partial(attach_tracer, [trainer, *samplers]),
-        max_prompt_tokens=prompt_bound,
+        attach_tracer=functools.partial(attach_tracer, [trainer, *ray_samplers]),
     )
 
 
@@ -182,4 +117,4 @@ def _kill(actors: list[Any]) -> None:
             pass
 
 
-__all__ = ["actor_options", "build_ray_backend"]
+__all__ = ["actor_options", "place_on_ray"]

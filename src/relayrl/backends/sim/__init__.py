@@ -1,4 +1,4 @@
-"""The sim backend: latency-simulating workers (`workers`) and their bundle (`build`)."""
+"""The sim compute kind: latency-simulating workers (`workers`) and the kind's registry entry (`build`)."""
 
 from relayrl.backends.sim.workers import SimCollator, SimHostWork, SimSampler, SimTokenizer, SimTrainer
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.config.schema import Config, SimConfig
 from relayrl.threads import burn_cpu
 from relayrl.types import Completion, GenerateResult, MicroBatch, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
@@ -35,7 +36,7 @@ async def _sleep(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
-class SimSampler:
+class SimSampler(Sampler):
     """Implements `Sampler`; `replica` only names the replica in its results."""
 
     def __init__(self, cfg: SimConfig, max_new_tokens: int, seed: int, replica: int = 0) -> None:
@@ -128,9 +129,6 @@ class SimSampler:
         self._version = weights.version
         self._sessions.clear()
 
-    async def close(self) -> None:
-        return None
-
 
 @dataclass(slots=True)
 class _Accum:
@@ -140,7 +138,7 @@ class _Accum:
     microbatches: int = 0
 
 
-class SimTrainer:
+class SimTrainer(Trainer):
     def __init__(self, cfg: SimConfig) -> None:
         self._cfg = cfg
         self.version = 0
@@ -194,9 +192,6 @@ class SimTrainer:
     async def load_state(self, directory: Path) -> int:
         self.version = int(json.loads((directory / "sim_trainer.json").read_text(encoding="utf-8"))["version"])
         return self.version
-
-    async def close(self) -> None:
-        return None
 
 
 class SimCollator:

@@ -8,9 +8,9 @@ orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s
 groups leave in the order the call returned them. An environment's error, or a prompt that
 leaves an episode no room, fails the run (it is the task's, not the replica's). A replica whose `generate` raises is retired
 (see `relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas: no group
-is lost or sampled twice. A replica whose worker died and can be restarted (`Restartable`, the
-Ray backend) re-queues its requests, restarts (the weight publisher loads the version the sync
-stage pushes, or newer, into it) and samples again; one that cannot be restarted is retired.
+is lost or sampled twice. A replica whose worker died and can be restarted (`Sampler.restartable`,
+the Ray backend) re-queues its requests, restarts (the weight publisher loads the version the
+sync stage pushes, or newer, into it) and samples again; one that cannot be restarted is retired.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Protocol
 
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.publisher import WeightPublisher
-from relayrl.orchestrator.replicas import ReplicaPool, Restartable, SamplerSlot
+from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
 from relayrl.telemetry.tracer import Tracer
@@ -94,7 +94,7 @@ async def sampler_stage(
             raise
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
-            if isinstance(sampler, Restartable) and sampler.restartable(exc):
+            if sampler.restartable(exc):
                 await inbox.put(requests)  # the other replicas sample them while this one restarts
                 failed = await publisher.restart(slot, sampler, exc, "generate")
                 if failed is None:

@@ -9,7 +9,7 @@ work of N (metrics fetch, reduction, logging, callbacks, memory release) is defe
                    and after fetch(N) landed, runs in the bookkeeping thread
 - N+1's groups are taken and its first micro-batch packed as soon as they are there, from the
   moment N's final micro-batch is issued: while it trains if the groups arrive in time (rule 9)
-- queue ahead: when the trainer can queue (`backends.protocols.QueueAheadTrainer`: the Ray trainer) and
+- queue ahead: when the trainer can queue (`Trainer.queue_ahead`: the Ray trainer) and
   N+1's preparation has started, optim_step(N) goes out as `optim_step_ahead`, which asks for
   mb0(N+1) once the update is sent (N's micro-batches have all ended by then) and, when it is
   packed, sends it right behind: the trainer starts it the moment the update ends. At
@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from relayrl.backends.protocols import Collator, QueueAheadTrainer, Trainer
+from relayrl.backends.protocols import Collator, Trainer
 from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.stages.advantage import scored
@@ -199,7 +199,7 @@ class TrainLoop:
         queued right behind it when packed by the time the update is sent (`pending`: the next
         step's preparation). Returns the version and the micro-batch queued (None: none)."""
         trainer = self._trainer
-        if pending is None or not isinstance(trainer, QueueAheadTrainer) or not trainer.queue_ahead:
+        if pending is None or not trainer.queue_ahead:
             return await trainer.optim_step(), None
         taken: list[MicroBatch] = []
 
