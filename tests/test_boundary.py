@@ -1,4 +1,4 @@
-"""The step-boundary rules (docs/design.md rules 1–9), pinned on sim runs."""
+"""The step-boundary rules (docs/design.md rules 1–10), pinned on sim runs."""
 
 from __future__ import annotations
 

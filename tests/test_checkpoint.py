@@ -5,6 +5,7 @@ balanced, the trace rules holding; the trainer's state round-trips exactly; bad 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
+from relayrl.rundir.trajfiles import log_files
 from relayrl.types import Drawn, FilterReason, Group, Prompt
 from simutil import StopAt, Stopped, run_checked, sim_config
 
@@ -84,6 +86,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     # every trained prompt once; the prompts handed out are a prefix of the stream: none lost
     trajs = pd.read_parquet(run_dir / "trajectories")
     assert sorted(set(trajs["step"])) == list(range(STEPS))
+    _assert_each_step_logged_once(run_dir, trajs, rows)
     trained = trajs[trajs["status"] == "ok"]
     steps_of: dict[str, set[int]] = defaultdict(set)
     for prompt_id, step in zip(trained["prompt_id"], trained["step"]):
@@ -181,6 +184,7 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(10))
     trajs = pd.read_parquet(run_dir / "trajectories")
+    _assert_each_step_logged_once(run_dir, trajs, rows)
     assert trajs.groupby("group_id")["prompt_id"].nunique().max() == 1  # an id names one group
     trained = trajs[trajs["status"] == "ok"]
     assert trained.groupby("prompt_id")["step"].nunique().max() == 1  # no prompt trained twice
@@ -190,6 +194,40 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
     assert logged | in_flight == set(range(len(logged | in_flight)))
     assert not logged & in_flight
     assert filtered_count(trajs) > 0  # the case this test is about: groups settled out of order
+
+
+def test_a_resumed_runs_trajectory_log_has_each_step_once(tmp_path: Path) -> None:
+    """A run that fails at the end of step 6 closes its trajectory file (steps 4-6, past its
+    newest checkpoint, of step 3); the resume cuts the log back to step 3 and logs steps 4-9
+    again: each step once, in files rolled at each checkpoint (so a kill never loses a step a
+    checkpoint claims)."""
+    sets = [f"run.output_dir={tmp_path}", "run.name=r", "run.steps=10", "orchestrator.checkpoint_every=4"]
+    cfg = sim_config(*sets)
+    run_dir = tmp_path / "r"
+    with pytest.raises(Stopped):
+        asyncio.run(build_program(cfg, [StopAt(6)], run_dir=run_dir).run())
+    assert [f.path.name for f in log_files(run_dir)] == ["steps-000000-000003.parquet", "steps-000004-000006.parquet"]
+    result = run_checked(build_program(cfg, run_dir=run_dir, resume=True))
+    assert result.summary["resumed_from_step"] == 4
+    names = ["steps-000000-000003.parquet", "steps-000004-000007.parquet", "steps-000008-000009.parquet"]
+    assert [f.path.name for f in log_files(run_dir)] == names
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    assert sorted(set(trajs["step"])) == list(range(10))
+    _assert_each_step_logged_once(run_dir, trajs, rows)
+
+
+def _assert_each_step_logged_once(run_dir: Path, trajs: pd.DataFrame, metrics: list[dict[str, object]]) -> None:
+    """The resumed run's trajectory log holds each step exactly once: the files' step ranges are
+    disjoint and in name order, no trajectory appears twice, and each step has the rows of the
+    trajectories its metrics row counts (its trained groups; filtered groups come on top)."""
+    files = log_files(run_dir)
+    assert [f.path.name for f in files] == sorted(f.path.name for f in files)
+    assert all(a.last < b.first for a, b in itertools.pairwise(files))
+    assert not trajs.duplicated(["step", "group_id", "sample_index"]).any()
+    assert trajs.groupby("group_id")["step"].nunique().max() == 1  # a group is logged at one step
+    logged = trajs[~trajs["status"].str.startswith("filtered")].groupby("step").size().to_dict()
+    assert logged == {int(r["step"]): int(r["num_trajectories"]) for r in metrics}  # type: ignore[call-overload]
 
 
 def filtered_count(trajs: pd.DataFrame) -> int:

@@ -1,6 +1,6 @@
 """Multi-turn environments: the built-ins (`arithmetic_feedback`, `calculator`), resolving
 `task.environment` into an environment with `build_environment` (and every way it can fail, each
-naming the key and the entry), and the README's example environment played through its sync and
+naming the key and the entry), and the example environment of docs/environments.md played through its sync and
 async versions."""
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def test_bad_options_name_environment_config(tmp_path: Path) -> None:
         assert "task.environment_config" in _refused(spec, options, match=match)
 
 
-# -- the README's example --------------------------------------------------------------------------
+# -- docs/environments.md's example---------------------------------------------------------------------
 
 
 def test_the_readme_example_plays_sync_and_async() -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from pathlib import Path
 
 import pytest
 
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
 from relayrl.backends.sim import SimTrainer
+from relayrl.backends.sim.build import build_sim_backend
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.program import RunResult
@@ -139,9 +141,10 @@ async def _wrong_and_sometimes_hanging(t: Trajectory) -> float:
 
 def _run(tmp_path: Path, *overrides: str) -> tuple[RunResult, RecordingTrainer, list[dict[str, object]]]:
     cfg = sim_config("run.steps=2", "task.reward_timeout_s=1", *overrides)
-    program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[_wrong_and_sometimes_hanging])
     trainer = RecordingTrainer(cfg.sim)
-    program.backend.trainer = trainer
+    backend = build_sim_backend(cfg, threading.Event())
+    backend.trainer = trainer
+    program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[_wrong_and_sometimes_hanging], backend=backend)
     result = run_checked(program)
     return result, trainer, read_trajectories(tmp_path / "run").to_pylist()
 

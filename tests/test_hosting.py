@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from relayrl.backends.sim import SimSampler, SimTrainer
+from relayrl.backends.sim.build import build_sim_backend
 from relayrl.eval.heldout import HeldoutEvaluator
+from relayrl.orchestrator.build import build_program
 from relayrl.threads import ThreadHost, Workers
 from relayrl.types import GenerateResult, Prompt, SampleRequest, TrainBatch, Trajectory, Weights
 from simutil import make_program, run_checked, sim_config, trace_spans
@@ -142,9 +144,10 @@ class _SpyTrainer(SimTrainer):
 
 def test_train_step_receives_only_the_collated_payload_and_counts(tmp_path: Path) -> None:
     cfg = sim_config()
-    program = make_program(cfg, tmp_path)
     spy = _SpyTrainer(cfg.sim)
-    program.backend.trainer = spy
+    backend = build_sim_backend(cfg, threading.Event())
+    backend.trainer = spy
+    program = build_program(cfg, run_dir=tmp_path / "run", backend=backend)
     result = run_checked(program)
     assert result.summary["status"] == "completed"
     assert spy.batches and all(b.num_sequences == len(b.advantages) > 0 for b in spy.batches)

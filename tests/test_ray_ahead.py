@@ -150,7 +150,7 @@ def test_an_update_with_a_queued_microbatch_is_bounded_like_optim_step(cluster: 
     program = build_program(cfg, run_dir=tmp_path / "run")
     trainer = program.backend.trainer
     assert isinstance(trainer, RayTrainer) and program.trainer.queue_ahead
-    assert not BoundedTrainer(lambda: SimTrainer(cfg.sim), 0.5).queue_ahead  # trainers without it keep the plain path
+    assert not BoundedTrainer(SimTrainer(cfg.sim), 0.5).queue_ahead  # trainers without it keep the plain path
     optim_step_ahead = trainer.optim_step_ahead
 
     async def hangs_at_version_3(ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:

@@ -1,6 +1,6 @@
 """Faults on the Ray backend: a sampler actor's process killed with a generate call in flight is
-restarted by Ray and serves again with the current weights (its requests go to the other replica
-meanwhile); the trainer actor's process killed fails the run, naming the trainer, and leaves the
+restarted by Ray and serves again with the current weights, loaded by the weight publisher (its
+requests go to the other replica meanwhile); the trainer actor's process killed fails the run, naming the trainer, and leaves the
 newest checkpoint intact, from which `relayrl train --resume RUN_DIR --ray` completes the run. One
 local cluster for the module.
 
@@ -38,7 +38,7 @@ from relayrl.config.schema import Config, load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.orchestrator.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
 from relayrl.rundir.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
-from relayrl.types import GenerateResult, SampleRequest, TrainBatch  # noqa: E402
+from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Weights  # noqa: E402
 from simutil import sim_config  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
@@ -99,21 +99,31 @@ def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothin
     sampler, trainer = program.backend.samplers[0], program.backend.trainer
     assert isinstance(sampler, RaySampler) and isinstance(trainer, RayTrainer)
     pid = ray.get(sampler.actor.pid.remote())
-    restart, optim_step, optim_step_ahead = sampler.restart, trainer.optim_step, trainer.optim_step_ahead
+    restart, load_weights = sampler.restart, sampler.load_weights
+    optim_step, optim_step_ahead = trainer.optim_step, trainer.optim_step_ahead
 
     async def go() -> object:
-        killed, back = asyncio.Event(), asyncio.Event()
+        killed, alive, back = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def kill_once_stalled() -> None:
             await latch.wait.remote()  # replica 0's actor is inside its third generate call
             os.kill(pid, signal.SIGKILL)
             killed.set()
 
-        async def restart_then_release(min_version: int) -> int:
+        async def restart_then_release() -> None:
             try:
-                return await restart(min_version)
-            finally:
+                await restart()
+            except BaseException:
                 back.set()
+                raise
+            alive.set()  # the weight publisher loads the current weights into it next
+
+        async def load_weights_then_release(weights: Weights) -> None:
+            try:
+                await load_weights(weights)
+            finally:
+                if alive.is_set():  # the load that brings the restarted actor back into service
+                    back.set()
 
         async def while_down() -> None:
             if killed.is_set():
@@ -128,6 +138,7 @@ def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothin
             return await optim_step_ahead(ahead)
 
         sampler.restart = restart_then_release  # type: ignore[method-assign]
+        sampler.load_weights = load_weights_then_release  # type: ignore[method-assign]
         trainer.optim_step = optim_step_held  # type: ignore[method-assign]
         trainer.optim_step_ahead = optim_step_ahead_held  # type: ignore[method-assign]
         killer = asyncio.create_task(kill_once_stalled())

@@ -281,15 +281,15 @@ def test_held_out_accuracy_from_evals_jsonl(finished: Path, tmp_path: Path) -> N
     assert "No held-out evaluations" not in out.read_text()
 
 
-def test_trajectories_come_from_the_per_step_parquet_log(finished: Path, tmp_path: Path) -> None:
+def test_trajectories_come_from_the_parquet_log(finished: Path, tmp_path: Path) -> None:
     run_dir = _copy(finished, tmp_path / "pq")
     data = load_run(run_dir)
-    assert data.trajectory_source == "trajectories/ (6 step files)"
+    assert data.trajectory_source == "trajectories/ (1 file, steps 0–5)"
     assert data.trajectories is not None and len(data.trajectories) == 6 * 16
-    # a writer's hidden temporary (a step being written) is not read
-    (run_dir / "trajectories" / ".step=000006.parquet.tmp").write_bytes(b"half")
+    # a writer's hidden open file (steps being written, no footer yet) is not read
+    (run_dir / "trajectories" / ".steps-000006-open.parquet.tmp").write_bytes(b"half")
     html_path = write_report(run_dir)
-    assert "96 trained trajectories from trajectories/ (6 step files)" in html_path.read_text()
+    assert "96 trained trajectories from trajectories/ (1 file, steps 0–5)" in html_path.read_text()
     _assert_pngs(run_dir, ["staleness"], _parse(html_path))
 
 

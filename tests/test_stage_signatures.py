@@ -1,7 +1,6 @@
 """The stages take their settings (numbers, flags, kinds, timeouts, bounds) by keyword only, so two
 adjacent ones cannot be swapped silently at a call; queues, workers and the like may be
-positional. Checked on every public function and class constructor of orchestrator/stages/ but
-the sync stage (stages/sync.py, changed apart)."""
+positional. Checked on every public function and class constructor of orchestrator/stages/."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ import re
 
 import pytest
 
-MODULES = ["dispatch", "sample", "collect", "episodes", "score", "advantage", "train_loop"]
+MODULES = ["dispatch", "sample", "collect", "episodes", "score", "advantage", "sync", "train_loop"]
 # a setting's annotation: a number, a flag or a kind, optionally None
 SETTING = re.compile(r"^(int|float|bool|AdvantageKind)( \| None)?$")
+VALUES = {"sync.VersionSignal"}  # holds one number, its value: not a setting
 
 
 def _callables() -> list[tuple[str, object]]:
@@ -21,7 +21,7 @@ def _callables() -> list[tuple[str, object]]:
     for name in MODULES:
         module = importlib.import_module(f"relayrl.orchestrator.stages.{name}")
         for attr, obj in vars(module).items():
-            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__ or f"{name}.{attr}" in VALUES:
                 continue
             if inspect.isfunction(obj) or (inspect.isclass(obj) and not issubclass(obj, BaseException)):
                 found.append((f"{name}.{attr}", obj))

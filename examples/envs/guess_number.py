@@ -1,4 +1,4 @@
-"""A complete example of a user environment for relayrl (README: "Writing an environment").
+"""A complete example of a user environment for relayrl (docs/environments.md).
 
 A number-guessing game: the secret is the prompt's answer, each guess is answered "higher" or
 "lower", and a right guess ends the episode with a reward that shrinks by `penalty` for every

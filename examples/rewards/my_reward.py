@@ -1,4 +1,4 @@
-"""A complete example of user reward functions for relayrl (README: "Writing a reward function").
+"""A complete example of user reward functions for relayrl (docs/rewards.md).
 
 Name them in a recipe, relative to the recipe's directory or the working directory:
 

@@ -153,8 +153,8 @@ class Turn:
 
 @dataclass(slots=True)
 class Trajectory:
-    """One sampled completion of a prompt: what a reward function receives (README, "Writing a
-    reward function"). Picklable, so it can be sent to a reward worker process."""
+    """One sampled completion of a prompt: what a reward function receives (docs/rewards.md).
+    Picklable, so it can be sent to a reward worker process."""
 
     group_id: int
     sample_index: int

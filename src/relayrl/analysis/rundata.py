@@ -54,12 +54,14 @@ def read_jsonl(path: Path) -> tuple[list[Row], int]:
 
 def read_trajectories(run_dir: Path, columns: Sequence[str] = TRAJECTORY_COLUMNS) -> tuple[list[Row], str] | None:
     """The trajectory log's rows (only `columns`) and where they came from; None without a log.
-    Step files are written whole (temp file + rename), so a live or crashed run reads cleanly."""
-    files = trajlog.step_files(run_dir)
+    Only closed files are visible (the open one is hidden until renamed), so a live or crashed
+    run reads cleanly: every step in a closed file."""
+    files = trajlog.log_files(run_dir)
     if not files:
         return None
     table = trajlog.read_trajectories(run_dir).select(list(columns))
-    return table.to_pylist(), f"trajectories/ ({len(files)} step files)"
+    count = f"{len(files)} file{'s' if len(files) != 1 else ''}"
+    return table.to_pylist(), f"trajectories/ ({count}, steps {files[0].first}–{max(f.last for f in files)})"
 
 
 def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True, strict: bool = False) -> RunData:

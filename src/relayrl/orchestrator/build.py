@@ -10,20 +10,22 @@ directory is ever cleared.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.sim.build import build_sim_backend
-from relayrl.config.schema import Config, ConfigError, load_config
+from relayrl.config.schema import Config, ConfigError, load_config, resumable_keys
 from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
 from relayrl.envs.base import Environment
 from relayrl.orchestrator.program import Program
+from relayrl.orchestrator.state import RunState
 from relayrl.rewards import registry as rewards
 from relayrl.rundir.checkpoint import CheckpointError, load_resume_point, rewind_run_dir
-from relayrl.rundir.files import append_config_changes
+from relayrl.rundir.files import append_config_changes, write_config
 from relayrl.rundir.lock import MARKER, RunDirLock
-from relayrl.tasks.build import build_task
+from relayrl.tasks.build import TaskData, build_task
 from relayrl.telemetry.callbacks import Callback
 from relayrl.threads import Workers
 
@@ -50,119 +52,172 @@ def build_program(
 
     `environment` is the multi-turn environment to use instead of building `task.environment`
     (which must then be set too, naming it: the run's config.toml records that name)."""
+    if resume:
+        if run_dir is None:
+            raise ValueError("resume needs a run directory")
+        return resume_run(cfg, run_dir, callbacks, backend=backend, reward_fns=reward_fns, environment=environment)
+    return start_run(cfg, run_dir, callbacks, backend=backend, reward_fns=reward_fns, environment=environment)
+
+
+@dataclass(slots=True)
+class _Checked:
+    """What validating a config produced: the config as the run records it, its reward
+    functions, environment and task."""
+
+    cfg: Config
+    rewards: list[rewards.ResolvedReward]
+    environment: Environment | None
+    task: TaskData
+
+
+def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, environment: Environment | None) -> _Checked:
+    """Everything about `cfg` that can be rejected without building workers: sizes, reward
+    functions (each imported and found callable), the environment, the task's data."""
     if reward_fns is not None:
         if not reward_fns:
             raise ValueError("reward_fns: give at least one reward function")
         cfg = cfg.model_copy(deep=True)
         cfg.task.reward_functions = [f if isinstance(f, str) else rewards.callable_name(f) for f in reward_fns]
+    check_fits(cfg)
+    entries = list(reward_fns) if reward_fns is not None else list(cfg.task.reward_functions)
+    resolved = rewards.resolve_rewards(entries, cfg.task.reward_weights)
+    if environment is None and cfg.task.environment is not None:
+        environment = build_environment(cfg.task.environment, cfg.task.environment_config, cfg.rollout.max_turns)
+    elif environment is not None and cfg.task.environment is None:
+        raise ValueError("environment: set task.environment too (its name is recorded in the run's config.toml)")
+    return _Checked(cfg, resolved, environment, build_task(cfg))
+
+
+def _backend(checked: _Checked, workers: Workers) -> Backend:
+    """The configured backend's workers (a Ray backend starts or joins its cluster), refused
+    before the run directory is touched if it cannot run the task."""
+    cfg = checked.cfg
+    if cfg.ray.enabled:
+        from relayrl.backends.ray.build import build_ray_backend
+
+        backend = build_ray_backend(cfg, checked.task.heldout, workers.abort)
+    elif cfg.run.backend == "local":
+        from relayrl.backends.local.build import build_local_backend
+
+        backend = build_local_backend(cfg, checked.task.heldout)
+    else:
+        backend = build_sim_backend(cfg, workers.abort)
+    return backend
+
+
+def _check_backend(checked: _Checked, backend: Backend) -> None:
+    if checked.environment is not None and backend.encode_text is None:
+        raise ValueError(
+            f"the {checked.cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
+        )
+
+
+def start_run(
+    cfg: Config,
+    run_dir: Path | None,
+    callbacks: Sequence[Callback] = (),
+    *,
+    backend: Backend | None = None,
+    reward_fns: Sequence[rewards.RewardEntry] | None = None,
+    environment: Environment | None = None,
+) -> Program:
+    """A fresh run of `cfg` in `run_dir` (None: in memory). Everything is validated and the
+    backend built before the run directory is locked, cleared (only with `run.overwrite`) and
+    its config.toml written."""
+    checked = _check(cfg, reward_fns, environment)
+    workers = Workers()
+    built = None  # a backend built here, released here if the program is not made
     lock = RunDirLock(run_dir) if run_dir is not None else None
-    built: Backend | None = None  # a backend built here, released here if the program is not made
     try:
-        point = None
-        changes: list[dict[str, object]] = []
-        if resume:
-            if run_dir is None or lock is None:
-                raise ValueError("resume needs a run directory")
-            load_resume_point(run_dir)  # a run directory with a checkpoint, before it is adopted and locked
-            lock.acquire(adopt=True)
-            point = load_resume_point(run_dir)  # read again under the lock
-            if point.backend != cfg.run.backend:
-                raise CheckpointError(
-                    f"{point.directory}: written by the {point.backend!r} backend, cannot resume on {cfg.run.backend!r} (run.backend)"
-                )
-            if point.next_step >= cfg.run.steps:
-                raise CheckpointError(
-                    f"{point.directory}: the run already trained {point.next_step} steps of run.steps={cfg.run.steps}; "
-                    "raise run.steps (--set run.steps=N) to train further"
-                )
-            changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.next_step)
-        check_fits(cfg)
-        entries = list(reward_fns) if reward_fns is not None else list(cfg.task.reward_functions)
-        resolved = rewards.resolve_rewards(entries, cfg.task.reward_weights)
-        if environment is None and cfg.task.environment is not None:
-            environment = build_environment(cfg.task.environment, cfg.task.environment_config, cfg.rollout.max_turns)
-        elif environment is not None and cfg.task.environment is None:
-            raise ValueError("environment: set task.environment too (its name is recorded in the run's config.toml)")
-        task = build_task(cfg)
-        workers = Workers()
         if backend is None:
-            if cfg.ray.enabled:
-                from relayrl.backends.ray.build import build_ray_backend
-
-                backend = built = build_ray_backend(cfg, task.heldout, workers.abort)
-            elif cfg.run.backend == "local":
-                from relayrl.backends.local.build import build_local_backend
-
-                backend = build_local_backend(cfg, task.heldout)
-            else:
-                backend = build_sim_backend(cfg, workers.abort)
-        if point is not None:
-            assert run_dir is not None
-            rewind_run_dir(run_dir, point)
-            if changes:
-                append_config_changes(run_dir, changes)
-        elif run_dir is not None and lock is not None:
+            backend = built = _backend(checked, workers)
+        _check_backend(checked, backend)
+        if run_dir is not None and lock is not None:
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
-                if not cfg.run.overwrite:
+                if not checked.cfg.run.overwrite:
                     raise ValueError(
                         f"run directory {run_dir} is not empty and run.overwrite=false: resume it with --resume, or choose another run.name"
                     )
                 lock.clear()
-        return Program(
-            cfg,
-            backend,
-            task.stream,
-            resolved,
-            run_dir=run_dir,
-            workers=workers,
-            callbacks=callbacks,
-            resume=point,
-            lock=lock,
-            environment=environment,
-        )
+            write_config(run_dir, checked.cfg)
+        return _program(checked, backend, RunState.fresh(checked.task.stream), run_dir, workers, callbacks, lock)
     except BaseException:
-        if lock is not None:
-            lock.release()
-        if built is not None and built.cleanup is not None:
-            built.cleanup()  # e.g. a Ray cluster the backend started
+        _release(lock, built)
         raise
 
 
-# Keys a resume may change: they decide how the run is hosted, logged, checkpointed, evaluated or
-# how long it goes on, never what a step computes. Everything else is fixed by the steps already
-# trained (a different group size, learning rate or task would make one run of two experiments).
-RESUMABLE_KEYS = (
-    "run.steps",
-    "run.overwrite",
-    "orchestrator.",
-    "eval.",
-    "telemetry.",
-    "ray.",
-    "rollout.sampler_threads",
-    "rollout.sampler_nice",
-    "rollout.sampler_failover",
-    "rollout.episode_cache_mb",
-    "train.torch_threads",
-    # how reward functions are hosted and bounded, and whether a failed call fails the run
-    "task.reward_workers",
-    "task.reward_timeout_s",
-    "task.reward_concurrency",
-    "task.reward_memory_mb",
-    "task.reward_cpu_s",
-    "task.strict_rewards",
-    "sim.generate",
-    "sim.train_step",
-    "sim.optim_step",
-    "sim.get_metrics",
-    "sim.weight_sync",
-    "sim.pack_per_microbatch",
-    "sim.reduce_metrics",
-    "sim.log_metrics",
-    "sim.log_trajectories",
-    "sim.on_step_end",
-    "sim.release_memory",
-)
+def resume_run(
+    cfg: Config,
+    run_dir: Path,
+    callbacks: Sequence[Callback] = (),
+    *,
+    backend: Backend | None = None,
+    reward_fns: Sequence[rewards.RewardEntry] | None = None,
+    environment: Environment | None = None,
+) -> Program:
+    """A run that continues `run_dir` from its newest checkpoint with `cfg` (the recorded config
+    with the changes a resume may take). The checkpoint is read under the directory's lock; the
+    run directory is rewound to it and the changes recorded only once everything was validated
+    and the backend built."""
+    load_resume_point(run_dir)  # a run directory with a checkpoint, before it is adopted and locked
+    lock = RunDirLock(run_dir)
+    built = None
+    try:
+        lock.acquire(adopt=True)
+        point = load_resume_point(run_dir)  # read again under the lock
+        if point.backend != cfg.run.backend:
+            raise CheckpointError(
+                f"{point.directory}: written by the {point.backend!r} backend, cannot resume on {cfg.run.backend!r} (run.backend)"
+            )
+        if point.next_step >= cfg.run.steps:
+            raise CheckpointError(
+                f"{point.directory}: the run already trained {point.next_step} steps of run.steps={cfg.run.steps}; "
+                "raise run.steps (--set run.steps=N) to train further"
+            )
+        changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.next_step)
+        checked = _check(cfg, reward_fns, environment)
+        workers = Workers()
+        if backend is None:
+            backend = built = _backend(checked, workers)
+        _check_backend(checked, backend)
+        rewind_run_dir(run_dir, point)
+        if changes:
+            append_config_changes(run_dir, changes)
+        write_config(run_dir, checked.cfg)
+        return _program(checked, backend, RunState.restored(checked.task.stream, point), run_dir, workers, callbacks, lock)
+    except BaseException:
+        _release(lock, built)
+        raise
+
+
+def _program(
+    checked: _Checked,
+    backend: Backend,
+    state: RunState,
+    run_dir: Path | None,
+    workers: Workers,
+    callbacks: Sequence[Callback],
+    lock: RunDirLock | None,
+) -> Program:
+    return Program(
+        checked.cfg,
+        backend,
+        state,
+        checked.rewards,
+        run_dir=run_dir,
+        workers=workers,
+        callbacks=callbacks,
+        lock=lock,
+        environment=checked.environment,
+    )
+
+
+def _release(lock: RunDirLock | None, built: Backend | None) -> None:
+    if lock is not None:
+        lock.release()
+    if built is not None and built.cleanup is not None:
+        built.cleanup()  # e.g. a Ray cluster the backend started
 
 
 def _flat(cfg: Config) -> dict[str, object]:
@@ -171,13 +226,15 @@ def _flat(cfg: Config) -> dict[str, object]:
 
 def resume_changes(before: Config, after: Config, next_step: int) -> list[dict[str, object]]:
     """The keys `after` changes from the run's recorded config, each as a row to record; a
-    ConfigError names the first change a resumed run cannot take."""
+    ConfigError names the first change a resumed run cannot take: a key without the RESUMABLE
+    mark (config/schema.py)."""
     old, new = _flat(before), _flat(after)
+    resumable = resumable_keys()
     rows: list[dict[str, object]] = []
     for key in new:
         if old.get(key) == new[key]:
             continue
-        if not key.startswith(RESUMABLE_KEYS):
+        if key not in resumable:
             raise ConfigError(
                 f"--resume cannot change {key} ({old.get(key)!r} → {new[key]!r}): steps 0–{next_step - 1} "
                 "were trained with the recorded value; start a new run to change it"

@@ -10,23 +10,22 @@ the metrics.jsonl rows logged since the previous checkpoint (`LoggedSteps`).
 Invariant: a checkpoint never claims a step whose logs a kill could still lose, and it holds the
 state of the moment its step committed (prompts drawn, in-flight prompts, settled ledger,
 evaluations so far); a restored run starts from trainer state of exactly the checkpoint's
-version, with those weights on every sampler.
+version, with those weights on every sampler in service (published by the weight publisher, so
+bounded and failed over like any sync round: a replica that cannot load them is retired).
 """
 
 from __future__ import annotations
 
 import shutil
 from collections import deque
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Trainer, Weights
-from relayrl.eval.heldout import EvalResult
-from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.publisher import WeightPublisher
+from relayrl.orchestrator.state import RunState
 from relayrl.rundir.checkpoint import (
     CheckpointError,
-    PromptSource,
     ResumePoint,
     checkpoint_dir,
     checkpoint_state,
@@ -76,41 +75,40 @@ class LoggedSteps(Callback):
         return taken
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointPolicy:
+    every: int  # orchestrator.checkpoint_every (0: never)
+    steps: int  # run.steps: the last step's commit always checkpoints
+    keep: int  # orchestrator.keep_checkpoints
+
+
 class Checkpointer:
-    """Takes a checkpoint's state at a due commit and writes it after that step's logs."""
+    """Takes a checkpoint's state at a due commit and writes it after that step's logs. What it
+    records beyond the trainer's state (prompt cursor, ledger, evaluations, elapsed time, step 0's
+    reward mean) it reads off the run's `RunState`."""
 
     def __init__(
         self,
         *,
         run_dir: Path | None,
-        every: int,
-        steps: int,
-        keep: int,
+        policy: CheckpointPolicy,
         backend_name: str,
         trainer: Trainer,
         workers: Workers,
         tracer: Tracer,
         logged: LoggedSteps,
-        prompts: PromptSource,
-        ledger: Ledger,
-        evals: Sequence[EvalResult],
-        elapsed: Callable[[], float],
-        reward_mean_first: Callable[[], float | None],
+        state: RunState,
     ) -> None:
         self._run_dir = run_dir
-        self._every = every if run_dir is not None else 0
-        self._steps = steps
-        self._keep = keep
+        self._every = policy.every if run_dir is not None else 0
+        self._steps = policy.steps
+        self._keep = policy.keep
         self._backend_name = backend_name
         self._trainer = trainer
         self._workers = workers
         self._tracer = tracer
         self._logged = logged
-        self._prompts = prompts
-        self._ledger = ledger
-        self._evals = evals  # the run's list: read at each commit
-        self._elapsed = elapsed
-        self._reward_mean_first = reward_mean_first
+        self._state = state
         self._pending: dict[int, dict[str, object]] = {}  # due, state taken, not yet written
 
     def due(self, done: int) -> bool:
@@ -130,21 +128,22 @@ class Checkpointer:
             await self.write(record.step, state)
 
     def state(self, next_step: int) -> dict[str, object]:
+        state = self._state
         return checkpoint_state(
             next_step=next_step,
             backend=self._backend_name,
-            source=self._prompts,
-            in_flight=self._ledger.in_flight(),
-            ledger=self._ledger.checkpoint(),
-            evals=[eval_row(e) for e in self._evals],
-            elapsed_s=self._elapsed(),
+            source=state.prompts,
+            in_flight=state.ledger.in_flight(),
+            ledger=state.ledger.checkpoint(),
+            evals=[eval_row(e) for e in state.evals],
+            elapsed_s=state.elapsed(),
         )
 
     async def write(self, step: int, state: dict[str, object]) -> None:
         assert self._run_dir is not None
         start = self._tracer.now()
         # step 0's result exists by now, and so do the rows of every step up to this one
-        state = {**state, "reward_mean_first": self._reward_mean_first(), "metrics_rows": self._logged.take(step)}
+        state = {**state, "reward_mean_first": self._state.reward_mean_first, "metrics_rows": self._logged.take(step)}
         final = checkpoint_dir(self._run_dir, step)
         staging = staging_dir(final)
         keep = self._keep
@@ -159,15 +158,15 @@ class Checkpointer:
         self._tracer.complete("orchestrator", "checkpoint", start, self._tracer.now(), step=step)
 
 
-async def restore(backend: Backend, point: ResumePoint) -> Weights:
-    """Before a resumed run starts: the trainer's state, and its weights on every sampler (returned)."""
+async def restore(point: ResumePoint, *, trainer: Trainer, publisher: WeightPublisher) -> Weights:
+    """Before a resumed run starts: the trainer's state (`trainer`'s `load_state`, bounded by
+    `train.call_timeout_s`: the program's `BoundedTrainer`), then its weights published to every
+    sampler through `publisher` (each load bounded by `rollout.weight_load_timeout_s`, a replica
+    whose load fails failed over as in any sync round). Returns the weights."""
     try:
-        version = await backend.trainer.load_state(point.directory)
+        version = await trainer.load_state(point.directory)
     except Exception as exc:
         raise CheckpointError(f"{point.directory}: cannot restore the trainer state ({type(exc).__name__}: {exc})") from exc
     if version != point.next_step:
         raise CheckpointError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.next_step}")
-    weights = await backend.trainer.export_weights()
-    for sampler in backend.samplers:
-        await sampler.load_weights(weights)
-    return weights
+    return await publisher.publish_newest()

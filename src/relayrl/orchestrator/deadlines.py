@@ -65,21 +65,16 @@ async def _cancel(task: asyncio.Future[T], grace: float) -> None:
 
 class BoundedTrainer:
     """A `Trainer` whose every call is bounded by `seconds` (`train.call_timeout_s`); exceeding it
-    fails the run naming the call. Each call goes to the trainer `source()` returns when the call
-    is made (the backend's, even if it was replaced after the program was built).
+    fails the run naming the call.
 
     It is a `QueueAheadTrainer` whose `queue_ahead` is the wrapped trainer's (false when that has
     no such capability). `optim_step_ahead` is bounded like `optim_step`: the bound covers the
     update; the queued train step is covered, as any train step sent ahead is, by the bound of the
     next training call, which awaits it."""
 
-    def __init__(self, source: Callable[[], Trainer], seconds: float) -> None:
-        self._source = source
+    def __init__(self, inner: Trainer, seconds: float) -> None:
+        self.inner = inner
         self.seconds = seconds
-
-    @property
-    def inner(self) -> Trainer:
-        return self._source()
 
     def _bound(self, call: Awaitable[T], name: str) -> Awaitable[T]:
         return bounded(call, self.seconds, f"trainer call {name}", "train.call_timeout_s")

@@ -3,7 +3,9 @@
     dispatch → sampler(s) → collect → score → advantages → train loop → commit → weight sync
                                                               └→ deferred bookkeeping
 
-What it delegates: restoring a resume point and writing checkpoints (orchestrator/checkpointing.py), when the
+What it delegates: building the run, fresh or restored, and validating it (orchestrator/build.py:
+`start_run`, `resume_run`), what the run carries across a resume (orchestrator/state.py's
+`RunState`), restoring a resume point and writing checkpoints (orchestrator/checkpointing.py), when the
 held-out evaluation runs (eval/schedule.py), the run directory's config.toml, evals.jsonl and
 summary.json and the summary itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
 
@@ -17,20 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
 from relayrl.config.schema import Config
 from relayrl.envs.base import Environment
-from relayrl.eval.heldout import EvalResult, HeldoutEvaluator
+from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.eval.schedule import EvalSchedule
-from relayrl.orchestrator.checkpointing import Checkpointer, LoggedSteps, restore
+from relayrl.orchestrator.checkpointing import Checkpointer, CheckpointPolicy, LoggedSteps, restore
 from relayrl.orchestrator.deadlines import BoundedTrainer
 from relayrl.orchestrator.deferred import DeferredJobs
 from relayrl.orchestrator.ledger import FilterWatch, Ledger
+from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool
 from relayrl.orchestrator.stages.advantage import advantage_stage
 from relayrl.orchestrator.stages.dispatch import dispatch_stage
@@ -39,13 +41,13 @@ from relayrl.orchestrator.stages.sample import MultiTurn, Rollout, SingleTurn, s
 from relayrl.orchestrator.stages.score import score_stage
 from relayrl.orchestrator.stages.sync import SyncTimes, VersionSignal, sync_stage
 from relayrl.orchestrator.stages.train_loop import CommitFigures, GroupTaker, PackingSpec, StepHooks, TrainLoop
+from relayrl.orchestrator.state import RunState
 from relayrl.orchestrator.taskgroups import first_error
 from relayrl.orchestrator.watchdog import StallWatchdog
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rewards.registry import ResolvedReward
 from relayrl.rewards.scoring import Scorer, ScorerSettings
 from relayrl.rundir import files as runfiles
-from relayrl.rundir.checkpoint import PromptSource, ResumePoint
 from relayrl.rundir.lock import RunDirLock
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.looplag import LoopLagMonitor
@@ -56,7 +58,6 @@ from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
 from relayrl.types import (
     Group,
-    Prompt,
     SampleRequest,
     StepRecord,
     StepResult,
@@ -95,25 +96,27 @@ class Program:
         self,
         cfg: Config,
         backend: Backend,
-        prompts: Iterator[Prompt],
+        state: RunState,
         rewards: Sequence[ResolvedReward],
         *,
         run_dir: Path | None,
         workers: Workers,
         callbacks: Sequence[Callback] = (),
-        resume: ResumePoint | None = None,
         lock: RunDirLock | None = None,
         environment: Environment | None = None,
     ) -> None:
+        """`state` is fresh or restored (orchestrator/state.py); everything was validated and the
+        run directory prepared (config.toml written) by orchestrator/build.py: constructing a
+        Program writes nothing but the trace it opens."""
         self.cfg = cfg
         self.environment = environment  # multi-turn episodes (task.environment); None: single completions
         self.lock = lock  # the run directory's lock (run.build_program took it); released when the run ends
         self.backend = backend
         # every trainer call bounded by train.call_timeout_s (the stages call it through this)
-        self.trainer = BoundedTrainer(lambda: self.backend.trainer, cfg.train.call_timeout_s)
-        self.resume = resume
-        self.start_step = resume.next_step if resume else 0
-        self.prompts = PromptSource(prompts, resume.in_flight, resume.prompts_drawn) if resume else PromptSource(prompts)
+        self.trainer = BoundedTrainer(backend.trainer, cfg.train.call_timeout_s)
+        self.state = state
+        self.start_step = state.start_step
+        self.prompts = state.prompts
         self.run_dir = run_dir
         self.workers = workers
         t = cfg.task
@@ -126,7 +129,7 @@ class Program:
         if isinstance(backend.evaluator, HeldoutEvaluator):
             backend.evaluator.attach_scorer(self.scorer)
         self.callbacks = list(callbacks)
-        self.ledger = Ledger.resumed(resume.ledger) if resume else Ledger()
+        self.ledger = state.ledger
         # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
         self.ledger.watch = FilterWatch.of(cfg.rollout.groups_per_step, cfg.orchestrator.max_filtered_per_step, self.start_step)
         self._logged = LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, self.ledger.as_dict())
@@ -140,9 +143,6 @@ class Program:
             "loop_thread": threading.current_thread().name,
             "first_step": self.start_step,
         }
-        if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            runfiles.write_config(run_dir, cfg)
         self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
         if backend.attach_tracer is not None:
             backend.attach_tracer(self.tracer)
@@ -150,10 +150,7 @@ class Program:
             self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
         if environment is not None:
-            if backend.encode_text is None:
-                raise ValueError(
-                    f"the {cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
-                )
+            assert backend.encode_text is not None  # orchestrator/build.py refused the run otherwise
             limits = episode_settings(cfg, backend.max_prompt_tokens)
             self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, workers, self.tracer)
             if isinstance(backend.evaluator, HeldoutEvaluator):
@@ -161,27 +158,25 @@ class Program:
         self.bookkeeper = StepBookkeeper(
             tracer=self.tracer,
             run_dir=run_dir,
-            callbacks=[self._logged, *self.callbacks],
+            callbacks=[self._logged, state, *self.callbacks],
             host_work=backend.host_work,
             abort=workers.abort,
             log_trajectories=cfg.orchestrator.log_trajectories,
             release=cfg.orchestrator.release_memory,
             trim=cfg.orchestrator.malloc_trim,
+            checkpoint_after=lambda step: self.checkpointer.due(step + 1),  # called once the run runs
             sinks=build_sinks(
                 run_dir,
                 cfg.telemetry.sinks,
                 cfg.run.name,
                 cfg.model_dump(),
                 project=cfg.telemetry.project,
-                resume_step=self.start_step if resume else None,  # each sink's record restarts at the checkpoint
+                resume_step=self.start_step if state.resumed else None,  # each sink's record restarts at the checkpoint
             )
             if run_dir is not None
             else None,
         )
         self.loop: TrainLoop | None = None
-        self.evals: list[EvalResult] = (
-            [EvalResult(**e) for e in resume.evals] if resume else []  # type: ignore[arg-type]
-        )
         self.eval_schedule = EvalSchedule(
             evaluator=backend.evaluator,
             trainer=self.trainer,
@@ -191,25 +186,18 @@ class Program:
             workers=workers,
             tracer=self.tracer,
             callbacks=self.callbacks,
-            results=self.evals,
+            results=state.evals,
         )
         self.checkpointer = Checkpointer(
             run_dir=run_dir,
-            every=cfg.orchestrator.checkpoint_every,
-            steps=cfg.run.steps,
-            keep=cfg.orchestrator.keep_checkpoints,
+            policy=CheckpointPolicy(cfg.orchestrator.checkpoint_every, cfg.run.steps, cfg.orchestrator.keep_checkpoints),
             backend_name=cfg.run.backend,
             trainer=self.trainer,
             workers=workers,
             tracer=self.tracer,
             logged=self._logged,
-            prompts=self.prompts,
-            ledger=self.ledger,
-            evals=self.evals,
-            elapsed=self._elapsed,
-            reward_mean_first=self._reward_mean_first,
+            state=state,
         )
-        self._started = time.perf_counter()
 
     def _dispatch_bound(self, backend: Backend) -> int | None:
         """The most prompt tokens a group may have to be sampled: the model's context after
@@ -219,12 +207,9 @@ class Program:
             return self.episodes.settings.max_total_tokens - 1
         return backend.max_prompt_tokens
 
-    def _elapsed(self) -> float:
-        return (self.resume.elapsed_s if self.resume else 0.0) + time.perf_counter() - self._started
-
     async def run(self) -> RunResult:
         cfg = self.cfg
-        self._started = time.perf_counter()
+        self.state.start_clock()
         status, error = "failed", ""
         try:
             if cfg.orchestrator.release_memory:
@@ -260,7 +245,7 @@ class Program:
             self.tracer.close(status)
         except OSError as exc:
             failures.append(exc)
-        summary = self._summary(status, error, self._elapsed())
+        summary = self._summary(status, error, self.state.elapsed())
         self._result = RunResult(
             self.run_dir, self.bookkeeper.results, self.loop.records if self.loop else [], summary, self.tracer, self.ledger
         )
@@ -283,15 +268,17 @@ class Program:
         ready: asyncio.Queue[Group] = asyncio.Queue()  # bounded by the dispatch window
         start = self.start_step
         self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover, version=start)
+        # every way weights reach the samplers (sync rounds, restarts, the resume) goes through it
+        publisher = WeightPublisher(self.trainer, self.replicas, self.tracer, load_timeout_s=cfg.rollout.weight_load_timeout_s)
         window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps, start)
         committed = VersionSignal(start)
         sync_times = SyncTimes()
         lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
         watchdog = StallWatchdog(cfg.orchestrator.stall_timeout_s, self.run_dir, cfg.orchestrator.stop_grace_s)
         try:
-            if self.resume is not None:
-                weights = await restore(backend, self.resume)
-                await self.eval_schedule.owed_on_resume(self.resume.next_step, weights)
+            if self.state.point is not None:
+                weights = await restore(self.state.point, trainer=self.trainer, publisher=publisher)
+                await self.eval_schedule.owed_on_resume(self.state.point.next_step, weights)
             else:
                 await self.eval_schedule.at_start()
             async with asyncio.TaskGroup() as tg:
@@ -313,7 +300,7 @@ class Program:
                     ),
                     *[
                         tg.create_task(
-                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout()),
+                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout(), publisher=publisher),
                             name=f"sampler/{s.replica}",
                         )
                         for s in self.replicas.slots
@@ -333,14 +320,7 @@ class Program:
                     ),
                     tg.create_task(
                         sync_stage(
-                            self.trainer,
-                            self.replicas,
-                            committed,
-                            window,
-                            self.tracer,
-                            sync_times,
-                            start,
-                            cfg.rollout.weight_load_timeout_s,
+                            publisher=publisher, committed=committed, window=window, tracer=self.tracer, times=sync_times, synced=start
                         ),
                         name="weight-sync",
                     ),
@@ -409,13 +389,6 @@ class Program:
             return SingleTurn(self.tracer, timeout_s=self.cfg.rollout.generate_timeout_s)
         return MultiTurn(self.episodes, timeout_s=self.cfg.rollout.generate_timeout_s)
 
-    def _reward_mean_first(self) -> float | None:
-        if self.resume is not None and self.resume.reward_mean_first is not None:
-            return self.resume.reward_mean_first
-        results = self.bookkeeper.results
-        first = results[0].metrics.get("reward_mean") if results and results[0].step == 0 else None
-        return float(first) if isinstance(first, (int, float)) else None
-
     def _summary(self, status: str, error: str, wall: float) -> dict[str, object]:
         # a run stopped between a commit and its logs: the ledger of the steps it logged
         ledger = self._logged.ledger if self._logged.unlogged else self.ledger.as_dict()
@@ -426,11 +399,11 @@ class Program:
             tracer=self.tracer,
             results=self.bookkeeper.results,
             start_step=self.start_step,
-            resumed=self.resume is not None,
+            resumed=self.state.resumed,
             ledger=ledger,
             steps_unlogged=self._logged.unlogged,
-            evals=self.evals,
-            reward_mean_first=self._reward_mean_first(),
+            evals=self.state.evals,
+            reward_mean_first=self.state.reward_mean_first,
             samplers_retired=self.replicas.retired,
             samplers_restarted=self.replicas.restarted,
         )

@@ -5,8 +5,9 @@ the orchestrator's side, the version each one holds (the one the sync stage last
 no stage reads either off a worker.
 
 A replica whose worker died (a killed Ray actor process) and can be restarted is not retired: its
-requests go back to the queue, it loads the current weights and serves again (`restarted`); one that
-cannot be restarted within its bound is retired as below.
+requests go back to the queue, the weight publisher loads the current weights into it once it is
+alive again and it serves again (`restarted`); one that cannot be restarted within its bound is
+retired as below.
 
 Invariant: with failover on, a replica whose `generate` or `load_weights` raised is taken out of
 service once (one record, one warning) and the run goes on with the others. The run fails with
@@ -42,9 +43,10 @@ class Restartable(Protocol):
         """Whether `exc` means the worker died (or came back without weights) and can be restarted."""
         ...
 
-    async def restart(self, min_version: int) -> int:
-        """Wait (bounded) for the worker to be alive again, load the newest weights (at least
-        `min_version`), and return the version loaded; raise if it cannot be restarted."""
+    async def restart(self) -> None:
+        """Wait (bounded) for the worker to be alive again, holding no weights; raise if it cannot
+        be restarted. The weight publisher then loads the current version into it: a worker never
+        fetches weights itself (`relayrl.orchestrator.publisher`)."""
         ...
 
 
@@ -55,7 +57,7 @@ class SamplerSlot:
     replica: int
     worker: Sampler
     version: int = 0  # the policy version last loaded into it (orchestrator-side knowledge)
-    restarting: bool = False  # its worker is being restarted: sync rounds skip it until it loads weights
+    restarting: bool = False  # its worker is being restarted: sync rounds skip it until the publisher loaded it
 
 
 @dataclass(slots=True)
@@ -66,7 +68,7 @@ class ReplicaPool:
     failover: bool = True
     retired: list[dict[str, object]] = field(default_factory=list)
     restarted: list[dict[str, object]] = field(default_factory=list)
-    target: int = 0  # the version the current (or last) sync round pushes: a restarted replica loads at least this
+    target: int = 0  # the newest version the publisher exported: a restarted replica loads at least this
     _failed_groups: set[int] = field(default_factory=set)  # group ids of requests a replica failed on
 
     @classmethod

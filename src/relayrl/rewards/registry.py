@@ -50,8 +50,8 @@ from relayrl.types import Trajectory
 RewardFunction = Callable[[Trajectory], float]
 
 #: the largest reward magnitude a function may return: a value beyond ±MAX_ABS_REWARD (or NaN, an
-#: infinity, an int too large for a float) fails its call with reason `non_finite` (README,
-#: "Writing a reward function"); rewards that large are a bug (a count, 2**70), not a signal
+#: infinity, an int too large for a float) fails its call with reason `non_finite`
+#: (docs/rewards.md); rewards that large are a bug (a count, 2**70), not a signal
 MAX_ABS_REWARD = 1e6
 #: how a failed call's detail says so
 OUT_OF_RANGE = f"out of range (|r| > {MAX_ABS_REWARD:g})".replace("e+0", "e").replace("e+", "e")

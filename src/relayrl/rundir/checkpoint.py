@@ -9,7 +9,7 @@ checkpoint is written into a hidden temporary directory and renamed into place o
 complete, so a kill at any moment leaves either the whole checkpoint or none.
 
 Resuming (`relayrl train --resume RUN_DIR`) rewinds the run directory to the newest complete
-checkpoint — metrics, evaluations and trajectory files of later steps are removed (a metrics
+checkpoint — metrics, evaluations and trajectory rows of later steps are removed (a metrics
 row of an earlier step that was lost is restored from the checkpoint, or the resume is
 refused), the old trace is kept as `trace.part-K.json` — and the run goes on from its next step: the in-flight prompts are
 dispatched again first, then the stream continues where it was. Invariant: every prompt the
@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 
+from relayrl.rundir import trajfiles
 from relayrl.rundir.jsonl import JsonlError, read_rows, rewrite_rows
 from relayrl.types import Drawn, Prompt
 
@@ -175,9 +176,10 @@ def _drawn(item: dict[str, object], k: int) -> Drawn:
 
 
 def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
-    """Drop what the run wrote after the checkpoint: metrics rows and trajectory files of steps
-    ≥ next_step (a torn last line is dropped), evaluations of later versions, the old summary;
-    keep the old trace as `trace.part-K.json`. Each file is replaced atomically. `point.evals`
+    """Drop what the run wrote after the checkpoint: metrics rows and trajectory rows of steps
+    ≥ next_step (a torn last line is dropped; a trajectory file holding steps on both sides is
+    rewritten without the later ones: rundir/trajfiles.py), evaluations of later versions, the
+    old summary; keep the old trace as `trace.part-K.json`. Each file is replaced atomically. `point.evals`
     becomes every evaluation of a version ≤ next_step (those that landed after the checkpoint
     was taken included). Idempotent: a kill during the rewind leaves it to be done again."""
     _rewind_metrics(run_dir / "metrics.jsonl", point)
@@ -190,11 +192,7 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
     point.evals = [by_version[v] for v in sorted(by_version)]
     rewrite_rows(evals, point.evals)
     (run_dir / "summary.json").unlink(missing_ok=True)
-    trajectories = run_dir / "trajectories"
-    if trajectories.is_dir():
-        for f in trajectories.iterdir():
-            if f.name.startswith("step=") and int(f.name.split("=")[1].split(".")[0]) >= point.next_step:
-                f.unlink()
+    trajfiles.truncate(run_dir, point.next_step)
     trace = run_dir / "trace.json"
     if trace.exists():
         part = 0

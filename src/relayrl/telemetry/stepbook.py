@@ -115,6 +115,7 @@ class StepBookkeeper:
         release: bool,
         trim: bool = True,
         sinks: SinkSet | None = None,
+        checkpoint_after: Callable[[int], bool] | None = None,
     ) -> None:
         self._tracer = tracer
         self._callbacks = list(callbacks)
@@ -124,6 +125,9 @@ class StepBookkeeper:
         self._trim = trim
         self._metrics = sinks
         self._trajs = ParquetTrajectoryLog(run_dir) if run_dir and log_trajectories else None
+        # whether a checkpoint follows step N's logs: the trajectory log then closes its open file
+        # (trajlog.py), so a checkpoint never claims a step that a kill could still lose
+        self._checkpoint_after = checkpoint_after
         self.results = StepResults(sinks.jsonl.path if sinks is not None else None)
 
     def _part(self, name: str, step: int, fn: Callable[[], None]) -> None:
@@ -150,6 +154,8 @@ class StepBookkeeper:
         def log_trajectories() -> None:
             if self._trajs is not None:
                 self._trajs.write(step, record.policy_version - 1, record.trajectories, record.filtered)
+                if self._checkpoint_after is not None and self._checkpoint_after(step):
+                    self._trajs.roll()
 
         def on_step_end() -> None:
             for cb in self._callbacks:

@@ -1,15 +1,32 @@
-"""Parquet trajectory log: one row per trajectory (trained, failed and filtered alike), one file
-per step at `<run_dir>/trajectories/step=000123.parquet`.
+"""Parquet trajectory log: one row per trajectory (trained, failed and filtered alike), a few
+files per run in `<run_dir>/trajectories/`, one row group per step.
 
-Invariant: a step's file appears whole or not at all — it is written to a hidden temporary name
-(`.step=000123.parquet.tmp`), fsynced and atomically renamed — so a crash loses at most the step
-being written, and every `step=*.parquet` file is complete and readable. The directory is a
-Parquet dataset: `pd.read_parquet(dir)` and `pl.read_parquet(dir / "*.parquet")` read it
-(both skip the hidden temporaries), as does `read_trajectories(run_dir)`. Rows, in the order
-`trajectory_table` builds them: the step's trajectories with their own status, then each filtered
-group's trajectories with status "filtered:<reason>" (tests/test_trajlog.py checks them against a
-plain-Python model of these rows). Rewriting a step (a resumed run re-booking it) replaces that
-step's file.
+Layout (rundir/trajfiles.py names and lists the files): a closed file is
+`steps-FFFFFF-LLLLLL.parquet`, holding the rows of steps FFFFFF to LLLLLL (its first and last step
+with rows; names sort in step order). The file being written is hidden,
+`.steps-FFFFFF-open.parquet.tmp`, and renamed to its final name when it is closed: after
+`MAX_FILE_BYTES` (64 MiB) or `MAX_FILE_STEPS` (32) steps with rows, whichever comes first, when a
+checkpoint follows the step (`roll`), and when the run ends (`close`). A step with no rows adds
+nothing. The directory is a Parquet dataset with the same columns in every file:
+`pandas.read_parquet(run_dir / "trajectories")`, `pyarrow.dataset.dataset(...)`,
+`polars.read_parquet(".../trajectories/*.parquet")` and DuckDB's `read_parquet('.../*.parquet')`
+read the whole log (all skip the hidden open file), as does `read_trajectories(run_dir)`; a
+filter on `step` skips row groups by their statistics.
+
+Invariant: every visible file is complete and readable, at any moment: the open file is written
+under its hidden name and renamed (after its footer is written and it is fsynced) only when
+closed. A crash or kill -9 therefore loses at most the steps of the open file — never a step a
+checkpoint claims: the bookkeeper rolls the file after each step a checkpoint follows, before
+that checkpoint is written, so the open file only ever holds steps after the newest checkpoint,
+which a resume trains and logs again (rundir/checkpoint.py `rewind_run_dir` cuts the log back to
+the checkpoint, so the resumed run's log holds each step once); a run without checkpoints
+loses at most `MAX_FILE_STEPS` steps' rows (and no metrics row). An error while writing a step
+discards the open file the same way. Temporaries left by a kill are removed when the log is
+opened. The log is written in the bookkeeping part `log_trajectories` (telemetry/stepbook.py: the
+bookkeeping thread, off the event loop); a step costs one row group, and a file one footer and
+one fsync when it is closed. Rows of a step, in the order `trajectory_table` builds them: the step's trajectories with
+their own status, then each filtered group's trajectories with status "filtered:<reason>"
+(tests/test_trajlog.py checks them against a plain-Python model of these rows).
 """
 
 from __future__ import annotations
@@ -17,23 +34,36 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
 from relayrl.rundir.lock import writing
+from relayrl.rundir.trajfiles import COMPRESSION, TRAJECTORY_DIR, LogFile, file_name, log_files, open_name, remove_temporaries
 from relayrl.types import FilteredGroup, Trajectory
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
-TRAJECTORY_DIR = "trajectories"
+__all__ = [
+    "MAX_FILE_BYTES",
+    "MAX_FILE_STEPS",
+    "TRAJECTORY_DIR",
+    "LogFile",
+    "ParquetTrajectoryLog",
+    "log_files",
+    "read_trajectories",
+    "trajectory_schema",
+    "trajectory_table",
+]
+
+MAX_FILE_BYTES = 64 * 2**20  # a file is closed once it holds this many bytes ...
+MAX_FILE_STEPS = 32  # ... or this many steps (row groups), whichever comes first
 _TURNS = operator.attrgetter("turns")
-_FILE_RE = re.compile(r"^step=(\d+)\.parquet$")
-_TMP_GLOB = ".step=*.parquet.tmp"
 
 
 def _require_pyarrow() -> None:
@@ -135,62 +165,122 @@ def trajectory_table(step: int, trained_version: int, trajectories: list[Traject
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def step_file(directory: Path, step: int) -> Path:
-    return directory / f"step={step:06d}.parquet"
+@dataclass(slots=True)
+class _OpenFile:
+    """The file being written: its hidden path, the writer, the steps it holds so far."""
+
+    tmp: Path
+    fh: IO[bytes]
+    writer: pq.ParquetWriter
+    first: int
+    last: int
+    steps: int = 0
 
 
 class ParquetTrajectoryLog:
-    """Writes `<run_dir>/trajectories/step=NNNNNN.parquet`, one file per step with rows.
+    """Writes `<run_dir>/trajectories/`: each step's rows as one row group of the open file, which
+    is closed and renamed to `steps-FFFFFF-LLLLLL.parquet` when full (`max_file_bytes`,
+    `max_file_steps`), on `roll` and on `close`.
 
-    Called from the bookkeeping thread; a step with no trajectories and no filtered groups writes
-    no file. Temporaries left by an earlier crash are removed when the log is opened.
+    Called from the bookkeeping thread, in step order (a step at or before one already written
+    is refused); a step with no trajectories and no filtered groups writes nothing. Temporaries
+    left by an earlier crash are removed when the log is opened.
     """
 
-    def __init__(self, run_dir: Path, *, compression: str = "zstd", fsync: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        compression: str = COMPRESSION,
+        fsync: bool = True,
+        max_file_bytes: int = MAX_FILE_BYTES,
+        max_file_steps: int = MAX_FILE_STEPS,
+    ) -> None:
         _require_pyarrow()
+        if max_file_bytes < 1 or max_file_steps < 1:
+            raise ValueError(f"max_file_bytes={max_file_bytes} and max_file_steps={max_file_steps} must be ≥ 1")
         self.directory = run_dir / TRAJECTORY_DIR
         self.directory.mkdir(parents=True, exist_ok=True)
         self.compression = compression
         self.fsync = fsync
+        self.max_file_bytes = max_file_bytes
+        self.max_file_steps = max_file_steps
         self.rows_written = 0
-        for stale in self.directory.glob(_TMP_GLOB):
-            stale.unlink(missing_ok=True)
+        self._open: _OpenFile | None = None
+        self._last_step: int | None = None
+        remove_temporaries(self.directory)
 
     def write(self, step: int, trained_version: int, trajectories: list[Trajectory], filtered: list[FilteredGroup]) -> None:
-        import pyarrow.parquet as pq
-
+        """Append `step`'s rows to the open file (opening one if none is), then close the file if
+        it is full. On an error the open file is discarded (its steps lost, as by a kill)."""
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"{self.directory}: trajectory log step {step} written after step {self._last_step}")
+        self._last_step = step
         table = trajectory_table(step, trained_version, trajectories, filtered)
         if table.num_rows == 0:
             return
-        final = step_file(self.directory, step)
-        tmp = final.with_name(f".{final.name}.tmp")
+        current = self._open if self._open is not None else self._start(step)
         try:
-            with writing(final), open(tmp, "wb") as fh:
-                pq.write_table(table, fh, compression=self.compression)
-                if self.fsync:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            os.replace(tmp, final)
+            with writing(current.tmp):
+                current.writer.write_table(table, row_group_size=table.num_rows)  # one row group per step
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            self._discard()
             raise
+        current.last = step
+        current.steps += 1
         self.rows_written += table.num_rows
+        if current.steps >= self.max_file_steps or current.fh.tell() >= self.max_file_bytes:
+            self.roll()
+
+    def roll(self) -> None:
+        """Close the open file (footer, fsync) and rename it to `steps-FFFFFF-LLLLLL.parquet`:
+        every step written so far is then in a complete, visible file. Nothing when none is open."""
+        current, self._open = self._open, None
+        if current is None:
+            return
+        final = self.directory / file_name(current.first, current.last)
+        try:
+            with writing(final):
+                current.writer.close()
+                if self.fsync:
+                    current.fh.flush()
+                    os.fsync(current.fh.fileno())
+                current.fh.close()
+                os.replace(current.tmp, final)
+        except BaseException:
+            current.fh.close()
+            current.tmp.unlink(missing_ok=True)
+            raise
 
     def close(self) -> None:
-        """Nothing is buffered (each step's file is complete when `write` returns); kept so the
-        log is closed like any other writer."""
+        """Close the open file (`roll`): when this returns, every written step is in a visible file."""
+        self.roll()
 
+    def _start(self, step: int) -> _OpenFile:
+        import pyarrow.parquet as pq
 
-def step_files(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete step file, in step order; temporaries are not listed."""
-    directory = run_dir / TRAJECTORY_DIR
-    found: list[tuple[int, Path]] = []
-    if directory.is_dir():
-        for path in directory.iterdir():
-            match = _FILE_RE.match(path.name)
-            if match:
-                found.append((int(match.group(1)), path))
-    return sorted(found)
+        tmp = self.directory / open_name(step)
+        fh = open(tmp, "wb")  # closed by roll or _discard
+        try:
+            writer = pq.ParquetWriter(fh, trajectory_schema(), compression=self.compression)
+        except BaseException:
+            fh.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        self._open = _OpenFile(tmp, fh, writer, step, step)
+        return self._open
+
+    def _discard(self) -> None:
+        current, self._open = self._open, None
+        if current is None:
+            return
+        try:
+            current.writer.close()
+        except Exception:  # the file is being thrown away
+            pass
+        finally:
+            current.fh.close()
+            current.tmp.unlink(missing_ok=True)
 
 
 def read_trajectories(run_dir: Path) -> pa.Table:
@@ -200,5 +290,5 @@ def read_trajectories(run_dir: Path) -> pa.Table:
     import pyarrow.parquet as pq
 
     schema = trajectory_schema()
-    tables = [pq.read_table(path, schema=schema) for _, path in step_files(run_dir)]
+    tables = [pq.read_table(f.path, schema=schema) for f in log_files(run_dir)]
     return pa.concat_tables(tables) if tables else schema.empty_table()

@@ -17,8 +17,9 @@ Invariants:
   fetches it (zero-copy on one node) and copies it into its model;
 - a sampler actor whose process dies is restarted by Ray (`SAMPLER_MAX_RESTARTS`; its constructor
   builds a fresh worker) and refuses to sample (`SamplerNeedsWeightsError`) until the orchestrator
-  has loaded the current weights into it (`RaySampler.restart`, called by the sample stage; an
-  actor dead for good, or not alive again within RESTART_TIMEOUT_S, is retired by it instead); a
+  has loaded the current weights into it (the sample stage awaits `RaySampler.restart`, then the
+  weight publisher loads them: a sampler never holds the trainer; an actor dead for good, or not
+  alive again within RESTART_TIMEOUT_S, is retired instead); a
   weight load lost with a dead process does the same on the driver side;
 - every call's span inside the actor (`Timed`) is traced onto the driver's clock, next to the
   driver's own span of it (`relayrl.backends.ray.spans`);
@@ -233,13 +234,12 @@ async def _close_actor(actor: Any) -> None:
 class RaySampler:
     """Driver-side `Sampler` / `GreedyEngine` over a `SamplerActor`."""
 
-    def __init__(self, actor: Any, replica: int, trainer: RayTrainer | None = None, restart_timeout_s: float = RESTART_TIMEOUT_S) -> None:
+    def __init__(self, actor: Any, replica: int, restart_timeout_s: float = RESTART_TIMEOUT_S) -> None:
         self.actor = actor
         self.replica = replica
-        self.trainer = trainer  # where a restarted actor gets the current weights (None: no restarts)
         self.restart_timeout_s = restart_timeout_s
         self.spans = ActorSpans(f"actor:sampler/{replica}")
-        self._stale = False  # a weight load was lost with the actor's process: sample only after a restart
+        self._stale = False  # a weight load was lost with the actor's process: sample only after a restart and a load
         self._restarts = 0  # a load that fails after a restart completed was lost with the old process
         self._closed = False
 
@@ -284,20 +284,21 @@ class RaySampler:
         try:
             await self._call("load_weights", weights, version=weights.version)
         except ACTOR_GONE:
-            if restarts == self._restarts:  # not already made good by a restart that loaded newer weights
+            if restarts == self._restarts:  # not already made good by a restart (and the load after it)
                 self._stale = True
             raise
+        self._stale = False  # the actor holds these weights
 
     def restartable(self, exc: BaseException) -> bool:
         """Whether `exc` says the actor's process died / came back without weights (and this
-        replica can fetch the current weights to restart)."""
-        return self.trainer is not None and not self._closed and isinstance(exc, (*ACTOR_GONE, SamplerNeedsWeightsError))
+        replica can be restarted: the weight publisher then loads the current weights into it)."""
+        return not self._closed and isinstance(exc, (*ACTOR_GONE, SamplerNeedsWeightsError))
 
-    async def restart(self, min_version: int) -> int:
-        """Wait until Ray has restarted the actor (ping, retried, bounded by `restart_timeout_s`),
-        load the trainer's newest weights into it and return their version."""
-        if self.trainer is None:
-            raise RuntimeError(f"sampler replica {self.replica} cannot be restarted: it has no trainer to fetch weights from")
+    async def restart(self) -> None:
+        """Wait until Ray has restarted the actor (ping, retried, bounded by `restart_timeout_s`)
+        and report it alive; it holds no weights until the orchestrator's weight publisher loads
+        the current version into it (the actor refuses to sample until then). Raises when the
+        actor is dead for good or not alive again in time."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.restart_timeout_s
         died = 0  # pings answered "dead" in a row: a restarting actor is "unavailable" instead
@@ -317,13 +318,7 @@ class RaySampler:
                     ) from exc
                 await asyncio.sleep(0.5)
         self.spans.unsync()  # a new process, perhaps on another node
-        weights = await self.trainer.export_weights()
-        if weights.version < min_version:
-            raise RuntimeError(f"the trainer exported version {weights.version}, older than the synced version {min_version}")
-        await self._call("load_weights", weights, version=weights.version)
-        self._stale = False
-        self._restarts += 1
-        return weights.version
+        self._restarts += 1  # a load sent to the old process and failing from now on changes nothing
 
     async def loaded_version(self) -> int | None:
         version: int | None = await self.actor.loaded_version.remote()

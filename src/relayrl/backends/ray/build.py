@@ -156,7 +156,7 @@ def _build(cfg: Config, heldout: Sequence[Prompt], abort: threading.Event, clust
         )
     ray.get(done)  # an actor whose constructor failed raises here
     trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead)
-    samplers = [RaySampler(a, i, trainer) for i, a in enumerate(sampler_actors)]
+    samplers = [RaySampler(a, i) for i, a in enumerate(sampler_actors)]
     return Backend(
         trainer=trainer,
         samplers=list(samplers),

@@ -9,8 +9,8 @@ groups leave in the order the call returned them. An environment's error, or a p
 leaves an episode no room, fails the run (it is the task's, not the replica's). A replica whose `generate` raises is retired
 (see `relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas: no group
 is lost or sampled twice. A replica whose worker died and can be restarted (`Restartable`, the
-Ray backend) re-queues its requests, restarts holding the version the sync stage pushes or newer,
-and samples again; one that cannot be restarted is retired.
+Ray backend) re-queues its requests, restarts (the weight publisher loads the version the sync
+stage pushes, or newer, into it) and samples again; one that cannot be restarted is retired.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import asyncio
 from typing import Protocol
 
 from relayrl.orchestrator.deadlines import bounded
+from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool, Restartable, SamplerSlot
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
@@ -73,9 +74,12 @@ async def sampler_stage(
     tracer: Tracer,
     pool: ReplicaPool,
     rollout: Rollout,
+    *,
+    publisher: WeightPublisher,
 ) -> None:
     """Serve `slot`'s replica: a sampling call that raises or exceeds its bound fails the
-    replica; an environment's error fails the run."""
+    replica; an environment's error fails the run. A replica whose worker died is restarted
+    through `publisher`, which loads it with the current weights."""
     lane = f"sampler/{slot.replica}"
     sampler = slot.worker
     while pool.serves(slot):
@@ -92,7 +96,7 @@ async def sampler_stage(
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
             if isinstance(sampler, Restartable) and sampler.restartable(exc):
                 await inbox.put(requests)  # the other replicas sample them while this one restarts
-                failed = await _restart(slot, sampler, exc, tracer, pool)
+                failed = await publisher.restart(slot, sampler, exc, "generate")
                 if failed is None:
                     continue
                 pool.retire(slot, failed, "restart", [r.group_id for r in requests])
@@ -101,24 +105,3 @@ async def sampler_stage(
             await inbox.put(requests)  # another replica samples them
             return
         await outbox.put(groups)
-
-
-async def _restart(slot: SamplerSlot, sampler: Restartable, exc: Exception, tracer: Tracer, pool: ReplicaPool) -> Exception | None:
-    """Bring a replica whose worker died back into service holding the version the sync stage
-    pushes (`pool.target`) or newer; returns why it cannot be restarted (None: it serves again)."""
-    lane = f"sampler/{slot.replica}"
-    slot.restarting = True  # sync rounds skip it: it loads the newest weights itself
-    start = tracer.now()
-    try:
-        version = await sampler.restart(pool.target)
-        while version < pool.target:  # a round started (for a newer commit) while it was loading
-            version = await sampler.restart(pool.target)
-    except Exception as restart_exc:
-        tracer.complete(lane, "restart_failed", start, tracer.now(), error=f"{type(restart_exc).__name__}: {restart_exc}")
-        return restart_exc
-    finally:
-        slot.restarting = False
-    slot.version = version
-    tracer.complete(lane, "restart", start, tracer.now(), version=version)
-    pool.record_restart(slot, exc, "generate", version)
-    return None

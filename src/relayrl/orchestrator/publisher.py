@@ -1,0 +1,124 @@
+"""Weight publisher: the one way a policy version reaches the sampler replicas.
+
+Three paths use it: the sync stage after each commit (`publish_newest`), a replica whose worker
+died and was restarted (`restart`: the worker only comes back alive, without weights, and the
+publisher loads the current version into it) and a resume (`publish_newest` once the trainer
+state is restored, see `relayrl.orchestrator.checkpointing.restore`). Samplers never hold the
+trainer: the weights they load always come from here.
+
+It gets a version's weights from the trainer once (`export_weights`, through the trainer it was
+given: the program's `BoundedTrainer`, so bounded by `train.call_timeout_s`) and keeps the newest
+export, which a restarted replica loads; it loads them into each replica bounded by
+`rollout.weight_load_timeout_s`. A load that raises or exceeds its bound fails its replica: one
+whose worker died and can be restarted (`Restartable`) stays in service, holding its old version,
+and restarts when it next samples; any other is retired (`ReplicaPool.retire`, which fails the
+run with the replica's own error when failover is off or no replica is left). Each failed load
+is traced as `load_weights_failed` on the replica's lane.
+
+Invariant: `pool.target` is the newest version exported (the version the current or last round
+pushes); a replica's `SamplerSlot.version` changes only when a load of that version into it
+returned; a replica being restarted is skipped by rounds and loads `pool.target` or newer before
+it samples again; at most one export per round, none for a restart while a version is held.
+
+Where a GPU transport plugs in: a transport (NCCL broadcast from the trainer's ranks to the
+samplers', CUDA IPC handles on one node) replaces `_export` (the trainer announces a version
+instead of returning its tensors) and `_load` (each replica receives that version by broadcast or
+maps the trainer's memory instead of copying a payload); the rest of this class — which replicas
+load, the bounds, failover, restarts, tracing — and every caller stay as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from relayrl.backends.protocols import Trainer
+from relayrl.orchestrator.deadlines import bounded
+from relayrl.orchestrator.replicas import ReplicaPool, Restartable, SamplerSlot
+from relayrl.telemetry.tracer import Tracer
+from relayrl.types import Weights
+
+LOAD_KEY = "rollout.weight_load_timeout_s"
+
+
+class WeightPublisher:
+    """Publishes the trainer's versions to the replicas of `pool` (see module)."""
+
+    def __init__(self, trainer: Trainer, pool: ReplicaPool, tracer: Tracer, *, load_timeout_s: float) -> None:
+        self._trainer = trainer  # bounded by train.call_timeout_s (the program's BoundedTrainer)
+        self.pool = pool
+        self._tracer = tracer
+        self._load_timeout_s = load_timeout_s  # 0: no bound
+        self._newest: Weights | None = None  # the newest export: what a restarted replica loads
+
+    async def _export(self) -> Weights:
+        """The trainer's newest weights, kept as the version replicas must hold from now on."""
+        weights = await self._trainer.export_weights()
+        if self._newest is None or weights.version >= self._newest.version:
+            self._newest = weights
+        self.pool.target = max(self.pool.target, weights.version)  # a replica restarting now loads this or newer
+        return weights
+
+    async def _load(self, slot: SamplerSlot, weights: Weights) -> None:
+        # the worker's call is made in here: a round cancelled before this load started leaves no
+        # coroutine that was never awaited
+        what = f"sampler replica {slot.replica}: load_weights"
+        await bounded(slot.worker.load_weights(weights), self._load_timeout_s, what, LOAD_KEY)
+
+    async def publish_newest(self) -> Weights:
+        """Export the trainer's newest version and load it into every replica in service but those
+        being restarted; fail over each replica whose load fails (see module). Returns the weights."""
+        start = self._tracer.now()
+        weights = await self._export()
+        slots = [s for s in self.pool.slots if not s.restarting]  # a restarting replica loads the newest weights itself
+        outcomes = await asyncio.gather(*(self._load(s, weights) for s in slots), return_exceptions=True)
+        for slot, outcome in zip(slots, outcomes):
+            if isinstance(outcome, asyncio.CancelledError):
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise outcome  # the caller is being cancelled
+                outcome = RuntimeError(f"load_weights was cancelled by the sampler: {outcome!r}")
+            if isinstance(outcome, Exception):
+                error = f"{type(outcome).__name__}: {outcome}"
+                self._tracer.complete(
+                    f"sampler/{slot.replica}", "load_weights_failed", start, self._tracer.now(), version=weights.version, error=error
+                )
+                if not (isinstance(slot.worker, Restartable) and slot.worker.restartable(outcome)):
+                    self.pool.retire(slot, outcome, "load_weights")  # raises unless another replica serves
+                # else its worker died: it refuses to generate until it has restarted and loaded the newest weights
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                slot.version = weights.version
+        return weights
+
+    async def restart(self, slot: SamplerSlot, worker: Restartable, exc: Exception, during: str) -> Exception | None:
+        """Bring `slot`'s replica, whose worker died during `during` (raising `exc`), back into
+        service: wait for its worker to be alive again (`worker.restart()`), then load the newest
+        version into it, again while a round pushed a newer one meanwhile. Returns why it cannot
+        be restarted (None: it serves again, holding `pool.target` or newer)."""
+        lane = f"sampler/{slot.replica}"
+        slot.restarting = True  # sync rounds skip it: it loads the newest weights here
+        start = self._tracer.now()
+        try:
+            await worker.restart()
+            weights = self._newest if self._newest is not None else await self._export()
+            while True:
+                await self._load(slot, weights)
+                slot.version = weights.version
+                if slot.version >= self.pool.target:
+                    break
+                newer = self._newest  # a round started (for a newer commit) while it was loading
+                if newer is None or newer.version <= weights.version:
+                    raise RuntimeError(
+                        f"sampler replica {slot.replica}: the trainer's newest weights are version {weights.version}, "
+                        f"older than the synced version {self.pool.target}"
+                    )
+                weights = newer
+        except Exception as restart_exc:
+            self._tracer.complete(lane, "restart_failed", start, self._tracer.now(), error=f"{type(restart_exc).__name__}: {restart_exc}")
+            return restart_exc
+        finally:
+            slot.restarting = False
+        self._tracer.complete(lane, "restart", start, self._tracer.now(), version=slot.version)
+        self.pool.record_restart(slot, exc, during, slot.version)
+        return None
