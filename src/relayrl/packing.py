@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from relayrl.errors import RunFailed
 from relayrl.types import MicroBatch, PackPlan, PaddingStats, Trajectory
 
 
-class PackingError(ValueError):
-    pass
+class PackingError(RunFailed, ValueError):
+    """A trajectory longer than a packed row (`train.row_tokens`); resuming with the same
+    config would meet it again."""
+
+    resumable = False
 
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -1,16 +1,22 @@
 """Command line: `relayrl train | check-trace | report | runs | bench ...`.
 
-Invariant: bad input (config key, file, value, run directory) prints one line naming what and
-where and exits 2 (a reward function that cannot be resolved too); a failed check, a run stopped
-by a file-system error (disk full: path and errno), by a failed reward call under
-task.strict_rewards (function and trajectory), by a reward worker that cannot start or by a
-non-finite loss (train.on_nonfinite, train.max_consecutive_skips; the step), exits 1, as does one
-whose groups are all filtered (orchestrator.max_filtered_per_step: the step and the reasons);
-any other failure of a run (a stall, the last sampler replica retired, an environment's error, a
-bug) prints one line naming the exception and exits 1, its traceback kept in RUN_DIR/error.txt;
-a run stopped by Ctrl-C (exit 130) or SIGTERM (exit 143) is cancelled cleanly (summary
-"cancelled"), or ends at once if it cannot wind down within orchestrator.stop_grace_s; either
-way the checkpoint to resume from is named; nothing else is printed as an error.
+Invariant: the exit code and the one `error:` line follow the error's kind (relayrl/errors.py).
+Bad input (a `UserError`: config key, file, value, task data, reward or environment entry, model
+path, run directory, a refused resume, a bad checkpoint; or a file the command cannot read while
+checking its input) prints one line naming what and where and exits 2. A run that fails for a
+reason the user can act on (a `RunFailed`: a failed reward call under task.strict_rewards,
+function and trajectory; a reward worker that cannot start; a non-finite loss,
+train.on_nonfinite / train.max_consecutive_skips, the step; every group filtered,
+orchestrator.max_filtered_per_step, the step and the reasons; a trajectory that cannot be
+packed) or is stopped by a file-system error (disk full: path and errno) prints one line and
+exits 1. Anything else (a stall, the last sampler replica retired, an environment's error, a
+bug: a plain ValueError included, while building the run too) prints one line naming the
+exception and exits 1, its traceback kept in RUN_DIR/error.txt (in a temporary file, named in the
+line, when the command has no run directory it may write). A run stopped by Ctrl-C (exit 130) or
+SIGTERM (exit 143) is cancelled cleanly (summary "cancelled"), or ends at once if it cannot wind
+down within orchestrator.stop_grace_s; a run that fails or stops names the checkpoint to resume
+from (unless resuming cannot help). A failed check (check-trace: a violated rule) exits 1. Nothing
+else is printed as an error.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import typer
 from rich.console import Console
 
 from relayrl.cli.signals import exit_on_signals
-from relayrl.config.schema import Config, ConfigError, load_config
+from relayrl.config.schema import Config, load_config
+from relayrl.errors import RunFailed, UserError
 from relayrl.recipes import default_recipe
 
 T = TypeVar("T")
@@ -73,35 +80,35 @@ def train(
         else:
             cfg = load_config(config or default_recipe(), overrides)
         check_extras(cfg)  # a missing optional package: one line naming its extra, before any import of it
-    except (ValueError, OSError) as exc:
+    except (UserError, OSError) as exc:
         _fail(_one_line(exc))
 
     from relayrl.cli.signals import Stopped, run_until_stopped
     from relayrl.orchestrator.build import build_program, run_dir_for
-    from relayrl.orchestrator.ledger import FilterBoundError
-    from relayrl.packing import PackingError
-    from relayrl.rewards.pool import RewardPoolError
-    from relayrl.rewards.scoring import RewardError
-    from relayrl.rundir.checkpoint import CheckpointError
     from relayrl.telemetry.progress import ProgressPrinter
 
+    run_dir = resume if resume is not None else run_dir_for(cfg)
     try:
-        run_dir = resume if resume is not None else run_dir_for(cfg)
         progress = ProgressPrinter(cfg.run.steps, out)
         program = build_program(cfg, [progress], run_dir, resume=resume is not None)
-    except (ValueError, OSError) as exc:  # config, task data, reward names, model path, run directory
+    except (UserError, OSError) as exc:  # config, task data, reward names, model path, run directory, checkpoint
         _fail(_one_line(exc))
+    except Exception as exc:  # a bug while building the run: one line, traceback kept, exit 1
+        _unexpected(exc, _build_traceback(run_dir, exc, resume is not None))
     start = f"from step {program.start_step} " if program.start_step else ""
     out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
     try:
         result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
-    except (PackingError, CheckpointError) as exc:  # a trajectory longer than train.row_tokens; a bad checkpoint
-        _fail(str(exc))
-    except FilterBoundError as exc:  # every group filtered (orchestrator.max_filtered_per_step): resuming would not help
+    except UserError as exc:  # a bad checkpoint found while restoring it
         progress.close()
-        _fail(_one_line(exc), 1)
-    # disk full, ...; a reward under strict_rewards; no reward worker; a non-finite step (NonFiniteStepError)
-    except (OSError, RewardError, RewardPoolError, FloatingPointError) as exc:
+        _fail(_one_line(exc))
+    except RunFailed as exc:  # a reward under strict_rewards, no reward worker, a non-finite step, every group filtered, ...
+        progress.close()
+        if not exc.resumable:  # e.g. every group filtered (orchestrator.max_filtered_per_step): resuming would not help
+            _fail(_one_line(exc), 1)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        _stopped(run_dir, cfg, 1)
+    except OSError as exc:  # disk full, ...
         progress.close()
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         _stopped(run_dir, cfg, 1)
@@ -132,6 +139,13 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split("\n"))
 
 
+def _unexpected(exc: BaseException, kept: str) -> NoReturn:
+    """An error no handler expects (a bug, a plain ValueError included): one line naming its type
+    and saying where its traceback is (`kept`); exit 1."""
+    print(f"error: {type(exc).__name__}: {_one_line(exc)}{kept}", file=sys.stderr)
+    raise typer.Exit(1)
+
+
 def _keep_traceback(run_dir: Path, exc: BaseException) -> str:
     """Write `exc`'s traceback to RUN_DIR/error.txt (whole or not at all); say where it is."""
     import traceback
@@ -144,6 +158,65 @@ def _keep_traceback(run_dir: Path, exc: BaseException) -> str:
     except OSError:
         return ""
     return f" (traceback in {path})"
+
+
+def _keep_traceback_elsewhere(exc: BaseException) -> str:
+    """Write `exc`'s traceback to a new temporary file (a command without a run directory of its
+    own to write); say where it is."""
+    import tempfile
+    import traceback
+
+    try:
+        fd, name = tempfile.mkstemp(prefix="relayrl-error-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return ""
+    return f" (traceback in {name})"
+
+
+def _build_traceback(run_dir: Path, exc: BaseException, resume: bool) -> str:
+    """Keep the traceback of a run that failed while being built, in RUN_DIR/error.txt when
+    RUN_DIR is this run's: the one resumed, one this process claimed (its marker names this
+    process), or none yet (created here as a relayrl run directory, which a fresh run with
+    run.overwrite replaces); under the directory's lock. Never in a directory that holds another
+    run's files, is in use or is not relayrl's: then in a temporary file."""
+    from relayrl.rundir.lock import RunDirLock
+
+    if resume or _claimed_here(run_dir) or _empty_or_missing(run_dir):
+        lock = RunDirLock(run_dir)
+        try:
+            lock.acquire(adopt=resume)
+        except (UserError, OSError):  # in use by another run, not relayrl's, cannot be created
+            pass
+        else:
+            try:
+                kept = _keep_traceback(run_dir, exc)
+            finally:
+                lock.release()
+            if kept:
+                return kept
+    return _keep_traceback_elsewhere(exc)
+
+
+def _claimed_here(run_dir: Path) -> bool:
+    """Whether `run_dir`'s marker names this process (it locked the directory for this run)."""
+    import socket
+
+    from relayrl.rundir.lock import MARKER
+
+    try:
+        info = json.loads((run_dir / MARKER).read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+
+
+def _empty_or_missing(run_dir: Path) -> bool:
+    try:
+        return not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
+    except OSError:
+        return False
 
 
 def _resume_hint(run_dir: Path, cfg: Config) -> str:
@@ -169,7 +242,7 @@ def check_trace(run_dir: Annotated[Path, typer.Argument(help="Run directory (or 
 
     try:
         report = check_run_dir(run_dir)
-    except (OSError, ValueError) as exc:  # no trace, an unreadable one, or one that is not a trace
+    except (OSError, UserError) as exc:  # no trace, an unreadable one, or one that is not a trace (TraceError)
         _fail(_one_line(exc))
     if not report.ok:
         more = f" (+{len(report.violations) - 1} more)" if len(report.violations) > 1 else ""
@@ -186,7 +259,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory (finished
 
     try:
         path = write_report(run_dir)
-    except (OSError, ValueError) as exc:  # not a run directory, a trace.json that is not a trace, a write error
+    except (OSError, UserError) as exc:  # not a run directory, a trace.json that is not a trace (TraceError), a write error
         _fail(_one_line(exc))
     out.print(f"wrote {path}")
 
@@ -216,8 +289,8 @@ def _bench(run: Callable[[], T], as_json: bool) -> T:
     """Run a benchmark; with --json print its figures as one object and stop there."""
     try:
         figures = run()
-    except ConfigError as exc:
-        _fail(str(exc))
+    except UserError as exc:  # a bad --set or recipe
+        _fail(_one_line(exc))
     if as_json:
         print(json.dumps(figures))
         raise typer.Exit(0)
@@ -406,7 +479,11 @@ def bench_soak(
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     exit_on_signals()  # until a run starts: exit at once, never a traceback from an import
-    app()
+    try:
+        app()
+    except Exception as exc:  # a bug no command handled (outside a run): one line, the traceback kept in a file
+        print(f"error: {type(exc).__name__}: {_one_line(exc)}{_keep_traceback_elsewhere(exc)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 from relayrl.config.schema import SINK_EXTRAS, SINK_MODULES, Config
+from relayrl.errors import UserError
 
 #: modules the local backend imports, all provided by the `local` extra
 LOCAL_BACKEND_MODULES = ("torch", "transformers")
@@ -20,7 +21,7 @@ LOCAL_BACKEND_MODULES = ("torch", "transformers")
 TASK_REWARD_MODULES = {"reasoning_gym": "reasoning_gym", "math_verify": "math_verify"}
 
 
-class MissingExtra(ValueError):
+class MissingExtra(UserError):
     """An optional package a config needs is not installed; the message says which extra has it."""
 
     def __init__(self, module: str, extra: str, needed_by: str) -> None:

@@ -33,6 +33,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
+from relayrl.errors import UserError
+
 #: Optional metric sinks (telemetry.sinks) besides metrics.jsonl: the one list of their names.
 SinkName = Literal["tensorboard", "wandb", "mlflow"]
 OPTIONAL_SINKS: tuple[str, ...] = get_args(SinkName)
@@ -49,7 +51,7 @@ assert set(SINK_EXTRAS) == set(SINK_MODULES) == set(OPTIONAL_SINKS)
 RESUMABLE: Final[JsonDict] = {"resumable": True}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad configuration value; the message names the key and, where known, the file."""
 
 

@@ -26,6 +26,7 @@ from typing import cast
 from relayrl.envs.arithmetic_feedback import ArithmeticFeedback
 from relayrl.envs.base import Environment, EnvStep, Episode
 from relayrl.envs.calculator import Calculator
+from relayrl.errors import UserError
 from relayrl.rewards.registry import load_named, parse_spec
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentSpecError", "Episode", "build_environment"]
@@ -37,7 +38,7 @@ ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 }
 
 
-class EnvironmentSpecError(ValueError):
+class EnvironmentSpecError(UserError):
     """A `task.environment` entry (or its `task.environment_config`) that cannot be resolved or
     constructed; names the key and the entry."""
 

@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from relayrl.errors import UserError
 from relayrl.types import Prompt
 
 SHIPPED_MODELS_PACKAGE = "relayrl.models"
@@ -48,7 +49,7 @@ _DROPOUT_MODULES = (
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model directory whose files cannot be loaded, or whose tokenizer does not fit its weights."""
 
 
@@ -126,7 +127,7 @@ def load_model_and_tokenizer(
         )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer in {model_dir} has neither a pad nor an EOS token")
+            raise ModelLoadError(f"tokenizer in {model_dir} has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     disable_dropout(model).eval()
     return model, tokenizer

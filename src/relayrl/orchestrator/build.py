@@ -19,12 +19,13 @@ from relayrl.config.schema import Config, ConfigError, load_config, resumable_ke
 from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
 from relayrl.envs.base import Environment
+from relayrl.errors import UserError
 from relayrl.orchestrator.program import Program
 from relayrl.orchestrator.state import RunState
 from relayrl.rewards import registry as rewards
 from relayrl.rundir.checkpoint import CheckpointError, load_resume_point, rewind_run_dir
 from relayrl.rundir.files import append_config_changes, write_config
-from relayrl.rundir.lock import MARKER, RunDirLock
+from relayrl.rundir.lock import MARKER, RunDirError, RunDirLock
 from relayrl.tasks.build import TaskData, build_task
 from relayrl.telemetry.callbacks import Callback
 from relayrl.threads import Workers
@@ -54,7 +55,7 @@ def build_program(
     (which must then be set too, naming it: the run's config.toml records that name)."""
     if resume:
         if run_dir is None:
-            raise ValueError("resume needs a run directory")
+            raise UserError("resume needs a run directory")
         return resume_run(cfg, run_dir, callbacks, backend=backend, reward_fns=reward_fns, environment=environment)
     return start_run(cfg, run_dir, callbacks, backend=backend, reward_fns=reward_fns, environment=environment)
 
@@ -75,7 +76,7 @@ def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, enviro
     functions (each imported and found callable), the environment, the task's data."""
     if reward_fns is not None:
         if not reward_fns:
-            raise ValueError("reward_fns: give at least one reward function")
+            raise UserError("reward_fns: give at least one reward function")
         cfg = cfg.model_copy(deep=True)
         cfg.task.reward_functions = [f if isinstance(f, str) else rewards.callable_name(f) for f in reward_fns]
     check_fits(cfg)
@@ -84,7 +85,7 @@ def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, enviro
     if environment is None and cfg.task.environment is not None:
         environment = build_environment(cfg.task.environment, cfg.task.environment_config, cfg.rollout.max_turns)
     elif environment is not None and cfg.task.environment is None:
-        raise ValueError("environment: set task.environment too (its name is recorded in the run's config.toml)")
+        raise UserError("environment: set task.environment too (its name is recorded in the run's config.toml)")
     return _Checked(cfg, resolved, environment, build_task(cfg))
 
 
@@ -107,7 +108,7 @@ def _backend(checked: _Checked, workers: Workers) -> Backend:
 
 def _check_backend(checked: _Checked, backend: Backend) -> None:
     if checked.environment is not None and backend.encode_text is None:
-        raise ValueError(
+        raise UserError(
             f"the {checked.cfg.run.backend!r} backend cannot run multi-turn episodes (task.environment): it has no text encoder"
         )
 
@@ -136,7 +137,7 @@ def start_run(
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
                 if not checked.cfg.run.overwrite:
-                    raise ValueError(
+                    raise RunDirError(
                         f"run directory {run_dir} is not empty and run.overwrite=false: resume it with --resume, or choose another run.name"
                     )
                 lock.clear()

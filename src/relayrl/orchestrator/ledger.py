@@ -36,6 +36,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
+from relayrl.errors import RunFailed
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.types import Drawn, FilteredGroup, FilterReason, Group
 
@@ -44,9 +45,11 @@ class LedgerError(RuntimeError):
     pass
 
 
-class FilterBoundError(RuntimeError):
+class FilterBoundError(RunFailed, RuntimeError):
     """More groups were filtered in a row (none kept between them) than
-    `orchestrator.max_filtered_per_step` allows: the run cannot fill a step."""
+    `orchestrator.max_filtered_per_step` allows: the run cannot fill a step (resuming would not help)."""
+
+    resumable = False
 
 
 class NoGroupKeptWarning(RuntimeWarning):

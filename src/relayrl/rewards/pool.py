@@ -53,6 +53,7 @@ from enum import Enum
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from relayrl.errors import RunFailed
 from relayrl.types import RewardFailure
 
 #: how long a worker may take to start and import the reward modules
@@ -66,7 +67,7 @@ _SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the rel
 _BOOT = f"import sys; sys.path.insert(0, {_SRC!r}); from relayrl.rewards.pool import worker_main; worker_main(int(sys.argv[1]))"
 
 
-class RewardPoolError(RuntimeError):
+class RewardPoolError(RunFailed, RuntimeError):
     """A reward worker could not start; the run cannot score its trajectories."""
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import cast
 
+from relayrl.errors import UserError
 from relayrl.types import Trajectory
 
 RewardFunction = Callable[[Trajectory], float]
@@ -115,7 +116,7 @@ OPTIONAL_REWARDS: dict[str, str] = {
 }
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(UserError):
     """A `task.reward_functions` entry that cannot be resolved; names the entry."""
 
 
@@ -150,11 +151,11 @@ def parse_spec(entry: str) -> tuple[str, str, bool] | None:
         return None
     target, _, function = entry.rpartition(":")
     if not _IDENT_PATH.fullmatch(function):
-        raise ValueError(f"{function!r} after the last ':' is not a function name ('package.module:function', 'path/to/file.py:function')")
+        raise UserError(f"{function!r} after the last ':' is not a function name ('package.module:function', 'path/to/file.py:function')")
     if target.endswith(".py"):
         return target, function, True
     if not _IDENT_PATH.fullmatch(target):
-        raise ValueError(f"{target!r} is neither a module name (package.module) nor a Python file (path/to/file.py)")
+        raise UserError(f"{target!r} is neither a module name (package.module) nor a Python file (path/to/file.py)")
     return target, function, False
 
 
@@ -190,7 +191,7 @@ def import_function(spec: str) -> object:
     FileNotFoundError, or whatever importing the module raised."""
     parsed = parse_spec(spec)
     if parsed is None:
-        raise ValueError(f"{spec!r} is not 'module:function' or 'file.py:function'")
+        raise UserError(f"{spec!r} is not 'module:function' or 'file.py:function'")
     target, function, is_file = parsed
     if is_file:
         path = Path(target)
@@ -215,19 +216,19 @@ def load_named(spec: str) -> object:
     module (user code: it may raise anything, SystemExit included) failed."""
     parsed = parse_spec(spec)
     if parsed is None:
-        raise ValueError(f"{spec!r} is not 'module:name' or 'file.py:name'")
+        raise UserError(f"{spec!r} is not 'module:name' or 'file.py:name'")
     target, _, is_file = parsed
     if is_file and not Path(target).is_file():
-        raise ValueError(f"no such file {target!r} (a relative path is looked up in the recipe's directory, then the working directory)")
+        raise UserError(f"no such file {target!r} (a relative path is looked up in the recipe's directory, then the working directory)")
     try:
         return import_function(spec)
     except AttributeError as exc:
-        raise ValueError(str(exc)) from None
+        raise UserError(str(exc)) from None
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             raise
         what = f"loading {target}" if is_file else f"importing module {target!r}"
-        raise ValueError(f"{what} failed ({_one_line(exc)})") from None
+        raise UserError(f"{what} failed ({_one_line(exc)})") from None
 
 
 def is_async(fn: object) -> bool:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from relayrl.errors import RunFailed, first_error, leaf_errors
 from relayrl.rewards.pool import CallOutcome, PoolLimits, RewardPool, describe
 from relayrl.rewards.registry import MAX_ABS_REWARD, OUT_OF_RANGE, NonFiniteReward, Placement, ResolvedReward, as_reward, trajectory_copy
 from relayrl.rewards.threads import MAX_ABANDONED_THREADS, ThreadedCalls, TooManyAbandoned
@@ -51,7 +52,7 @@ from relayrl.threads import Workers
 from relayrl.types import RewardFailure, Trajectory, TrajectoryStatus
 
 
-class RewardError(RuntimeError):
+class RewardError(RunFailed, RuntimeError):
     """A reward call failed while `task.strict_rewards` is on (or left too many reward call
     threads running); names the function and the trajectory. `failed` is that call (the score
     stage counts it before the run fails)."""
@@ -313,8 +314,8 @@ class Scorer:
                     for t, row in zip(trajectories, grid):
                         tg.create_task(self._call_async(r, t, row, i, strict))
         except BaseExceptionGroup as group:  # a RewardError (strict), or a worker that cannot start
-            errors = group.exceptions
-            raise next((e for e in errors if isinstance(e, RewardError)), errors[0]) from None
+            strict_error = next((e for e in leaf_errors(group) if isinstance(e, RewardError)), None)
+            raise (strict_error if strict_error is not None else first_error(group)) from None
         if settle:
             failed.extend(await self._workers.run("score", functools.partial(self._settle, trajectories, grid)))
         return grid, failed

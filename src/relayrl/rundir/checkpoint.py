@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 
+from relayrl.errors import UserError
 from relayrl.rundir import trajfiles
 from relayrl.rundir.jsonl import JsonlError, read_rows, rewrite_rows
 from relayrl.types import Drawn, Prompt
@@ -36,8 +37,8 @@ STATE_FILE = "state.json"
 _PREFIX = "step-"
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(UserError):
+    """A checkpoint that cannot be resumed from or restored; names its directory or file."""
 
 
 @dataclass(slots=True)

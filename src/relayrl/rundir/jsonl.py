@@ -26,12 +26,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
+from relayrl.errors import UserError
 from relayrl.rundir.lock import writing
 
 Row = dict[str, object]
 
 
-class JsonlError(ValueError):
+class JsonlError(UserError):
     """A JSON-lines file is damaged beyond a torn last line."""
 
 

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from relayrl.errors import UserError
+
 MARKER = ".relayrl-run"
 
 
@@ -42,7 +44,7 @@ def writing(path: Path) -> Iterator[None]:
         raise
 
 
-class RunDirError(ValueError):
+class RunDirError(UserError):
     """The run directory cannot be used: it is not relayrl's, or another run holds it."""
 
 

@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from relayrl.errors import UserError
 from relayrl.types import Prompt
 
 OPERATORS: tuple[str, ...] = ("+", "-", "*")
@@ -45,19 +46,19 @@ class ArithmeticConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_digits, int) or not 1 <= self.max_digits <= 9:
-            raise ValueError(f"arithmetic.max_digits must be an int in 1..9, got {self.max_digits!r}")
+            raise UserError(f"arithmetic.max_digits must be an int in 1..9, got {self.max_digits!r}")
         ops = tuple(self.operators)
         if not ops:
-            raise ValueError("arithmetic.operators must name at least one of '+', '-', '*'")
+            raise UserError("arithmetic.operators must name at least one of '+', '-', '*'")
         bad = [op for op in ops if op not in OPERATORS]
         if bad:
-            raise ValueError(f"arithmetic.operators: unknown operator(s) {bad!r}; allowed: {OPERATORS!r}")
+            raise UserError(f"arithmetic.operators: unknown operator(s) {bad!r}; allowed: {OPERATORS!r}")
         if len(set(ops)) != len(ops):
-            raise ValueError(f"arithmetic.operators has duplicates: {ops!r}")
+            raise UserError(f"arithmetic.operators has duplicates: {ops!r}")
         if not 0.0 < self.heldout_share < 1.0:
-            raise ValueError(f"arithmetic.heldout_share must lie in (0, 1), got {self.heldout_share!r}")
+            raise UserError(f"arithmetic.heldout_share must lie in (0, 1), got {self.heldout_share!r}")
         if self.seed == self.heldout_seed:
-            raise ValueError("arithmetic.seed and arithmetic.heldout_seed must differ")
+            raise UserError("arithmetic.seed and arithmetic.heldout_seed must differ")
         object.__setattr__(self, "operators", ops)
 
 
@@ -146,7 +147,7 @@ class ArithmeticTask:
             seen.add(text)
             out.append(Prompt(prompt_id=f"{self.config.id_prefix}-heldout-{len(out)}", text=text, answer=answer))
         if len(out) < n:
-            raise ValueError(
+            raise UserError(
                 f"arithmetic: only {len(out)} distinct held-out problems found, {n} requested; "
                 "raise max_digits, add operators or raise heldout_share"
             )

@@ -1,7 +1,7 @@
 """The configured task: its training prompt stream and its fixed held-out set.
 
 Invariant: task data problems surface here, before any run directory is written, as one
-ValueError naming the config key or the file and row.
+UserError (a ValueError) naming the config key or the file and row.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from relayrl.config.schema import Config
+from relayrl.config.schema import Config, ConfigError
+from relayrl.errors import UserError
 from relayrl.types import Prompt
 
 
@@ -31,8 +32,8 @@ def build_task(cfg: Config) -> TaskData:
 
         try:
             task = ArithmeticTask(ArithmeticConfig(max_digits=t.digits, operators=tuple(t.operators), seed=cfg.run.seed))
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("arithmetic.", "task.").replace("max_digits", "digits")) from None
+        except UserError as exc:
+            raise ConfigError(str(exc).replace("arithmetic.", "task.").replace("max_digits", "digits")) from None
         return TaskData(task.stream(), task.heldout(t.heldout_size))
     if t.kind == "reasoning_gym":
         from relayrl.tasks.reasoning_gym import ReasoningGymConfig, ReasoningGymTask

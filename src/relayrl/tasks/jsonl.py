@@ -25,11 +25,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.errors import UserError
 from relayrl.tasks.epochs import EpochCycle
 from relayrl.types import Prompt
 
 
-class TaskDataError(ValueError):
+class TaskDataError(UserError):
     """A prompt file cannot be used; the message names the file, the row and the problem."""
 
 
@@ -48,9 +49,9 @@ class JsonlTaskConfig:
         if self.heldout_path is not None:
             object.__setattr__(self, "heldout_path", Path(self.heldout_path))
         if self.heldout_last < 0:
-            raise ValueError(f"jsonl.heldout_last must be >= 0, got {self.heldout_last}")
+            raise UserError(f"jsonl.heldout_last must be >= 0, got {self.heldout_last}")
         if self.heldout_path is not None and self.heldout_last:
-            raise ValueError("jsonl: set heldout_path or heldout_last, not both")
+            raise UserError("jsonl: set heldout_path or heldout_last, not both")
 
 
 _FIELDS = ("prompt", "answer", "id")  # a row's other fields are the prompt's metadata
@@ -183,5 +184,5 @@ class JsonlTask:
         if n < 0:
             raise ValueError(f"heldout size must be >= 0, got {n}")
         if n > len(self.heldout_prompts):
-            raise ValueError(f"{self.config.path}: {n} held-out prompts requested, {len(self.heldout_prompts)} available")
+            raise TaskDataError(f"{self.config.path}: {n} held-out prompts requested, {len(self.heldout_prompts)} available")
         return list(self.heldout_prompts[:n])

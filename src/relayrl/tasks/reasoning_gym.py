@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from relayrl.config.schema import ConfigError
+from relayrl.errors import UserError
 from relayrl.tasks.epochs import EpochCycle
 from relayrl.types import Prompt, Trajectory
 
@@ -192,7 +193,7 @@ class ReasoningGymTask:
         if n is None:
             return list(self.heldout_prompts)
         if not 0 <= n <= len(self.heldout_prompts):
-            raise ValueError(f"{n} held-out prompts requested, {len(self.heldout_prompts)} available")
+            raise UserError(f"{n} held-out prompts requested, {len(self.heldout_prompts)} available")
         return list(self.heldout_prompts[:n])
 
 

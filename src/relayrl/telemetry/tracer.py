@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, cast
 
+from relayrl.errors import UserError
 from relayrl.rundir.lock import writing
 
 TraceEvent = dict[str, object]
@@ -158,7 +159,7 @@ class Tracer:
                 self._file = None
 
 
-class TraceError(ValueError):
+class TraceError(UserError):
     """A file that is not a trace (nor the prefix of one a crash leaves); the message names the
     file, the event (1-based, in file order) and the problem."""
 

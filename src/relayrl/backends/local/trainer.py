@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from relayrl.algorithms.losses import LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.errors import RunFailed
 from relayrl.models.loading import disable_dropout
 from relayrl.threads import ThreadHost
 from relayrl.types import TrainBatch, Weights
@@ -59,7 +60,7 @@ class TrainerSettings:
     max_consecutive_skips: int = 10  # under "skip": more skipped steps in a row than this fail the run
 
 
-class NonFiniteStepError(FloatingPointError):
+class NonFiniteStepError(RunFailed, FloatingPointError):
     """A step's loss or gradient was NaN or infinite and `train.on_nonfinite = "fail"`, or more
     than `train.max_consecutive_skips` steps in a row were skipped for it under "skip". (A
     FloatingPointError, so the command line reports it in one line without importing torch.)"""
