@@ -23,9 +23,10 @@ from relayrl.analysis.checker import check_run_dir
 from relayrl.config.schema import load_config
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
 from relayrl.rundir.trajfiles import log_files
-from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, Prompt
+from relayrl.types import Drawn, FilterReason, Group, Prompt
 from simutil import StopAt, Stopped, run_checked, sim_config
 
 STEPS = 30
@@ -248,7 +249,7 @@ def test_ledger_checkpoint_keeps_settled_counts_and_in_flight_prompts() -> None:
     ids = ledger.dispatch(prompts, 4)
     ledger.trained(ids[0], 4)
     group = Group(ids[2], [])
-    ledger.filtered(FilteredGroup(group, FilterReason.STALE))
+    ledger.filtered(group, FilterReason.STALE, DispatchWindow(groups_per_step=1, max_staleness=0, total_steps=1))
     assert [(d.index, d.prompt.prompt_id) for d in ledger.in_flight()] == [(1, "p1"), (3, "p3"), (4, "p4")]
     resumed = Ledger.resumed(json.loads(json.dumps(ledger.checkpoint())))
     again = resumed.dispatch(ledger.in_flight(), 4)

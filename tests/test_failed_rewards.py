@@ -52,7 +52,7 @@ def _stage(groups: list[Group], kind: AdvantageKind = "grpo", dynamic_sampling: 
         outbox: asyncio.Queue[Group] = asyncio.Queue()
         window = DispatchWindow(groups_per_step=4, max_staleness=0, total_steps=10)
         await inbox.put(groups)
-        task = asyncio.create_task(advantage_stage(inbox, outbox, kind, dynamic_sampling, ledger, window))
+        task = asyncio.create_task(advantage_stage(inbox, outbox, ledger, window, kind=kind, dynamic_sampling=dynamic_sampling))
         for _ in range(5):  # the stage takes the batch and settles every group without suspending
             await asyncio.sleep(0)
         assert inbox.empty() and not task.done()

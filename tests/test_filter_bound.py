@@ -21,7 +21,8 @@ import pytest
 from relayrl.analysis.checker import check_run_dir
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
-from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory
+from relayrl.orchestrator.window import DispatchWindow
+from relayrl.types import FilterReason, Group, Trajectory
 from simutil import make_program, run_checked, sim_config
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
@@ -34,7 +35,7 @@ def _ledger(groups_per_step: int = 2, bound: int = 0, groups: int = 100) -> Ledg
 
 
 def _filter(ledger: Ledger, gid: int, reason: FilterReason = FilterReason.ZERO_VARIANCE) -> None:
-    ledger.filtered(FilteredGroup(Group(gid, []), reason))
+    ledger.filtered(Group(gid, []), reason, DispatchWindow(groups_per_step=1, max_staleness=0, total_steps=1))
 
 
 # -- the watch ------------------------------------------------------------------------------------

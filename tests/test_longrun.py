@@ -18,10 +18,11 @@ import pytest
 from relayrl.analysis import timeline
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import Ledger, LedgerError
+from relayrl.orchestrator.window import DispatchWindow
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.stepbook import StepResults
 from relayrl.telemetry.tracer import Tracer, load_trace
-from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, Prompt, StepResult
+from relayrl.types import Drawn, FilterReason, Group, Prompt, StepResult
 from simutil import make_program, run_checked, sim_config
 
 # the JSON keys issue 8 names for `relayrl bench soak`
@@ -118,12 +119,12 @@ def test_a_tracer_with_a_file_lets_flushed_events_go(tmp_path: Path) -> None:
 
 
 def test_the_ledger_keeps_no_per_group_record_of_settled_groups() -> None:
-    ledger = Ledger()
+    ledger, window = Ledger(), DispatchWindow(groups_per_step=20, max_staleness=0, total_steps=500)
     for batch in range(500):
         ids = ledger.dispatch([Drawn(i, Prompt(f"p{batch}.{i}", "", "")) for i in range(20)], 4)
         for gid in ids[:-1]:
             ledger.trained(gid, 4)
-        ledger.filtered(FilteredGroup(Group(ids[-1], []), FilterReason.STALE))
+        ledger.filtered(Group(ids[-1], []), FilterReason.STALE, window)
         ledger.drain_filtered()
     d = ledger.as_dict()
     assert d["groups_trained"] == 500 * 19 and d["groups_filtered"] == {"stale": 500} and d["groups_unused"] == 0

@@ -105,7 +105,9 @@ def test_turns_are_recorded_with_masks_versions_and_rewards() -> None:
     sampler = Scripted()
     try:
         groups = asyncio.run(
-            _runner(env, EpisodeSettings(4, 64, 3, "[{observation}]"), workers).run(_requests(2, 3), sampler, end=sampler.end)
+            _runner(
+                env, EpisodeSettings(max_turns=4, max_total_tokens=64, max_new_tokens=3, observation_template="[{observation}]"), workers
+            ).run(_requests(2, 3), sampler, end=sampler.end)
         )
     finally:
         workers.shutdown()
@@ -136,17 +138,27 @@ def test_episodes_end_at_max_turns_and_max_total_tokens() -> None:
     try:
         # never solved: max_turns ends it; the last action's step is still taken
         env = CountdownEnv(solve_at=99)
-        groups = asyncio.run(_runner(env, EpisodeSettings(2, 64, 3), workers).run(_requests(1, 1), Scripted()))
+        groups = asyncio.run(
+            _runner(env, EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=3), workers).run(_requests(1, 1), Scripted())
+        )
         t = groups[0].trajectories[0]
         assert len(t.turns) == 2 and len(env.threads) == 2 and t.turns[-1].observation == ""
         assert t.completion_tokens[-1] == 7  # no observation after the last turn
         # max_total_tokens 4 (prompt) + 3 + 2 ("no") + 1: the next turn gets only 1 token
-        groups = asyncio.run(_runner(CountdownEnv(99), EpisodeSettings(5, 10, 3), workers).run(_requests(1, 1), Scripted()))
+        groups = asyncio.run(
+            _runner(CountdownEnv(99), EpisodeSettings(max_turns=5, max_total_tokens=10, max_new_tokens=3), workers).run(
+                _requests(1, 1), Scripted()
+            )
+        )
         t = groups[0].trajectories[0]
         assert len(t.prompt_tokens) + len(t.completion_tokens) <= 10
         assert [turn.end - turn.start for turn in t.turns] == [3, 1]
         # an observation that leaves no room for another token ends the episode ("length")
-        groups = asyncio.run(_runner(CountdownEnv(99), EpisodeSettings(5, 9, 3), workers).run(_requests(1, 1), Scripted()))
+        groups = asyncio.run(
+            _runner(CountdownEnv(99), EpisodeSettings(max_turns=5, max_total_tokens=9, max_new_tokens=3), workers).run(
+                _requests(1, 1), Scripted()
+            )
+        )
         t = groups[0].trajectories[0]
         assert len(t.turns) == 1 and t.finish_reason == "length" and t.loss_mask == [1, 1, 1]
     finally:
@@ -157,11 +169,15 @@ def test_sync_steps_run_off_the_loop_and_async_steps_on_it() -> None:
     workers = Workers()
     try:
         sync_env = CountdownEnv(solve_at=2)
-        asyncio.run(_runner(sync_env, EpisodeSettings(3, 64, 2), workers).run(_requests(1, 2), Scripted()))
+        asyncio.run(
+            _runner(sync_env, EpisodeSettings(max_turns=3, max_total_tokens=64, max_new_tokens=2), workers).run(_requests(1, 2), Scripted())
+        )
         async_env = AsyncEnv()
 
         async def main() -> str:
-            await _runner(async_env, EpisodeSettings(2, 64, 2), workers).run(_requests(1, 2), Scripted())
+            await _runner(async_env, EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), workers).run(
+                _requests(1, 2), Scripted()
+            )
             return threading.current_thread().name
 
         loop_thread = asyncio.run(main())
@@ -186,9 +202,17 @@ def test_an_environment_error_names_the_environment_prompt_and_turn() -> None:
     workers = Workers()
     try:
         with pytest.raises(EnvironmentStepError, match=r"'test-env' raised in step \(prompt 'p0', sample 0, turn 1\): KeyError"):
-            asyncio.run(_runner(Broken(), EpisodeSettings(2, 64, 2), workers).run(_requests(1, 1), Scripted()))
+            asyncio.run(
+                _runner(Broken(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), workers).run(
+                    _requests(1, 1), Scripted()
+                )
+            )
         with pytest.raises(EnvironmentStepError, match="returned str, not an EnvStep"):
-            asyncio.run(_runner(WrongType(), EpisodeSettings(2, 64, 2), workers).run(_requests(1, 1), Scripted()))
+            asyncio.run(
+                _runner(WrongType(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), workers).run(
+                    _requests(1, 1), Scripted()
+                )
+            )
     finally:
         workers.shutdown()
 
@@ -415,6 +439,10 @@ def test_a_prompt_with_no_room_for_an_action_is_filtered_at_dispatch_not_sampled
     try:
         long_prompt = [SampleRequest(0, Prompt("long", "x", "1"), [1] * 10, 2)]
         with pytest.raises(EpisodePromptTooLong, match="'long' has 10 tokens: no room for an action within rollout.max_total_tokens = 10"):
-            asyncio.run(_runner(CountdownEnv(1), EpisodeSettings(2, 10, 3), workers).run(long_prompt, Scripted()))
+            asyncio.run(
+                _runner(CountdownEnv(1), EpisodeSettings(max_turns=2, max_total_tokens=10, max_new_tokens=3), workers).run(
+                    long_prompt, Scripted()
+                )
+            )
     finally:
         workers.shutdown()

@@ -240,3 +240,20 @@ def test_a_replica_is_retired_once_however_often_it_fails() -> None:
     assert [r["replica"] for r in pool.retired] == [0] and pool.alive == [b]
     with pytest.raises(ConnectionError):
         pool.retire(b, ConnectionError("last"), "generate", [2])
+
+
+def test_a_steps_record_has_the_weight_syncs_that_ended_since_the_last_commit(tmp_path: Path) -> None:
+    # the run's commit-time figures reach the record through the train loop's commit
+    # (StepHooks.commit_figures), the record's one writer: each step's weight_sync_time is the
+    # time of the sync rounds that ended between the previous step's commit and its own
+    result = run_checked(make_program(sim_config("run.steps=6", "sim.weight_sync=0.005", "sim.train_step=0.002"), tmp_path))
+    spans = trace_spans(result)
+    commits = [s.end for s in spans if s.name == "optim_step"]
+    syncs = [s for s in spans if s.name == "weight_sync"]
+    rows = _lines(tmp_path / "run" / "metrics.jsonl")
+    assert len(commits) == len(rows) == 6
+    for step, (row, commit) in enumerate(zip(rows, commits)):
+        since = commits[step - 1] if step else float("-inf")
+        expected = sum(s.dur for s in syncs if since < s.end <= commit)
+        assert row["weight_sync_time"] == pytest.approx(expected, abs=1e-4), step
+    assert sum(float(r["weight_sync_time"]) for r in rows) > 0  # type: ignore[arg-type]

@@ -40,7 +40,16 @@ def test_a_prompt_too_long_for_the_context_is_filtered_at_dispatch_not_sampled()
         ledger, window = Ledger(), DispatchWindow(groups_per_step=2, max_staleness=0, total_steps=1)
         outbox: asyncio.Queue[list[SampleRequest]] = asyncio.Queue()
         task = asyncio.create_task(
-            dispatch_stage(prompts, lambda text: [7] * len(text), window, ledger, outbox, 4, 2, max_prompt_tokens=10)
+            dispatch_stage(
+                prompts,
+                lambda text: [7] * len(text),
+                window,
+                ledger,
+                outbox,
+                num_generations=4,
+                prompts_per_request=2,
+                max_prompt_tokens=10,
+            )
         )
         await asyncio.sleep(0.05)
         task.cancel()

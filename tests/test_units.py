@@ -18,10 +18,11 @@ from relayrl.backends.sim import workers as sim_workers
 from relayrl.backends.sim.workers import SimSampler
 from relayrl.config.schema import ConfigError, load_config
 from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
+from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, layout_tokens, plan
 from relayrl.telemetry.tracer import Tracer, load_trace
-from relayrl.types import Completion, Prompt, SampleRequest, Trajectory
+from relayrl.types import Completion, FilterReason, Group, Prompt, SampleRequest, Trajectory
 
 
 # -- deferred jobs ---------------------------------------------------------------------------
@@ -179,7 +180,9 @@ def test_window_gates_on_synced_version_and_returns_filtered_credits() -> None:
         assert w.available() == 4  # steps 0 and 1
         assert await w.acquire(10) == 4
         assert w.available() == 0
-        w.release_filtered()
+        ledger = Ledger()
+        (gid, *_) = ledger.dispatch([None] * 4, 4)  # type: ignore[list-item]  # the prompts are not read
+        ledger.filtered(Group(gid, []), FilterReason.STALE, w)  # returns the group's credit
         assert w.available() == 1
         w.set_synced(1)
         assert w.available() == 3

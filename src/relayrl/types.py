@@ -314,7 +314,10 @@ class StepResult:
 
 @dataclass(slots=True)
 class StepRecord:
-    """What the train loop knows about step N at its commit; bookkeeping reduces it later."""
+    """What the train loop knows about step N at its commit; bookkeeping reduces it later. The
+    train loop is its one writer until then (orchestrator/stages/train_loop.py: the run's
+    commit-time figures reach it through `StepHooks.commit_figures`); bookkeeping only empties
+    `groups` and `filtered` once they are logged."""
 
     step: int
     groups: list[Group]

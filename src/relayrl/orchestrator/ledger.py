@@ -2,6 +2,9 @@
 
 Invariant: every dispatched group reaches exactly one of trained, filtered (by reason) or unused
 (still in flight when the run ended). Settling a group twice, or one never dispatched, raises.
+A group is filtered by one call, `filtered(group, reason, window)`, which also returns its
+dispatch credit to the window (orchestrator/window.py): the stages that filter (dispatch, the
+advantage stage, the train loop's group taker) cannot settle a group and forget its credit.
 The prompts of the groups in flight are kept, so a checkpoint can hand them to the resumed run;
 a resumed ledger starts from the settled counts of the checkpoint it resumes.
 
@@ -19,7 +22,7 @@ trajectory whose reward call failed, whatever its group's fate.
 
 A run that filters every group never trains: `FilterWatch` (given to the ledger by the program)
 counts the groups filtered in a row — since the last group kept for training —, whatever
-filtered them (every filter settles through `filtered`; the advantage stage calls `kept`). It
+filtered them (every filter goes through `filtered`; the advantage stage calls `kept`). It
 warns once (`NoGroupKeptWarning`) past half its bound in a row, and fails the run
 (`FilterBoundError`) past its bound (`orchestrator.max_filtered_per_step`, 0 = 20 ×
 groups_per_step, at least 200). Counting in a row, not per step, keeps a healthy run whose
@@ -34,7 +37,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from relayrl.errors import RunFailed
-from relayrl.types import Drawn, FilteredGroup
+from relayrl.orchestrator.window import DispatchWindow
+from relayrl.types import Drawn, FilteredGroup, FilterReason, Group
 
 
 class LedgerError(RuntimeError):
@@ -213,13 +217,17 @@ class Ledger:
         self._settle(group_id, "trained")
         self.trajectories_trained += num_trajectories
 
-    def filtered(self, item: FilteredGroup) -> None:
-        """Settle a filtered group; raises FilterBoundError (after settling it) when the watch's
-        bound is passed."""
-        self._settle(item.group.group_id, "filtered:" + item.reason.value)
-        self._pending_filtered.append(item)
+    def filtered(self, group: Group, reason: FilterReason, window: DispatchWindow) -> None:
+        """Filter `group` (it must not train, for `reason`): settle it and return its dispatch
+        credit to `window`, so a replacement is dispatched. The one way to filter a group: a
+        group settled without its credit returned would shrink the window for good and, after
+        enough of them, stall the run; the window's half is private to this call. Raises
+        FilterBoundError (after both halves) when the watch's bound is passed."""
+        self._settle(group.group_id, "filtered:" + reason.value)
+        self._pending_filtered.append(FilteredGroup(group, reason))
+        window._return_credit()  # the window's half of this call, never called on its own
         if self.watch is not None:
-            self.watch.filtered(item.reason.value)
+            self.watch.filtered(reason.value)
 
     def drain_filtered(self) -> list[FilteredGroup]:
         """The groups filtered since the last drain (each step drains once, at its commit)."""

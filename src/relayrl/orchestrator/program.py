@@ -40,7 +40,7 @@ from relayrl.orchestrator.stages.episodes import EpisodeRunner, EpisodeSettings
 from relayrl.orchestrator.stages.sample import MultiTurn, Rollout, SingleTurn, sampler_stage
 from relayrl.orchestrator.stages.score import score_stage
 from relayrl.orchestrator.stages.sync import SyncTimes, VersionSignal, sync_stage
-from relayrl.orchestrator.stages.train_loop import GroupTaker, PackingSpec, StepHooks, TrainLoop
+from relayrl.orchestrator.stages.train_loop import CommitFigures, GroupTaker, PackingSpec, StepHooks, TrainLoop
 from relayrl.orchestrator.state import RunState
 from relayrl.orchestrator.taskgroups import first_error
 from relayrl.orchestrator.watchdog import StallWatchdog
@@ -87,7 +87,9 @@ def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSetti
     total = r.max_total_tokens or cfg.train.row_tokens
     if max_prompt_tokens is not None:
         total = min(total, max_prompt_tokens + r.max_new_tokens)
-    return EpisodeSettings(r.max_turns, total, r.max_new_tokens, cfg.task.observation_template)
+    return EpisodeSettings(
+        max_turns=r.max_turns, max_total_tokens=total, max_new_tokens=r.max_new_tokens, observation_template=cfg.task.observation_template
+    )
 
 
 class Program:
@@ -301,9 +303,9 @@ class Program:
                             window,
                             self.ledger,
                             requests,
-                            cfg.rollout.num_generations,
-                            cfg.rollout.prompts_per_request,
-                            self._dispatch_bound(backend),
+                            num_generations=cfg.rollout.num_generations,
+                            prompts_per_request=cfg.rollout.prompts_per_request,
+                            max_prompt_tokens=self._dispatch_bound(backend),
                         ),
                         name="dispatch",
                     ),
@@ -314,16 +316,16 @@ class Program:
                         )
                         for s in self.replicas.slots
                     ],
-                    tg.create_task(score_stage(collected, scored, self.scorer, self.ledger, cfg.task.strict_rewards), name="score"),
+                    tg.create_task(score_stage(collected, scored, self.scorer, self.ledger, strict=cfg.task.strict_rewards), name="score"),
                     tg.create_task(
                         advantage_stage(
                             scored,
                             ready,
-                            cfg.algorithm.advantage,
-                            cfg.algorithm.dynamic_sampling,
                             self.ledger,
                             window,
-                            cfg.train.row_tokens,
+                            kind=cfg.algorithm.advantage,
+                            dynamic_sampling=cfg.algorithm.dynamic_sampling,
+                            row_tokens=cfg.train.row_tokens,
                         ),
                         name="advantages",
                     ),
@@ -337,12 +339,13 @@ class Program:
 
                 jobs = DeferredJobs(tg)
 
+                def commit_figures() -> CommitFigures:  # the train loop writes them into the step's record
+                    return CommitFigures(weight_sync_time=sync_times.drain(), loop_lag_max_ms=lag.take_max_ms())
+
                 def on_commit(record: StepRecord) -> None:
                     committed.set(record.policy_version)
                     watchdog.progress()
                     self._logged.committed(record.step, self.ledger.as_dict())
-                    record.weight_sync_time = sync_times.drain()
-                    record.loop_lag_max_ms = lag.take_max_ms()
                     self.eval_schedule.on_commit(record.step, jobs)
                     self.checkpointer.on_commit(record)  # takes the state at this commit, if due
 
@@ -355,16 +358,28 @@ class Program:
                     steps=cfg.run.steps,
                     trainer=self.trainer,
                     collator=backend.collator,
-                    taker=GroupTaker(ready, cfg.rollout.groups_per_step, cfg.rollout.max_staleness, self.ledger, window, self.tracer),
+                    taker=GroupTaker(
+                        ready,
+                        self.ledger,
+                        window,
+                        self.tracer,
+                        groups_per_step=cfg.rollout.groups_per_step,
+                        max_staleness=cfg.rollout.max_staleness,
+                    ),
                     jobs=jobs,
                     task_group=tg,
                     workers=self.workers,
                     tracer=self.tracer,
                     ledger=self.ledger,
                     overlap=cfg.orchestrator.overlap_bookkeeping,
-                    packing=PackingSpec(cfg.train.row_tokens, cfg.train.rows_per_microbatch, cfg.train.share_prompt),
+                    packing=PackingSpec(
+                        row_tokens=cfg.train.row_tokens,
+                        rows_per_microbatch=cfg.train.rows_per_microbatch,
+                        share_prompt=cfg.train.share_prompt,
+                    ),
                     hooks=StepHooks(
                         on_step_begin=on_step_begin,
+                        commit_figures=commit_figures,
                         on_commit=on_commit,
                         bookkeep=self.bookkeeper,
                         after_bookkeeping=self.checkpointer.after_bookkeeping,  # after the step's logs
@@ -382,8 +397,8 @@ class Program:
     def _rollout(self) -> Rollout:
         """Single completions, or multi-turn episodes when the task has an environment."""
         if self.episodes is None:
-            return SingleTurn(self.tracer, self.cfg.rollout.generate_timeout_s)
-        return MultiTurn(self.episodes, self.cfg.rollout.generate_timeout_s)
+            return SingleTurn(self.tracer, timeout_s=self.cfg.rollout.generate_timeout_s)
+        return MultiTurn(self.episodes, timeout_s=self.cfg.rollout.generate_timeout_s)
 
     def _summary(self, status: str, error: str, wall: float) -> dict[str, object]:
         # a run stopped between a commit and its logs: the ledger of the steps it logged

@@ -4,7 +4,9 @@ A group dispatched now is meant for step `(dispatched - filtered) // groups_per_
 dispatched only while that step ≤ synced version + max_staleness (the samplers hold the synced
 version, so its trajectories are at most `max_staleness` versions behind the step that trains
 them unless filtering reorders groups; the train loop filters those as stale). A filtered group
-returns its credit so a replacement is dispatched.
+returns its credit so a replacement is dispatched: only through `Ledger.filtered`, the one call
+that settles a filtered group and returns its credit (orchestrator/ledger.py), so neither half
+can be forgotten.
 
 Invariant: never more groups are meant for a step than `groups_per_step`, and never a group for
 a step beyond the run's last.
@@ -44,8 +46,10 @@ class DispatchWindow:
         self.dispatched += n
         return n
 
-    def release_filtered(self, count: int = 1) -> None:
-        self.filtered += count
+    def _return_credit(self) -> None:
+        """A dispatched group was filtered: its credit goes back, so a replacement is dispatched.
+        Called by `Ledger.filtered` only, which settles the group in the same call."""
+        self.filtered += 1
         self._changed.set()
 
     def set_synced(self, version: int) -> None:

@@ -166,6 +166,7 @@ class StepBookkeeper:
         self._part("log_trajectories", step, log_trajectories)
         self._part("on_step_end", step, on_step_end)
         # the step's trajectories are logged: let them go, or every later collection walks them
+        # (the record's only write after the train loop's, which wrote everything else)
         record.groups, record.filtered = [], []
         self._part("release_memory", step, self._release_memory if self._release else lambda: None)
         self._tracer.flush()

@@ -22,7 +22,7 @@ import operator
 from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.window import DispatchWindow
-from relayrl.types import FilteredGroup, FilterReason, Group, Trajectory, TrajectoryStatus
+from relayrl.types import FilterReason, Group, Trajectory, TrajectoryStatus
 
 _PROMPT_TOKENS = operator.attrgetter("prompt_tokens")
 _COMPLETION_TOKENS = operator.attrgetter("completion_tokens")
@@ -42,7 +42,7 @@ def _longest(trajs: list[Trajectory]) -> int:
 
 
 def filter_reason(
-    group: Group, dynamic_sampling: bool, row_tokens: int | None = None, counted: list[bool] | None = None
+    group: Group, *, dynamic_sampling: bool, row_tokens: int | None = None, counted: list[bool] | None = None
 ) -> FilterReason | None:
     """Why `group` must not train (None: it trains). `row_tokens`: a trajectory longer than a
     packed row cannot be packed, so its group is filtered rather than failing its step (a failed
@@ -63,20 +63,20 @@ def filter_reason(
 async def advantage_stage(
     inbox: asyncio.Queue[list[Group]],
     outbox: asyncio.Queue[Group],
-    kind: AdvantageKind,
-    dynamic_sampling: bool,
     ledger: Ledger,
     window: DispatchWindow,
+    *,
+    kind: AdvantageKind,
+    dynamic_sampling: bool,
     row_tokens: int | None = None,
 ) -> None:
     while True:
         for group in await inbox.get():
             trajs = group.trajectories
             flags = scored(trajs)
-            reason = filter_reason(group, dynamic_sampling, row_tokens, flags)
+            reason = filter_reason(group, dynamic_sampling=dynamic_sampling, row_tokens=row_tokens, counted=flags)
             if reason is not None:
-                ledger.filtered(FilteredGroup(group, reason))
-                window.release_filtered()
+                ledger.filtered(group, reason, window)
                 continue
             for traj, adv in zip(trajs, group_advantages([t.reward for t in trajs], kind, flags)):
                 traj.advantage = adv

@@ -21,7 +21,7 @@ from itertools import islice
 from relayrl.backends.protocols import PromptEncoder
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.window import DispatchWindow
-from relayrl.types import Drawn, FilteredGroup, FilterReason, Group, SampleRequest
+from relayrl.types import Drawn, FilterReason, Group, SampleRequest
 
 
 class PromptTooLongWarning(RuntimeWarning):
@@ -34,6 +34,7 @@ async def dispatch_stage(
     window: DispatchWindow,
     ledger: Ledger,
     outbox: asyncio.Queue[list[SampleRequest]],
+    *,
     num_generations: int,
     prompts_per_request: int,
     max_prompt_tokens: int | None = None,
@@ -60,7 +61,6 @@ async def dispatch_stage(
                     stacklevel=1,
                 )
                 warned = True
-            ledger.filtered(FilteredGroup(Group(gid, []), FilterReason.TOO_LONG))
-            window.release_filtered()
+            ledger.filtered(Group(gid, []), FilterReason.TOO_LONG, window)
         if requests:
             await outbox.put(requests)

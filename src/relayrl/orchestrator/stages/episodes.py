@@ -55,7 +55,7 @@ class EpisodePromptTooLong(ValueError):
     prompts: reaching the runner is a wiring error, named rather than sent to a sampler)."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class EpisodeSettings:
     max_turns: int
     max_total_tokens: int  # prompt + actions + observations
@@ -115,6 +115,7 @@ class EpisodeRunner:
         self,
         requests: Sequence[SampleRequest],
         turn: TurnFn,
+        *,
         lane: str | None = None,
         end: Callable[[list[str]], Awaitable[None]] | None = None,
         env_lane: str = "env",

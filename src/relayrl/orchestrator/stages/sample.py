@@ -36,7 +36,7 @@ class Rollout(Protocol):
 class SingleTurn:
     """One completion per sample: one `generate` call per batch, bounded by `timeout_s` (0: none)."""
 
-    def __init__(self, tracer: Tracer, timeout_s: float = 0.0) -> None:
+    def __init__(self, tracer: Tracer, *, timeout_s: float = 0.0) -> None:
         self._tracer = tracer
         self._timeout_s = timeout_s
 
@@ -54,7 +54,7 @@ class MultiTurn:
     """Multi-turn episodes (orchestrator/stages/episodes.py): one `generate_turns` call per turn, each bounded
     by `timeout_s` (0: none)."""
 
-    def __init__(self, runner: EpisodeRunner, timeout_s: float = 0.0) -> None:
+    def __init__(self, runner: EpisodeRunner, *, timeout_s: float = 0.0) -> None:
         self._runner = runner
         self._timeout_s = timeout_s
 

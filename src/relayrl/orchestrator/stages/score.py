@@ -24,6 +24,7 @@ async def score_stage(
     outbox: asyncio.Queue[list[Group]],
     scorer: Scorer,
     ledger: Ledger,
+    *,
     strict: bool = False,
 ) -> None:
     while True:

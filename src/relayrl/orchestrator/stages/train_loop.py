@@ -23,9 +23,13 @@ bookkeeping run right after the commit, on the event loop, and N+1 is packed onl
 
 Invariant: optim_step(N+1) is never issued before fetch(N) and bookkeeping(N) finished; the run
 does not return before every deferred job finished; every task this loop starts belongs to the
-run's TaskGroup. A step's record lives until its bookkeeping is done; the loop itself keeps only
-the last one (`records`), so its memory does not grow with the number of steps. A micro-batch is
-sent to the trainer once: queued behind optim_step(N), or issued at its turn, never both.
+run's TaskGroup. The loop is a step record's one writer until its bookkeeping (which may only
+release the record's big lists once logged): its own figures, what the run measured outside it
+(`StepHooks.commit_figures`, written at the commit, before `on_commit` reads the record) and,
+after the commit, the trainer's metrics its fetch brings. A step's record lives until its
+bookkeeping is done; the loop itself keeps only the last one (`records`), so its memory does not
+grow with the number of steps. A micro-batch is sent to the trainer once: queued behind
+optim_step(N), or issued at its turn, never both.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import Workers
-from relayrl.types import FilteredGroup, FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory, TrajectoryStatus
+from relayrl.types import FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory, TrajectoryStatus
 
 
 class GroupTaker:
@@ -52,11 +56,12 @@ class GroupTaker:
     def __init__(
         self,
         queue: asyncio.Queue[Group],
-        groups_per_step: int,
-        max_staleness: int,
         ledger: Ledger,
         window: DispatchWindow,
         tracer: Tracer,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
     ) -> None:
         self._queue = queue
         self._gps = groups_per_step
@@ -68,8 +73,7 @@ class GroupTaker:
 
     def _admit(self, group: Group, step: int) -> None:
         if step - group.min_version > self._max_staleness:
-            self._ledger.filtered(FilteredGroup(group, FilterReason.STALE))
-            self._window.release_filtered()
+            self._ledger.filtered(group, FilterReason.STALE, self._window)
         else:
             self._held.append(group)
 
@@ -91,7 +95,7 @@ class GroupTaker:
         return self._hand_over(), end - start
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class PackingSpec:
     """How a step's trajectories are packed into micro-batches (packing.plan)."""
 
@@ -100,16 +104,28 @@ class PackingSpec:
     share_prompt: bool
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
+class CommitFigures:
+    """What the run measured for a step outside the train loop, taken at its commit: the time
+    its weight syncs took since the last commit, and the event loop's worst lag."""
+
+    weight_sync_time: float
+    loop_lag_max_ms: float
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
 class StepHooks:
     """What the run does at a step's boundaries, in this order: `on_step_begin(step)` once its
-    groups are taken; `on_commit(record)` right after optim_step returned (cheap, on the event
-    loop: fills the record's commit-time fields, schedules what is due); `bookkeep(record)` the
-    step's end-of-step work (synchronous, GIL-bound: in the bookkeeping thread when overlapped);
+    groups are taken; right after optim_step returned (cheap, on the event loop),
+    `commit_figures()` the figures the loop writes into the step's record, then
+    `on_commit(record)` (schedules what is due; reads the record, never writes it);
+    `bookkeep(record)` the step's end-of-step work (synchronous, GIL-bound: in the bookkeeping
+    thread when overlapped; it may release the record's big lists once logged);
     `after_bookkeeping(record)` once the step's logs are written (e.g. a checkpoint, which must
     not precede them)."""
 
     on_step_begin: Callable[[int], None]
+    commit_figures: Callable[[], CommitFigures]
     on_commit: Callable[[StepRecord], None]
     bookkeep: Callable[[StepRecord], None]
     after_bookkeeping: Callable[[StepRecord], Awaitable[None]] | None = None
@@ -159,7 +175,8 @@ class TrainLoop:
         self._overlap = overlap
         self._packing = packing
         self._on_step_begin = hooks.on_step_begin
-        self._on_commit = hooks.on_commit  # fills the record's cheap commit-time fields (sync times, lag)
+        self._commit_figures = hooks.commit_figures  # the run's figures for the record (sync times, lag)
+        self._on_commit = hooks.on_commit  # reads the committed record, schedules what is due
         self._bookkeep = hooks.bookkeep  # the step's end-of-step work (synchronous, GIL-bound)
         self._after = hooks.after_bookkeeping  # e.g. a checkpoint, which must not precede the step's logs
         # the last committed step's record (metrics.jsonl has every step's figures)
@@ -327,6 +344,9 @@ class TrainLoop:
             for group in prepared.groups:
                 self._ledger.trained(group.group_id, sum(scored(group.trajectories)))
             record.filtered = self._ledger.drain_filtered()
+            figures = self._commit_figures()
+            record.weight_sync_time = figures.weight_sync_time
+            record.loop_lag_max_ms = figures.loop_lag_max_ms
             self._on_commit(record)
             self.records.append(record)
             await self._end_of_step(record)
