@@ -20,7 +20,7 @@ from relayrl.rewards.pool import RewardPoolError
 from relayrl.rewards.registry import resolve_rewards
 from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.rundir.lock import MARKER
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, Trajectory
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
@@ -225,8 +225,8 @@ async def _later(t: Trajectory) -> float:
 def test_scoring_reports_the_first_error_of_its_task_group_not_the_group(strict: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sync part of a batch (run beside its async calls in one TaskGroup) fails with a group
     of its own: the run sees the reward worker error in it, not a group (before: the group)."""
-    workers = Workers()
-    scorer = Scorer(resolve_rewards(["exact_match", _later]), ScorerSettings(), workers)
+    threads = OrchestratorThreads()
+    scorer = Scorer(resolve_rewards(["exact_match", _later]), ScorerSettings(), threads)
     cause = RewardPoolError("reward worker 0 could not start")
 
     def sync_part(*args: object) -> None:
@@ -237,6 +237,6 @@ def test_scoring_reports_the_first_error_of_its_task_group_not_the_group(strict:
         with pytest.raises(RewardPoolError) as info:
             asyncio.run(scorer.score([_traj(0), _traj(1)], strict=strict))
     finally:
-        workers.shutdown()
+        threads.shutdown()
         scorer.close()
     assert info.value is cause

@@ -17,7 +17,7 @@ from relayrl.backends.registry import build_backend
 from relayrl.backends.sim import SimSampler, SimTrainer
 from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.orchestrator.build import build_program
-from relayrl.threads import ThreadHost, Workers
+from relayrl.threads import OrchestratorThreads, ThreadHost
 from relayrl.types import GenerateResult, Prompt, SampleRequest, TrainBatch, Trajectory, Weights
 from simutil import make_program, run_checked, sim_config, trace_spans
 
@@ -96,19 +96,19 @@ def test_a_cancelled_call_returns_only_after_its_work_stopped(per_call: bool) ->
     asyncio.run(main())
 
 
-def test_a_closed_host_refuses_calls_and_workers_share_one_abort_flag() -> None:
+def test_a_closed_host_refuses_calls_and_orchestrator_threads_share_one_abort_flag() -> None:
     async def main() -> None:
         host = ThreadHost("closed-host")
         await host.aclose()
         await host.aclose()  # idempotent
         with pytest.raises(RuntimeError, match="closed-host is closed"):
             await host.call(lambda: 1)
-        workers = Workers(("a", "b"))
-        assert await workers.run("a", lambda: threading.current_thread().name) == "relayrl-a_0"
-        workers.shutdown()
-        assert workers.abort.is_set()
+        threads = OrchestratorThreads(("a", "b"))
+        assert await threads.run("a", lambda: threading.current_thread().name) == "relayrl-a_0"
+        threads.shutdown()
+        assert threads.abort.is_set()
         with pytest.raises(RuntimeError, match="closed"):
-            await workers.run("b", lambda: 1)
+            await threads.run("b", lambda: 1)
 
     asyncio.run(main())
 

@@ -20,7 +20,7 @@ from relayrl.packing import first_fit_decreasing, segments
 from relayrl.rewards import scoring
 from relayrl.rewards.registry import Placement, ResolvedReward
 from relayrl.rewards.scoring import Failure, Outcome, Scorer, ScorerSettings
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, GenerateResult, Prompt, RewardFailure, SampleRequest, Trajectory, TrajectoryStatus
 
 PROMPT = Prompt("p", "1+1=", "2")
@@ -85,7 +85,7 @@ VALUES = st.one_of(
 
 def _settled(rewards: list[ResolvedReward], clip: float, grid: list[list[Outcome]]) -> list[object]:
     trajectories = [_traj(0, j, [1]) for j in range(len(grid))]
-    scorer = Scorer(rewards, ScorerSettings(clip=clip), Workers(()))
+    scorer = Scorer(rewards, ScorerSettings(clip=clip), OrchestratorThreads(()))
     failed = scorer._settle(trajectories, copy.deepcopy(grid))
     return [(repr(t.reward), t.status, t.error) for t in trajectories] + [
         (f.function, f.reason, f.detail, f.trajectory.sample_index) for f in failed
@@ -114,7 +114,7 @@ def test_an_all_inline_batch_is_scored_from_columns_with_the_row_by_row_failures
             raise ValueError("boom")
         return values[t.sample_index]
 
-    workers = Workers(("score",))
+    workers = OrchestratorThreads(("score",))
     try:
         scorer = Scorer([ResolvedReward("r", reward, 2.0, Placement.INLINE)], ScorerSettings(), workers)
         trajectories = [_traj(0, j, [1]) for j in range(5)]

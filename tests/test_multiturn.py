@@ -20,7 +20,7 @@ from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner, EpisodeSettings
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
 from simutil import StopAt, Stopped, make_program, run_checked, sim_config, trace_spans
 from test_collate_logprobs import PAD, VOCAB, make_microbatch, tiny_qwen2
@@ -91,8 +91,8 @@ class Scripted:
         self.ended.extend(episodes)
 
 
-def _runner(env: object, settings: EpisodeSettings, workers: Workers) -> EpisodeRunner:
-    return EpisodeRunner(env, "test-env", lambda text: [3] * len(text), settings, workers, Tracer(None, {}))  # type: ignore[arg-type]
+def _runner(env: object, settings: EpisodeSettings, threads: OrchestratorThreads) -> EpisodeRunner:
+    return EpisodeRunner(env, "test-env", lambda text: [3] * len(text), settings, threads, Tracer(None, {}))  # type: ignore[arg-type]
 
 
 def _requests(groups: int, samples: int) -> list[SampleRequest]:
@@ -100,17 +100,17 @@ def _requests(groups: int, samples: int) -> list[SampleRequest]:
 
 
 def test_turns_are_recorded_with_masks_versions_and_rewards() -> None:
-    workers = Workers()
+    threads = OrchestratorThreads()
     env = CountdownEnv(solve_at=3)
     sampler = Scripted()
     try:
         groups = asyncio.run(
             _runner(
-                env, EpisodeSettings(max_turns=4, max_total_tokens=64, max_new_tokens=3, observation_template="[{observation}]"), workers
+                env, EpisodeSettings(max_turns=4, max_total_tokens=64, max_new_tokens=3, observation_template="[{observation}]"), threads
             ).run(_requests(2, 3), sampler, end=sampler.end)
         )
     finally:
-        workers.shutdown()
+        threads.shutdown()
     assert [g.group_id for g in groups] == [0, 1] and all(len(g.trajectories) == 3 for g in groups)
     t = groups[0].trajectories[1]
     assert len(t.turns) == 3 and [turn.policy_version for turn in t.turns] == [5, 6, 7]
@@ -134,19 +134,19 @@ def test_turns_are_recorded_with_masks_versions_and_rewards() -> None:
 
 
 def test_episodes_end_at_max_turns_and_max_total_tokens() -> None:
-    workers = Workers()
+    threads = OrchestratorThreads()
     try:
         # never solved: max_turns ends it; the last action's step is still taken
         env = CountdownEnv(solve_at=99)
         groups = asyncio.run(
-            _runner(env, EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=3), workers).run(_requests(1, 1), Scripted())
+            _runner(env, EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=3), threads).run(_requests(1, 1), Scripted())
         )
         t = groups[0].trajectories[0]
         assert len(t.turns) == 2 and len(env.threads) == 2 and t.turns[-1].observation == ""
         assert t.completion_tokens[-1] == 7  # no observation after the last turn
         # max_total_tokens 4 (prompt) + 3 + 2 ("no") + 1: the next turn gets only 1 token
         groups = asyncio.run(
-            _runner(CountdownEnv(99), EpisodeSettings(max_turns=5, max_total_tokens=10, max_new_tokens=3), workers).run(
+            _runner(CountdownEnv(99), EpisodeSettings(max_turns=5, max_total_tokens=10, max_new_tokens=3), threads).run(
                 _requests(1, 1), Scripted()
             )
         )
@@ -155,34 +155,34 @@ def test_episodes_end_at_max_turns_and_max_total_tokens() -> None:
         assert [turn.end - turn.start for turn in t.turns] == [3, 1]
         # an observation that leaves no room for another token ends the episode ("length")
         groups = asyncio.run(
-            _runner(CountdownEnv(99), EpisodeSettings(max_turns=5, max_total_tokens=9, max_new_tokens=3), workers).run(
+            _runner(CountdownEnv(99), EpisodeSettings(max_turns=5, max_total_tokens=9, max_new_tokens=3), threads).run(
                 _requests(1, 1), Scripted()
             )
         )
         t = groups[0].trajectories[0]
         assert len(t.turns) == 1 and t.finish_reason == "length" and t.loss_mask == [1, 1, 1]
     finally:
-        workers.shutdown()
+        threads.shutdown()
 
 
 def test_sync_steps_run_off_the_loop_and_async_steps_on_it() -> None:
-    workers = Workers()
+    threads = OrchestratorThreads()
     try:
         sync_env = CountdownEnv(solve_at=2)
         asyncio.run(
-            _runner(sync_env, EpisodeSettings(max_turns=3, max_total_tokens=64, max_new_tokens=2), workers).run(_requests(1, 2), Scripted())
+            _runner(sync_env, EpisodeSettings(max_turns=3, max_total_tokens=64, max_new_tokens=2), threads).run(_requests(1, 2), Scripted())
         )
         async_env = AsyncEnv()
 
         async def main() -> str:
-            await _runner(async_env, EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), workers).run(
+            await _runner(async_env, EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), threads).run(
                 _requests(1, 2), Scripted()
             )
             return threading.current_thread().name
 
         loop_thread = asyncio.run(main())
     finally:
-        workers.shutdown()
+        threads.shutdown()
     assert sync_env.threads and loop_thread not in sync_env.threads
     assert async_env.loop_threads == [loop_thread] * 4
 
@@ -199,22 +199,22 @@ def test_an_environment_error_names_the_environment_prompt_and_turn() -> None:
         def step(self, action: str) -> EnvStep:
             return "not a step"  # type: ignore[return-value]
 
-    workers = Workers()
+    threads = OrchestratorThreads()
     try:
         with pytest.raises(EnvironmentStepError, match=r"'test-env' raised in step \(prompt 'p0', sample 0, turn 1\): KeyError"):
             asyncio.run(
-                _runner(Broken(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), workers).run(
+                _runner(Broken(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), threads).run(
                     _requests(1, 1), Scripted()
                 )
             )
         with pytest.raises(EnvironmentStepError, match="returned str, not an EnvStep"):
             asyncio.run(
-                _runner(WrongType(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), workers).run(
+                _runner(WrongType(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), threads).run(
                     _requests(1, 1), Scripted()
                 )
             )
     finally:
-        workers.shutdown()
+        threads.shutdown()
 
 
 # -- a sim run ---------------------------------------------------------------------------------
@@ -435,14 +435,14 @@ def test_a_prompt_with_no_room_for_an_action_is_filtered_at_dispatch_not_sampled
     assert result.ledger.as_dict()["groups_filtered"].get("too_long", 0) >= 1  # type: ignore[union-attr]
     assert result.summary["samplers_retired"] == []  # no replica was blamed
 
-    workers = Workers()
+    threads = OrchestratorThreads()
     try:
         long_prompt = [SampleRequest(0, Prompt("long", "x", "1"), [1] * 10, 2)]
         with pytest.raises(EpisodePromptTooLong, match="'long' has 10 tokens: no room for an action within rollout.max_total_tokens = 10"):
             asyncio.run(
-                _runner(CountdownEnv(1), EpisodeSettings(max_turns=2, max_total_tokens=10, max_new_tokens=3), workers).run(
+                _runner(CountdownEnv(1), EpisodeSettings(max_turns=2, max_total_tokens=10, max_new_tokens=3), threads).run(
                     long_prompt, Scripted()
                 )
             )
     finally:
-        workers.shutdown()
+        threads.shutdown()

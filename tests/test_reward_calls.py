@@ -37,7 +37,7 @@ from relayrl.rewards import registry as rewards
 from relayrl.rewards.registry import MAX_ABS_REWARD, Placement, RewardSpecError, resolve_rewards, trajectory_copy
 from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.rewards.threads import MAX_ABANDONED_THREADS, AbandonedRewardThreadWarning
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Turn
 from simutil import run_checked, sim_config
 
@@ -109,11 +109,11 @@ def scorers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Scor
     """One scorer per path, each running the function that evaluates the trajectory's `expr`."""
     module = tmp_path_factory.mktemp("values") / "rwvalues.py"
     module.write_text(VALUES)
-    workers = Workers()
+    threads = OrchestratorThreads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(rewards.REWARD_FUNCTIONS, "test_value", _value)
         entries: dict[str, object] = {"inline": "test_value", "thread": _value, "async": _avalue, "pool": f"{module}:value"}
-        built = {path: Scorer(resolve_rewards([entry]), ScorerSettings(workers=1), workers) for path, entry in entries.items()}  # type: ignore[list-item]
+        built = {path: Scorer(resolve_rewards([entry]), ScorerSettings(threads=1), threads) for path, entry in entries.items()}  # type: ignore[list-item]
     assert {path: s.rewards[0].placement for path, s in built.items()} == {
         "inline": Placement.INLINE,
         "thread": Placement.THREAD,
@@ -121,7 +121,7 @@ def scorers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Scor
         "pool": Placement.POOL,
     }
     yield built
-    workers.shutdown()
+    threads.shutdown()
     for s in built.values():
         s.close()
 
@@ -203,15 +203,15 @@ def test_outcomes_judge_values_as_scoring_does(scorers: dict[str, Scorer]) -> No
 
 
 def test_reward_clip_clips_each_value_before_weighting() -> None:
-    workers = Workers()
+    threads = OrchestratorThreads()
     fns = [lambda t: float(t.sample_index) - 2.0, lambda t: 0.25 * t.sample_index]  # -2..2 and 0..1
-    scorer = Scorer(resolve_rewards(fns, [2.0, 1.0]), ScorerSettings(clip=1.0), workers)
+    scorer = Scorer(resolve_rewards(fns, [2.0, 1.0]), ScorerSettings(clip=1.0), threads)
     trajs = [_traj(sample=i) for i in range(5)]
     try:
         assert asyncio.run(scorer.score(trajs)) == []
         rows = asyncio.run(scorer.outcomes(trajs))
     finally:
-        workers.shutdown()
+        threads.shutdown()
     # clip(-2..2 → -1..1) × 2, plus 0..1 unclipped
     assert [t.reward for t in trajs] == [-2.0 + 0.0, -2.0 + 0.25, 0.0 + 0.5, 2.0 + 0.75, 2.0 + 1.0]
     assert [r[0] for r in rows] == [-1.0, -1.0, 0.0, 1.0, 1.0]
@@ -505,12 +505,12 @@ def test_a_reward_that_changes_its_trajectory_does_not_change_the_one_scored(tmp
     trajs = [_every_field_set(), _traj(sample=1)]
     trajs[0].status, trajs[0].error = TrajectoryStatus.OK, None
     before = copy.deepcopy(trajs)
-    workers = Workers()
-    scorer = Scorer(resolve_rewards([entry]), ScorerSettings(workers=1), workers)  # type: ignore[list-item]
+    threads = OrchestratorThreads()
+    scorer = Scorer(resolve_rewards([entry]), ScorerSettings(threads=1), threads)  # type: ignore[list-item]
     try:
         assert asyncio.run(scorer.score(trajs)) == []
     finally:
-        workers.shutdown()
+        threads.shutdown()
         scorer.close()
     for b, t in zip(before, trajs):
         b.reward = float(b.sample_index % 2)
@@ -562,8 +562,8 @@ def test_a_callable_past_the_deadline_times_out_and_its_thread_is_abandoned() ->
             release.wait()  # released only at the end of the test
         return float(t.sample_index)
 
-    workers = Workers()
-    scorer = Scorer(resolve_rewards([sometimes_stuck]), ScorerSettings(timeout_s=0.3), workers)
+    threads = OrchestratorThreads()
+    scorer = Scorer(resolve_rewards([sometimes_stuck]), ScorerSettings(timeout_s=0.3), threads)
     trajs = [_traj(sample=i) for i in range(4)]
     try:
         with _held() as release:
@@ -575,7 +575,7 @@ def test_a_callable_past_the_deadline_times_out_and_its_thread_is_abandoned() ->
             stuck = scorer.threads.abandoned()
             assert len(stuck) == 1 and stuck[0].name == "relayrl-reward-call (abandoned)"
     finally:
-        workers.shutdown()
+        threads.shutdown()
     assert [(f.reason, f.trajectory.sample_index) for f in failed] == [(RewardFailure.TIMEOUT, 1)]
     assert (
         trajs[1].error is not None and "timeout: no result within 0.3 s (task.reward_timeout_s); its thread was abandoned" in trajs[1].error
@@ -613,13 +613,13 @@ def test_the_optional_built_ins_run_in_the_worker_pool_with_the_deadline(tmp_pat
     monkeypatch.setitem(rewards.OPTIONAL_REWARDS, "hangs_on_sympy", "rwslow_builtin:verify")  # registered as math_verify is
     (resolved,) = resolve_rewards(["hangs_on_sympy"])
     assert (resolved.name, resolved.placement, resolved.spec) == ("hangs_on_sympy", Placement.POOL, "rwslow_builtin:verify")
-    workers = Workers()
-    scorer = Scorer([resolved], ScorerSettings(workers=1, timeout_s=0.5), workers)
+    threads = OrchestratorThreads()
+    scorer = Scorer([resolved], ScorerSettings(threads=1, timeout_s=0.5), threads)
     t = _traj()
     try:
         failed = asyncio.run(scorer.score([t]))
     finally:
-        workers.shutdown()
+        threads.shutdown()
         scorer.close()
     assert [(f.function, f.reason) for f in failed] == [("hangs_on_sympy", RewardFailure.TIMEOUT)]
     assert t.error is not None and "no result within 0.5 s (task.reward_timeout_s); the worker was killed" in t.error

@@ -35,7 +35,7 @@ from relayrl.orchestrator.ledger import Ledger
 from relayrl.rewards.pool import PoolLimits, RewardPool
 from relayrl.rewards.registry import Placement, RewardSpecError, resolve_rewards
 from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Weights
 from simutil import make_program, run_checked, sim_config
 
@@ -175,12 +175,12 @@ def test_other_bad_entries_are_refused_before_the_run(tmp_path: Path, monkeypatc
 def _score(
     entries: Sequence[object], trajectories: list[Trajectory], weights: list[float] | None = None, **settings: float
 ) -> list[tuple[str, RewardFailure]]:
-    workers = Workers()
-    scorer = Scorer(resolve_rewards(entries, weights), ScorerSettings(**settings), workers)  # type: ignore[arg-type]
+    threads = OrchestratorThreads()
+    scorer = Scorer(resolve_rewards(entries, weights), ScorerSettings(**settings), threads)  # type: ignore[arg-type]
     try:
         failed = asyncio.run(scorer.score(trajectories))
     finally:
-        workers.shutdown()
+        threads.shutdown()
         scorer.close()
     return [(f.function, f.reason) for f in failed]
 
@@ -437,13 +437,13 @@ def test_the_evaluator_judges_through_the_runs_scorer(tmp_path: Path) -> None:
         return 1.0 if t.prompt.prompt_id != "p2" else math.nan
 
     prompts = [Prompt(f"p{i}", "x" * i, "") for i in range(6)]
-    workers = Workers()
-    scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(workers=1), workers)
+    threads = OrchestratorThreads()
+    scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(threads=1), threads)
     evaluator = HeldoutEvaluator(Engine(), prompts, lambda text: [0] * len(text), lambda tokens: "", max_new_tokens=4, scorer=scorer)
     try:
         result = asyncio.run(evaluator.evaluate(Weights(version=1, payload=None)))
     finally:
-        workers.shutdown()
+        threads.shutdown()
         scorer.close()
     assert result.accuracy == 2 / 6  # even lengths 0, 2, 4, but p2's NaN makes it wrong
 

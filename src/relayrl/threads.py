@@ -2,7 +2,7 @@
 
 `ThreadHost` is the one way work is hosted in a thread: a named single-thread executor (calls run
 one at a time, in the order they were made) with an abort flag. The orchestrator's own threads
-(`Workers`) and the local backend's workers (a compute object hosted in a `ThreadHost`) use it.
+(`OrchestratorThreads`) and the local backend's workers (a compute object hosted in a `ThreadHost`) use it.
 
 Invariant: a coroutine awaiting `run_in_thread` (or `ThreadHost.call`) that gets cancelled does
 not return before its thread's work has stopped (it sets the abort flag, which cooperative work
@@ -85,8 +85,9 @@ class ThreadHost:
             await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
 
-class Workers:
-    """The orchestrator's named thread hosts, sharing one abort flag."""
+class OrchestratorThreads:
+    """The orchestrator's own named thread hosts (bookkeeping, packing, scoring, environments),
+    sharing one abort flag. Not workers: in relayrl a worker is a sampler or a trainer."""
 
     def __init__(self, names: tuple[str, ...] = ("bookkeeping", "pack", "score", "env")) -> None:
         self.abort = threading.Event()

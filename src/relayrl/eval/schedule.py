@@ -22,7 +22,7 @@ from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, commit
 from relayrl.rundir.files import append_eval
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import EvalResult
 
 
@@ -35,7 +35,7 @@ class EvalSchedule:
         every: int,
         steps: int,
         run_dir: Path | None,
-        workers: Workers,
+        threads: OrchestratorThreads,
         tracer: Tracer,
         callbacks: Sequence[Callback],
         results: list[EvalResult],
@@ -45,7 +45,7 @@ class EvalSchedule:
         self._every = every
         self._steps = steps
         self._run_dir = run_dir
-        self._workers = workers
+        self._threads = threads
         self._tracer = tracer
         self._callbacks = callbacks
         self.results = results  # every evaluation of the run so far (a resumed run's included)
@@ -81,6 +81,6 @@ class EvalSchedule:
         self.results.append(result)
         run_dir = self._run_dir
         if run_dir is not None:
-            await self._workers.run("bookkeeping", lambda: append_eval(run_dir, result))
+            await self._threads.run("bookkeeping", lambda: append_eval(run_dir, result))
         for cb in self._callbacks:
             cb.on_eval(result)

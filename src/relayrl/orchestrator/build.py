@@ -28,7 +28,7 @@ from relayrl.rundir.files import append_config_changes, write_config
 from relayrl.rundir.lock import MARKER, RunDirError, RunDirLock
 from relayrl.tasks.build import TaskData, build_task
 from relayrl.telemetry.callbacks import Callback
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -89,11 +89,11 @@ def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, enviro
     return _Checked(cfg, resolved, environment, build_task(cfg))
 
 
-def _backend(checked: _Checked, workers: Workers) -> Backend:
+def _backend(checked: _Checked, threads: OrchestratorThreads) -> Backend:
     """`run.backend`'s compute kind, placed by the `ray.enabled` host (backends/registry.py); a
     Ray backend starts or joins its cluster."""
     cfg = checked.cfg
-    return build_backend(cfg, workers.abort, evaluate=cfg.eval.enabled and bool(checked.task.heldout))
+    return build_backend(cfg, threads.abort, evaluate=cfg.eval.enabled and bool(checked.task.heldout))
 
 
 def start_run(
@@ -109,12 +109,12 @@ def start_run(
     backend built before the run directory is locked, cleared (only with `run.overwrite`) and
     its config.toml written."""
     checked = _check(cfg, reward_fns, environment)
-    workers = Workers()
+    threads = OrchestratorThreads()
     built = None  # a backend built here, released here if the program is not made
     lock = RunDirLock(run_dir) if run_dir is not None else None
     try:
         if backend is None:
-            backend = built = _backend(checked, workers)
+            backend = built = _backend(checked, threads)
         if run_dir is not None and lock is not None:
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
@@ -124,7 +124,7 @@ def start_run(
                     )
                 lock.clear()
             write_config(run_dir, checked.cfg)
-        return _program(checked, backend, RunState.fresh(checked.task.stream), run_dir, workers, callbacks, lock)
+        return _program(checked, backend, RunState.fresh(checked.task.stream), run_dir, threads, callbacks, lock)
     except BaseException:
         _release(lock, built)
         raise
@@ -160,14 +160,14 @@ def resume_run(
             )
         changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.next_step)
         checked = _check(cfg, reward_fns, environment)
-        workers = Workers()
+        threads = OrchestratorThreads()
         if backend is None:
-            backend = built = _backend(checked, workers)
+            backend = built = _backend(checked, threads)
         rewind_run_dir(run_dir, point)
         if changes:
             append_config_changes(run_dir, changes)
         write_config(run_dir, checked.cfg)
-        return _program(checked, backend, RunState.restored(checked.task.stream, point), run_dir, workers, callbacks, lock)
+        return _program(checked, backend, RunState.restored(checked.task.stream, point), run_dir, threads, callbacks, lock)
     except BaseException:
         _release(lock, built)
         raise
@@ -178,7 +178,7 @@ def _program(
     backend: Backend,
     state: RunState,
     run_dir: Path | None,
-    workers: Workers,
+    threads: OrchestratorThreads,
     callbacks: Sequence[Callback],
     lock: RunDirLock | None,
 ) -> Program:
@@ -188,7 +188,7 @@ def _program(
         state,
         checked.rewards,
         run_dir=run_dir,
-        workers=workers,
+        threads=threads,
         callbacks=callbacks,
         lock=lock,
         environment=checked.environment,

@@ -36,7 +36,7 @@ from relayrl.rundir.files import eval_row
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.sinks import metrics_row
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import StepRecord, StepResult
 
 
@@ -94,7 +94,7 @@ class Checkpointer:
         policy: CheckpointPolicy,
         backend_name: str,
         trainer: Trainer,
-        workers: Workers,
+        threads: OrchestratorThreads,
         tracer: Tracer,
         logged: LoggedSteps,
         state: RunState,
@@ -105,7 +105,7 @@ class Checkpointer:
         self._keep = policy.keep
         self._backend_name = backend_name
         self._trainer = trainer
-        self._workers = workers
+        self._threads = threads
         self._tracer = tracer
         self._logged = logged
         self._state = state
@@ -152,9 +152,9 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
 
-        await self._workers.run("bookkeeping", prepare)
+        await self._threads.run("bookkeeping", prepare)
         await self._trainer.save_state(staging)
-        await self._workers.run("bookkeeping", lambda: commit_checkpoint(staging, final, state, keep))
+        await self._threads.run("bookkeeping", lambda: commit_checkpoint(staging, final, state, keep))
         self._tracer.complete("orchestrator", "checkpoint", start, self._tracer.now(), step=step)
 
 

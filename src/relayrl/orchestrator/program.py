@@ -55,7 +55,7 @@ from relayrl.telemetry.memory import freeze_long_lived
 from relayrl.telemetry.sinks import build_sinks
 from relayrl.telemetry.stepbook import StepBookkeeper
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import (
     Group,
     Prompt,
@@ -101,7 +101,7 @@ class Program:
         rewards: Sequence[ResolvedReward],
         *,
         run_dir: Path | None,
-        workers: Workers,
+        threads: OrchestratorThreads,
         callbacks: Sequence[Callback] = (),
         lock: RunDirLock | None = None,
         environment: Environment | None = None,
@@ -120,14 +120,14 @@ class Program:
         self.start_step = state.start_step
         self.prompts = state.prompts
         self.run_dir = run_dir
-        self.workers = workers
+        self.threads = threads
         t = cfg.task
         settings = ScorerSettings(
             t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s, t.reward_clip
         )
         # the reward functions, on the scoring thread, in worker processes (started at their first
         # call, ended with the run) or on the loop; the held-out evaluator judges through it too
-        self.scorer = Scorer(rewards, settings, workers)
+        self.scorer = Scorer(rewards, settings, threads)
         self.callbacks = list(callbacks)
         self.ledger = state.ledger
         # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
@@ -150,7 +150,7 @@ class Program:
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
         if environment is not None:
             limits = episode_settings(cfg, backend.max_prompt_tokens)
-            self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, workers, self.tracer)
+            self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, threads, self.tracer)
         # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
         # run evaluates), judged through the run's scorer, greedy episodes for multi-turn tasks
         evaluator = (
@@ -171,7 +171,7 @@ class Program:
             run_dir=run_dir,
             callbacks=[self._logged, state, *self.callbacks],
             host_work=backend.host_work,
-            abort=workers.abort,
+            abort=threads.abort,
             log_trajectories=cfg.orchestrator.log_trajectories,
             release=cfg.orchestrator.release_memory,
             trim=cfg.orchestrator.malloc_trim,
@@ -194,7 +194,7 @@ class Program:
             every=cfg.eval.every_steps,
             steps=cfg.run.steps,
             run_dir=run_dir,
-            workers=workers,
+            threads=threads,
             tracer=self.tracer,
             callbacks=self.callbacks,
             results=state.evals,
@@ -204,7 +204,7 @@ class Program:
             policy=CheckpointPolicy(cfg.orchestrator.checkpoint_every, cfg.run.steps, cfg.orchestrator.keep_checkpoints),
             backend_name=cfg.run.backend,
             trainer=self.trainer,
-            workers=workers,
+            threads=threads,
             tracer=self.tracer,
             logged=self._logged,
             state=state,
@@ -235,7 +235,7 @@ class Program:
             raise
         finally:
             try:
-                self.workers.shutdown()
+                self.threads.shutdown()
             finally:
                 self.scorer.close()  # after the scoring thread stopped: no reward process outlives the run
             closing = self._finish(status, error)
@@ -368,7 +368,7 @@ class Program:
                     ),
                     jobs=jobs,
                     task_group=tg,
-                    workers=self.workers,
+                    threads=self.threads,
                     tracer=self.tracer,
                     ledger=self.ledger,
                     overlap=cfg.orchestrator.overlap_bookkeeping,

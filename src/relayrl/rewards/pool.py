@@ -12,7 +12,7 @@ process's address space, and give every call one `CallOutcome`: its value, or wh
   its CPU limit (SIGXCPU) or ran out of memory (a `MemoryError` under `memory_mb` is reported as
   crashed, not raised, since the process may be unusable after it); the worker is replaced.
 
-Workers are fresh interpreters started with subprocess (fork + exec of `sys.executable`, as the
+OrchestratorThreads are fresh interpreters started with subprocess (fork + exec of `sys.executable`, as the
 "spawn" start method does, never a bare fork of this process, which has threads and torch) that
 import only this module, relayrl.rewards.registry and the user's reward modules; they never import
 the parent's `__main__`. Calls and results travel as pickles over a socket pair
@@ -145,7 +145,7 @@ class RewardPool:
         self.specs = list(specs)
         self.size = workers
         self.limits = limits
-        self._workers: list[_Worker] = []
+        self._threads: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
         self.started_pids: list[int] = []  # every worker process started, replacements included
@@ -176,7 +176,7 @@ class RewardPool:
 
     def pids(self) -> list[int]:
         """The worker processes' ids (for tests and diagnostics)."""
-        return [w.proc.pid for w in self._workers]
+        return [w.proc.pid for w in self._threads]
 
     @staticmethod
     def _end(worker: _Worker) -> int | None:
@@ -193,7 +193,7 @@ class RewardPool:
 
     def _replace(self, worker: _Worker) -> int | None:
         status = self._end(worker)
-        self._workers[self._workers.index(worker)] = self._spawn()
+        self._threads[self._threads.index(worker)] = self._spawn()
         self.replaced += 1
         return status
 
@@ -224,25 +224,25 @@ class RewardPool:
             try:
                 return self._run(calls, abort)
             except BaseException:  # the calls in flight are moot: end their workers
-                for w in [w for w in self._workers if w.state is not _State.IDLE]:
+                for w in [w for w in self._threads if w.state is not _State.IDLE]:
                     self._end(w)
-                    self._workers.remove(w)
+                    self._threads.remove(w)
                 raise
             finally:
                 self._on_outcome = None
 
     def _run(self, calls: Sequence[tuple[int, object]], abort: threading.Event | None) -> list[CallOutcome]:
-        while len(self._workers) < self.size:
-            self._workers.append(self._spawn())
+        while len(self._threads) < self.size:
+            self._threads.append(self._spawn())
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         queue = deque(range(len(calls)))
         resent: dict[int, int] = {}  # call → times sent again after its worker died idle
         while True:
             if abort is not None and abort.is_set():
                 raise RewardPoolAborted("the reward pool's caller is stopping")
-            for w in [w for w in self._workers if w.state is _State.IDLE][: len(queue)]:
+            for w in [w for w in self._threads if w.state is _State.IDLE][: len(queue)]:
                 self._send(w, queue, calls, outcomes, resent)
-            waiting = [w for w in self._workers if w.state is not _State.IDLE]
+            waiting = [w for w in self._threads if w.state is not _State.IDLE]
             if not waiting or (not queue and not any(w.state is _State.BUSY for w in waiting)):
                 break
             self._wait(waiting, outcomes)
@@ -337,7 +337,7 @@ class RewardPool:
         still running after a short grace are killed; all are reaped. Idempotent."""
         with self._lock:
             self._closed = True
-            workers, self._workers = self._workers, []
+            workers, self._threads = self._threads, []
         for w in workers:
             with contextlib.suppress(OSError):
                 w.conn.close()

@@ -48,7 +48,7 @@ from relayrl.errors import RunFailed, first_error, leaf_errors
 from relayrl.rewards.pool import CallOutcome, PoolLimits, RewardPool, describe
 from relayrl.rewards.registry import MAX_ABS_REWARD, OUT_OF_RANGE, NonFiniteReward, Placement, ResolvedReward, as_reward, trajectory_copy
 from relayrl.rewards.threads import MAX_ABANDONED_THREADS, ThreadedCalls, TooManyAbandoned
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import RewardFailure, Trajectory, TrajectoryStatus
 
 
@@ -165,10 +165,10 @@ class Scorer:
     """A run's reward functions. `score` sets rewards; `outcomes` only reports each function's
     result (the held-out evaluator's use). `close()` ends the worker processes, if any started."""
 
-    def __init__(self, rewards: Sequence[ResolvedReward], settings: ScorerSettings, workers: Workers) -> None:
+    def __init__(self, rewards: Sequence[ResolvedReward], settings: ScorerSettings, threads: OrchestratorThreads) -> None:
         self.rewards = list(rewards)
         self.settings = settings
-        self._workers = workers
+        self._threads = threads
         self._inline = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.INLINE]
         self._threaded = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.THREAD]
         self._async = [(i, r) for i, r in enumerate(self.rewards) if r.placement is Placement.ASYNC]
@@ -233,7 +233,7 @@ class Scorer:
 
         stop: Callable[[Outcome], bool] | None = (lambda x: _failure_of(x) is not None) if strict else None
         try:
-            results = self.threads.run(call, len(trajectories), timed_out, self._workers.abort, r.name, stop)
+            results = self.threads.run(call, len(trajectories), timed_out, self._threads.abort, r.name, stop)
         except TooManyAbandoned as exc:
             failed = FailedCall(r.name, RewardFailure.TIMEOUT, timed_out(exc.index).detail, trajectories[exc.index])  # type: ignore[union-attr]
             raise RewardError(
@@ -259,7 +259,7 @@ class Scorer:
                 k, m = divmod(j, n)
                 _check_strict(self._pooled[k][1], trajectories[m], res.value if res.failure is None else Failure(res.failure, res.detail))
 
-        results: list[CallOutcome] = self.pool.run(calls, self._workers.abort, on_outcome)
+        results: list[CallOutcome] = self.pool.run(calls, self._threads.abort, on_outcome)
         for k, (i, _) in enumerate(self._pooled):
             for row, res in zip(grid, results[k * n : (k + 1) * n]):
                 row[i] = res.value if res.failure is None else Failure(res.failure, res.detail)
@@ -293,7 +293,7 @@ class Scorer:
         self, trajectories: Sequence[Trajectory], settle: bool, strict: bool = False
     ) -> tuple[list[list[Outcome]], list[FailedCall]]:
         if settle and len(self._inline) == len(self.rewards):  # the default recipes: one call into the scoring thread
-            return [], await self._workers.run("score", functools.partial(self._score_inline, trajectories, strict))
+            return [], await self._threads.run("score", functools.partial(self._score_inline, trajectories, strict))
         zeros = (0.0,) * len(self.rewards)
         grid: list[list[Outcome]] = list(map(list, itertools.repeat(zeros, len(trajectories))))  # a row each, made in C
         failed: list[FailedCall] = []
@@ -304,12 +304,12 @@ class Scorer:
                 failed.extend(self._settle(trajectories, grid))
 
         if not self._async:  # the common case: one call into the scoring thread
-            await self._workers.run("score", functools.partial(sync_part, settle))
+            await self._threads.run("score", functools.partial(sync_part, settle))
             return grid, failed
         try:
             async with asyncio.TaskGroup() as tg:
                 if self._inline or self._threaded or self._pooled:
-                    tg.create_task(self._workers.run("score", functools.partial(sync_part, False)))
+                    tg.create_task(self._threads.run("score", functools.partial(sync_part, False)))
                 for i, r in self._async:
                     for t, row in zip(trajectories, grid):
                         tg.create_task(self._call_async(r, t, row, i, strict))
@@ -317,7 +317,7 @@ class Scorer:
             strict_error = next((e for e in leaf_errors(group) if isinstance(e, RewardError)), None)
             raise (strict_error if strict_error is not None else first_error(group)) from None
         if settle:
-            failed.extend(await self._workers.run("score", functools.partial(self._settle, trajectories, grid)))
+            failed.extend(await self._threads.run("score", functools.partial(self._settle, trajectories, grid)))
         return grid, failed
 
     async def score(self, trajectories: Sequence[Trajectory], strict: bool = False) -> list[FailedCall]:

@@ -37,7 +37,7 @@ from typing import cast
 from relayrl.envs.base import Environment, EnvStep, Episode
 from relayrl.orchestrator.taskgroups import first_error
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, Group, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
 
 __all__ = ["EnvironmentStepError", "EpisodePromptTooLong", "EpisodeRunner", "EpisodeSettings", "TurnFn"]
@@ -97,14 +97,14 @@ class EpisodeRunner:
         env_name: str,
         encode: Callable[[str], list[int]],
         settings: EpisodeSettings,
-        workers: Workers,
+        threads: OrchestratorThreads,
         tracer: Tracer,
     ) -> None:
         self._env = env
         self._name = env_name
         self._encode = encode
         self._settings = settings
-        self._workers = workers
+        self._threads = threads
         self._tracer = tracer
 
     @property
@@ -196,7 +196,7 @@ class EpisodeRunner:
                 for i in sorted(set(range(len(calls))) - set(plain)):
                     tg.create_task(run_async(i))
                 if plain:
-                    await self._workers.run("env", run_plain)
+                    await self._threads.run("env", run_plain)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         return out

@@ -46,7 +46,7 @@ from relayrl.orchestrator.stages.advantage import scored
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import Workers
+from relayrl.threads import OrchestratorThreads
 from relayrl.types import FilterReason, Group, MicroBatch, PackPlan, StepRecord, TrainBatch, Trajectory, TrajectoryStatus
 
 
@@ -155,7 +155,7 @@ class TrainLoop:
         taker: GroupTaker,
         jobs: DeferredJobs,
         task_group: asyncio.TaskGroup,
-        workers: Workers,
+        threads: OrchestratorThreads,
         tracer: Tracer,
         ledger: Ledger,
         overlap: bool,
@@ -169,7 +169,7 @@ class TrainLoop:
         self._taker = taker
         self._jobs = jobs
         self._tg = task_group
-        self._workers = workers
+        self._threads = threads
         self._tracer = tracer
         self._ledger = ledger
         self._overlap = overlap
@@ -186,7 +186,7 @@ class TrainLoop:
     async def _pack(self, step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> tuple[MicroBatch, float]:
         start = self._tracer.now()
         mb = build_microbatch(step, index, trajectories, pack_plan)
-        mb.payload = await self._workers.run("pack", lambda: self._collator.collate(mb))
+        mb.payload = await self._threads.run("pack", lambda: self._collator.collate(mb))
         end = self._tracer.now()
         self._tracer.complete("orchestrator", "pack", start, end, step=step, microbatch=index)
         return mb, end - start
@@ -252,7 +252,7 @@ class TrainLoop:
 
     async def _deferred_bookkeeping(self, record: StepRecord, fetch: asyncio.Task[None]) -> None:
         await fetch
-        await self._workers.run("bookkeeping", lambda: self._bookkeep(record))
+        await self._threads.run("bookkeeping", lambda: self._bookkeep(record))
         if self._after is not None:
             await self._after(record)
 
