@@ -1,4 +1,4 @@
-"""OrchestratorThreads never know who drives them, and telemetry never steers: no module under
+"""Workers never know who drives them, and telemetry never steers: no module under
 `relayrl.backends`, `relayrl.telemetry`, `relayrl.algorithms` or `relayrl.envs` imports
 `relayrl.orchestrator` (its stages included), directly or through other modules.
 

@@ -438,7 +438,7 @@ def test_the_evaluator_judges_through_the_runs_scorer(tmp_path: Path) -> None:
 
     prompts = [Prompt(f"p{i}", "x" * i, "") for i in range(6)]
     threads = OrchestratorThreads()
-    scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(threads=1), threads)
+    scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(workers=1), threads)
     evaluator = HeldoutEvaluator(Engine(), prompts, lambda text: [0] * len(text), lambda tokens: "", max_new_tokens=4, scorer=scorer)
     try:
         result = asyncio.run(evaluator.evaluate(Weights(version=1, payload=None)))

@@ -404,7 +404,7 @@ def _sync_one_model(name: str, replicas: int, versions: int, object_store_bytes:
 
     import ray
 
-    from relayrl.backends.ray.actors import SamplerActor, TrainerActor
+    from relayrl.backends.ray.actors import SamplerActor, TrainerActor, trainer_call
 
     model = _bench_model(name)
     state = model.state_dict()
@@ -427,9 +427,9 @@ def _sync_one_model(name: str, replicas: int, versions: int, object_store_bytes:
             times: list[tuple[float, float]] = []
             for _ in range(warmup + versions):
                 started = time.perf_counter()
-                weights = ray.get(trainer.export_weights.remote()).value  # put once into the object store
+                weights = ray.get(trainer_call(trainer, "export_weights")).value  # put once into the object store
                 exported = time.perf_counter()
-                ray.get([s.load_weights.remote(weights) for s in samplers])  # every replica fetched and copied it
+                ray.get([s.call.remote("load_weights", weights) for s in samplers])  # every replica fetched and copied it
                 times.append((time.perf_counter() - started, exported - started))
             timed = times[warmup:]
             seconds = statistics.median(t for t, _ in timed)

@@ -12,7 +12,7 @@ process's address space, and give every call one `CallOutcome`: its value, or wh
   its CPU limit (SIGXCPU) or ran out of memory (a `MemoryError` under `memory_mb` is reported as
   crashed, not raised, since the process may be unusable after it); the worker is replaced.
 
-OrchestratorThreads are fresh interpreters started with subprocess (fork + exec of `sys.executable`, as the
+Workers are fresh interpreters started with subprocess (fork + exec of `sys.executable`, as the
 "spawn" start method does, never a bare fork of this process, which has threads and torch) that
 import only this module, relayrl.rewards.registry and the user's reward modules; they never import
 the parent's `__main__`. Calls and results travel as pickles over a socket pair
