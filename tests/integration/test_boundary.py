@@ -10,7 +10,7 @@ import pytest
 
 from relayrl.telemetry.callbacks import Callback
 from relayrl.types import StepResult
-from simutil import find, make_program, run_checked, sim_config, trace_spans
+from support.simutil import find, make_program, run_checked, sim_config, trace_spans
 
 
 def test_next_train_step_issued_while_fetch_outstanding_and_fetch_lands_before_next_optim(tmp_path: Path) -> None:

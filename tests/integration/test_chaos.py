@@ -1,6 +1,6 @@
 """Chaos: short sim runs, each with faults drawn at random from a sampler replica raising, a slow
 metrics fetch, a reward that hangs, a trainer call that stalls, and SIGKILL — each run in its own
-process (tests/chaos_child.py). A run that fails or is killed is resumed until it completes.
+process (tests/support/chaos_child.py). A run that fails or is killed is resumed until it completes.
 Whatever was drawn: the run completes every step once, the ledger balances, no prompt is trained
 twice, the failures are the ones expected, and `check-trace` passes on every trace written."""
 
@@ -19,11 +19,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from chaos_child import STEPS
 from relayrl.analysis.checker import check_run_dir
 from relayrl.rundir.checkpoint import CHECKPOINTS
+from support.chaos_child import STEPS
 
-CHILD = Path(__file__).parent / "chaos_child.py"
+CHILD = Path(__file__).parents[1] / "support" / "chaos_child.py"
 FAULTS = ("sampler_raises", "slow_fetch", "hanging_reward", "stalled_trainer", "sigkill")
 RUNS = 5
 

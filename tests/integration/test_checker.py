@@ -12,7 +12,7 @@ import pytest
 
 from relayrl.analysis.checker import check_events
 from relayrl.telemetry.tracer import TraceError, TraceEvent, load_trace
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
 
 @pytest.fixture(scope="module")

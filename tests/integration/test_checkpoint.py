@@ -27,7 +27,7 @@ from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
 from relayrl.rundir.trajfiles import log_files
 from relayrl.types import Drawn, FilterReason, Group, Prompt
-from simutil import StopAt, Stopped, run_checked, sim_config
+from support.simutil import StopAt, Stopped, run_checked, sim_config
 
 STEPS = 30
 GROUPS_PER_STEP = 4

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_local_backend import _tiny_batch
 from transformers import PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
@@ -21,7 +22,6 @@ from relayrl.config.schema import ConfigError, load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.orchestrator.build import build_program
 from relayrl.types import TrainBatch
-from test_local_backend import _tiny_batch
 
 torch.set_num_threads(1)
 NAN = float("nan")

@@ -23,7 +23,7 @@ from relayrl.orchestrator.deadlines import CallTimeoutError, bounded
 from relayrl.orchestrator.replicas import SamplerRetiredWarning
 from relayrl.orchestrator.watchdog import StallError
 from relayrl.types import GenerateResult, SampleRequest, Weights
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
 
 class HangsAfter(SimSampler):
@@ -160,7 +160,7 @@ BLOCKED_LOOP = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from relayrl.telemetry.callbacks import Callback
-from simutil import make_program, sim_config
+from support.simutil import make_program, sim_config
 from pathlib import Path
 import asyncio
 
@@ -175,7 +175,7 @@ asyncio.run(make_program(cfg, Path({tmp!r}), [Blocks()]).run())
 
 
 def test_a_stall_that_blocks_the_event_loop_ends_the_process(tmp_path: Path) -> None:
-    script = BLOCKED_LOOP.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    script = BLOCKED_LOOP.format(tests=str(Path(__file__).parents[1]), tmp=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "the event loop is blocked" in res.stderr

@@ -13,7 +13,7 @@ import torch
 
 from relayrl.algorithms.losses import LossConfig, LossOutput, policy_loss
 from relayrl.config.schema import Config, ConfigError, load_config
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ from relayrl.orchestrator.stages.advantage import advantage_stage, filter_reason
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import FilterReason, Group, Prompt, TrainBatch, Trajectory, TrajectoryStatus
-from simutil import run_checked, sim_config
+from support.simutil import run_checked, sim_config
 
 KINDS: tuple[AdvantageKind, ...] = ("grpo", "drgrpo", "rloo")
 

@@ -23,7 +23,7 @@ from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.types import FilterReason, Group, Trajectory
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 

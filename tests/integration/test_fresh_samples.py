@@ -14,7 +14,7 @@ import pytest
 from relayrl.config.schema import load_config
 from relayrl.orchestrator.build import build_program
 from relayrl.telemetry.trajlog import read_trajectories
-from simutil import run_checked
+from support.simutil import run_checked
 
 LOCAL = [
     "run.backend=local",

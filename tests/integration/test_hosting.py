@@ -19,7 +19,7 @@ from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.orchestrator.build import build_program
 from relayrl.threads import OrchestratorThreads, ThreadHost
 from relayrl.types import GenerateResult, Prompt, SampleRequest, TrainBatch, Trajectory, Weights
-from simutil import make_program, run_checked, sim_config, trace_spans
+from support.simutil import make_program, run_checked, sim_config, trace_spans
 
 # -- ThreadHost ---------------------------------------------------------------------------------
 

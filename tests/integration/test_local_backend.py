@@ -19,7 +19,7 @@ from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.orchestrator.build import build_program
 from relayrl.recipes import default_recipe
 from relayrl.types import TrainBatch
-from simutil import StopAt, Stopped, run_checked
+from support.simutil import StopAt, Stopped, run_checked
 
 QUICK = [
     "run.backend=local",

@@ -23,7 +23,7 @@ from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.stepbook import StepResults
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Drawn, FilterReason, Group, Prompt, StepResult
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
 # the JSON keys issue 8 names for `relayrl bench soak`
 SOAK_KEYS = {

@@ -22,8 +22,9 @@ from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePr
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
-from simutil import StopAt, Stopped, make_program, run_checked, sim_config, trace_spans
-from test_collate_logprobs import PAD, VOCAB, make_microbatch, tiny_qwen2
+from support.modelutil import PAD, VOCAB, tiny_qwen2
+from support.simutil import StopAt, Stopped, make_program, run_checked, sim_config, trace_spans
+from support.trajectories import make_microbatch
 
 # -- the episode runner on a scripted sampler --------------------------------------------------
 
@@ -386,7 +387,7 @@ def test_local_multiturn_run_agrees_on_policy_and_reports_turns(tmp_path: Path) 
 
 
 def test_multiturn_recipe_loads() -> None:
-    cfg = load_config(Path(__file__).resolve().parents[1] / "src" / "relayrl" / "recipes" / "multiturn.toml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "multiturn.toml")
     assert cfg.task.environment == "arithmetic_feedback" and cfg.rollout.max_turns == 3
     assert cfg.task.reward_functions == ["env"]
 

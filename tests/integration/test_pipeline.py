@@ -14,7 +14,7 @@ from relayrl.backends.sim import SimSampler
 from relayrl.rewards import registry as rewards
 from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import GenerateResult, SampleRequest, Trajectory
-from simutil import make_program, run_checked, sim_config, trace_spans
+from support.simutil import make_program, run_checked, sim_config, trace_spans
 
 
 def _lines(path: Path) -> list[dict[str, object]]:

@@ -22,7 +22,7 @@ from relayrl.orchestrator.replicas import ReplicaPool, SamplerRestartedWarning, 
 from relayrl.orchestrator.stages.sync import sync_stage
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest, Weights
-from simutil import StopAt, Stopped, make_program, run_checked, sim_config
+from support.simutil import StopAt, Stopped, make_program, run_checked, sim_config
 
 HANGS = "sampler replica 0: load_weights did not return within 0.3s (rollout.weight_load_timeout_s)"
 

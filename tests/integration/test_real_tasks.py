@@ -30,9 +30,9 @@ from relayrl.tasks.reasoning_gym import (
 )
 from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import Prompt, Trajectory
-from simutil import StopAt, Stopped, make_program, run_checked
+from support.simutil import StopAt, Stopped, make_program, run_checked
 
-SIM_RECIPE = Path(__file__).resolve().parents[1] / "src" / "relayrl" / "recipes" / "sim.toml"
+SIM_RECIPE = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 
 

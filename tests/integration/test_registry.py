@@ -22,9 +22,9 @@ from relayrl.backends.sim import build as sim_build
 from relayrl.config.schema import Config
 from relayrl.orchestrator.build import build_program
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Trajectory, Weights
-from simutil import run_checked, sim_config
+from support.simutil import run_checked, sim_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 

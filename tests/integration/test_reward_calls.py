@@ -39,9 +39,9 @@ from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.rewards.threads import MAX_ABANDONED_THREADS, AbandonedRewardThreadWarning
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Turn
-from simutil import run_checked, sim_config
+from support.simutil import run_checked, sim_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIM_RECIPE = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
 
 VALUES = """

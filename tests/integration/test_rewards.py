@@ -37,9 +37,9 @@ from relayrl.rewards.registry import Placement, RewardSpecError, resolve_rewards
 from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Weights
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIM_RECIPE = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
 EXAMPLE = ROOT / "examples" / "rewards" / "my_reward.py"
 

@@ -16,7 +16,7 @@ from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.state import RunState
 from relayrl.rundir.checkpoint import load_resume_point
 from relayrl.types import Prompt, StepResult
-from simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, sim_config
 
 
 def _prompts() -> itertools.count[Prompt]:  # type: ignore[type-var]

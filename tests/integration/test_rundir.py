@@ -334,7 +334,7 @@ def test_a_run_cancelled_between_a_commit_and_its_logs_reports_only_logged_steps
     that generation, so the run is cancelled there, whatever the machine's speed: the summary must
     not count step 1 in the ledger while its metrics row was never written. (Version 2 exists only
     once optim_step(1) returned, and the sampler gets it only after that commit.)"""
-    from simutil import make_program, sim_config
+    from support.simutil import make_program, sim_config
 
     cfg = sim_config("run.steps=6", "rollout.max_staleness=0")
     program = make_program(cfg, tmp_path)

@@ -314,7 +314,7 @@ def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: 
     from tensorboardX.proto import event_pb2
 
     from relayrl.orchestrator.build import build_program
-    from simutil import StopAt, Stopped, sim_config
+    from support.simutil import StopAt, Stopped, sim_config
 
     sets = ['telemetry.sinks=["tensorboard", "wandb", "mlflow"]', "orchestrator.checkpoint_every=2"]
     run_dir = tmp_path / "run"

@@ -18,7 +18,7 @@ from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning, dispatch_
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import PromptSource
 from relayrl.types import FilterReason, Group, Prompt, SampleRequest, Trajectory
-from simutil import run_checked
+from support.simutil import run_checked
 
 
 def _traj(prompt: int, completion: int, sample: int = 0) -> Trajectory:

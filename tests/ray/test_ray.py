@@ -18,7 +18,6 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from rayutil import local_cluster  # noqa: E402
 from relayrl.analysis import timeline  # noqa: E402
 from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer, trainer_call  # noqa: E402
@@ -28,9 +27,10 @@ from relayrl.backends.registry import build_backend  # noqa: E402
 from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
-from simutil import run_checked, sim_config  # noqa: E402
+from support.rayutil import local_cluster  # noqa: E402
+from support.simutil import run_checked, sim_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 cluster = pytest.fixture(scope="module")(local_cluster)

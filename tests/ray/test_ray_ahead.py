@@ -16,7 +16,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rayutil import local_cluster  # noqa: E402
 from relayrl.analysis import timeline  # noqa: E402
 from relayrl.analysis.checker import check_events, check_run_dir  # noqa: E402
 from relayrl.backends.local.build import load_base, make_trainer  # noqa: E402
@@ -28,7 +27,8 @@ from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.orchestrator.deadlines import BoundedTrainer, CallTimeoutError  # noqa: E402
 from relayrl.orchestrator.program import RunResult  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
-from simutil import run_checked, sim_config  # noqa: E402
+from support.rayutil import local_cluster  # noqa: E402
+from support.simutil import run_checked, sim_config  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 

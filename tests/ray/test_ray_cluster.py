@@ -23,7 +23,7 @@ from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler  # noqa: E402
 from relayrl.backends.ray.cluster import RAY_ENV  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
-from simutil import run_checked, sim_config  # noqa: E402
+from support.simutil import run_checked, sim_config  # noqa: E402
 
 STORE = 100 * 1024 * 1024  # bytes of object store per node
 

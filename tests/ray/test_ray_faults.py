@@ -29,7 +29,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rayutil import local_cluster  # noqa: E402
 from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler, RayTrainer, TrainerActorDiedError  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
@@ -39,7 +38,8 @@ from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.orchestrator.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
 from relayrl.rundir.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Weights  # noqa: E402
-from simutil import sim_config  # noqa: E402
+from support.rayutil import local_cluster  # noqa: E402
+from support.simutil import sim_config  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 
@@ -234,7 +234,7 @@ def test_a_killed_trainer_actor_fails_the_run_naming_it_and_keeps_the_newest_che
     assert complete_checkpoints(tmp_path / "run" / "checkpoints"), "no complete checkpoint"
 
 
-SIM_RECIPE = Path(__file__).resolve().parents[1] / "src" / "relayrl" / "recipes" / "sim.toml"
+SIM_RECIPE = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
 
 
 def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_on_ray(cluster: RayCluster, tmp_path: Path) -> None:
@@ -348,7 +348,7 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_stops_a_cli_run_on_its_own_ray_cluster_cleanly(cluster: RayCluster, tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
-    recipe = Path(__file__).resolve().parents[1] / "src" / "relayrl" / "recipes" / "sim.toml"
+    recipe = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
     sets = ["ray.num_cpus=1", "run.steps=100000", f"run.output_dir={tmp_path}", "run.name=t", "orchestrator.checkpoint_every=1"]
     args = ["train", str(recipe), "--ray", *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.Popen(

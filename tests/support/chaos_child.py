@@ -1,4 +1,4 @@
-"""One run of the chaos test (tests/test_chaos.py), in its own process so that the test can
+"""One run of the chaos test (tests/integration/test_chaos.py), in its own process so that the test can
 SIGKILL it: `python chaos_child.py SPEC_JSON`. The spec names the run directory, whether to
 resume, and the faults to inject; the process exits 0 when the run completed, 1 when it failed
 (its summary.json says why)."""
@@ -11,12 +11,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for `support`
 
 from relayrl.backends.sim.workers import SimSampler  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest, Trajectory  # noqa: E402
-from simutil import sim_config  # noqa: E402
+from support.simutil import sim_config  # noqa: E402
 
 STEPS = 8
 

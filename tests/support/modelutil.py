@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+VOCAB = 32  # the vocabulary of `tiny_qwen2`
+PAD = 0  # its pad token id
 
-def random_qwen2(vocab_size: int, seed: int = 0, **config: object) -> Qwen2ForCausalLM:
+
+def random_qwen2(vocab_size: int, seed: int = 0, **config: Any) -> Qwen2ForCausalLM:
+    """`config`: more Qwen2Config fields (attn_implementation, attention_dropout, token ids)."""
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=vocab_size,
@@ -19,3 +25,8 @@ def random_qwen2(vocab_size: int, seed: int = 0, **config: object) -> Qwen2ForCa
         **config,
     )
     return Qwen2ForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(attn_implementation: str) -> torch.nn.Module:
+    """A random Qwen2 over `VOCAB` tokens with this attention implementation ("sdpa", "eager")."""
+    return random_qwen2(VOCAB, attn_implementation=attn_implementation)

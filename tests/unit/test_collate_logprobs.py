@@ -16,21 +16,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelutil import random_qwen2
 from relayrl.backends.local.collate import PackedBatch, TorchCollator, prefix_tree_mask
 from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logprobs
 from relayrl.packing import layout_tokens
-from relayrl.types import MicroBatch, PaddingStats, Prompt, Trajectory
+from relayrl.types import MicroBatch, Prompt, Trajectory
+from support.modelutil import PAD, VOCAB, tiny_qwen2
+from support.trajectories import make_microbatch
 
 torch.set_num_threads(1)
 
-VOCAB = 32
-PAD = 0
 ModelFactory = Callable[[str], torch.nn.Module]
-
-
-def tiny_qwen2(attn_implementation: str) -> torch.nn.Module:
-    return random_qwen2(VOCAB, attn_implementation=attn_implementation)
 
 
 MODEL_FACTORIES: dict[str, ModelFactory] = {"qwen2-random": tiny_qwen2}
@@ -70,20 +65,6 @@ def make_groups(rng: random.Random, groups: list[tuple[int, list[int]]]) -> list
         for n_comp in completions:
             trajectories.append(make_trajectory(rng, len(trajectories), n_prompt, n_comp, group_id=g, prompt_tokens=prompt))
     return trajectories
-
-
-def make_microbatch(trajectories: list[Trajectory], rows: list[list[int]], share_prompt: bool = False) -> MicroBatch:
-    lengths = [layout_tokens(trajectories, row, share_prompt) for row in rows]
-    return MicroBatch(
-        step=0,
-        index=0,
-        final=True,
-        trajectories=trajectories,
-        rows=rows,
-        padding=PaddingStats(rows=len(rows), row_tokens=max(lengths), real_tokens=sum(lengths), sequences=len(trajectories)),
-        num_tokens=sum(lengths),
-        share_prompt=share_prompt,
-    )
 
 
 # groups as (prompt length, completion lengths): one empty completion; groups 0 and 1 are split

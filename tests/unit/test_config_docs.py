@@ -13,7 +13,7 @@ from relayrl.config.docs import REGENERATE, render_markdown
 from relayrl.config.schema import Config, ConfigError, config_keys, load_config, resumable_keys
 from relayrl.orchestrator.build import resume_changes
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 # The keys the 28 prefixes of the former orchestrator/build.py RESUMABLE_KEYS matched (computed
 # once from them, written out in full): a regression guard on the policy's move onto the fields.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "relayrl"
 SOURCE_DIRS = ("src", "tests", "scripts", "benchmarks", "examples")
 

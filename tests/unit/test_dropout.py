@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
 
-from modelutil import random_qwen2
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import PackedBatch, TorchCollator
 from relayrl.backends.local.generation import SamplingParams
@@ -21,6 +20,7 @@ from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
 from relayrl.models.loading import disable_dropout, load_model_and_tokenizer, shipped_model_dir
 from relayrl.packing import build_microbatch, plan
 from relayrl.types import Prompt, SampleRequest, TrainBatch, Trajectory
+from support.modelutil import random_qwen2
 
 torch.set_num_threads(1)
 

@@ -22,7 +22,7 @@ from relayrl.tasks.arithmetic import ArithmeticTask
 from relayrl.tasks.synthetic import synthetic_stream
 from relayrl.types import Prompt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "envs" / "guess_number.py"
 TINY_CHARS = set("0123456789+-*/=()<>.,;:?!'\" \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")  # make_tiny_model.py
 

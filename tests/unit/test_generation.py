@@ -16,10 +16,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from modelutil import random_qwen2
 from relayrl.backends.local.generation import SampledSequence, SamplingParams, sample
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.types import Prompt, SampleRequest, Weights
+from support.modelutil import random_qwen2
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 `relayrl.backends`, `relayrl.telemetry`, `relayrl.algorithms` or `relayrl.envs` imports
 `relayrl.orchestrator` (its stages included), directly or through other modules.
 
-Uses the import graph of tests/test_imports.py: every import a module can execute (top level and
+Uses the import graph of tests/unit/test_imports.py: every import a module can execute (top level and
 inside functions), `if TYPE_CHECKING:` imports left out.
 """
 
