@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import textwrap
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from relayrl.envs import ENVIRONMENTS, EnvironmentSpecError, build_environment
+from relayrl.envs import ENVIRONMENTS, EnvironmentSpecError, build_environment, calculator
 from relayrl.envs.arithmetic_feedback import ArithmeticFeedback, first_integer
 from relayrl.envs.base import Environment, EnvStep
 from relayrl.envs.calculator import CalcError, Calculator, evaluate, format_value
@@ -191,14 +190,41 @@ def test_calculator_refuses_anything_else(expression: str, error: str) -> None:
     assert set(f"<result>error: {error}</result>") <= TINY_CHARS
 
 
-def test_calculator_bounds_make_every_call_fast() -> None:
-    began = time.perf_counter()
-    for expression in ("9**9**9", "10**64", "(10**15)**64", "-" * 190 + "1", "(" * 99 + "1" + ")" * 99):
-        try:
+OVERSIZED = [
+    ("9**9**9", "exponent too large"),
+    ("2**-65", "exponent too large"),
+    ("10**64", "number too large"),
+    ("(10**15)**64", "number too large"),
+    ("-(10**15)**63", "number too large"),
+    ("9" * 16, "number too large"),
+    ("10**15 * 10**15", "number too large"),
+    ("1" + "+1" * 100, "expression too long"),
+    ("(" * 101 + "1" + ")" * 101, "expression too long"),
+]
+
+
+def test_calculator_refuses_an_oversized_expression_before_computing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bound's message; and no value the evaluator computes (constants, intermediates,
+    results: all go through `_bounded`) is ever beyond what one cheap step past the bound gives:
+    a refused power is refused from its operands' sizes, never by computing it. The deepest
+    expressions the length bound lets through (99 nested parentheses, 199 unary minuses) evaluate:
+    the parser's own nesting limit is never reached."""
+    computed: list[int | float] = []
+    bounded = calculator._bounded
+
+    def recording(value: object) -> int | float:
+        if isinstance(value, int | float):
+            computed.append(value)
+        return bounded(value)
+
+    monkeypatch.setattr(calculator, "_bounded", recording)
+    for expression, message in OVERSIZED:
+        with pytest.raises(CalcError, match=f"^{message}$"):
             evaluate(expression)
-        except CalcError:
-            pass
-    assert time.perf_counter() - began < 1.0
+        assert all(abs(v) <= calculator.MAX_MAGNITUDE**2 for v in computed), (expression, max(computed, key=abs))
+    assert evaluate("-" * 190 + "1") == 1
+    assert evaluate("(" * 99 + "1" + ")" * 99) == 1
+    assert evaluate("-" * 199 + "1") == -1
 
 
 def test_calculator_tool_calls_and_final_answer() -> None:
