@@ -4,12 +4,11 @@ timings; only relations that follow from the simulated costs are checked)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from relayrl.bench.suite import BOUNDARY_PROFILE, run_boundary, run_control_plane, run_e2e, run_ray_scale, run_weight_sync
+from support.cli import relayrl
 
 
 def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeeping() -> None:
@@ -37,12 +36,7 @@ def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeep
 
 
 def test_boundary_bench_json_output() -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "relayrl", "bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = relayrl("bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02", timeout=120)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert {"inline", "overlapped", "ratio"} <= data.keys()

@@ -22,6 +22,7 @@ import pytest
 from relayrl.analysis.checker import check_run_dir
 from relayrl.rundir.checkpoint import CHECKPOINTS
 from support.chaos_child import STEPS
+from support.cli import child_env
 
 CHILD = Path(__file__).parents[1] / "support" / "chaos_child.py"
 FAULTS = ("sampler_raises", "slow_fetch", "hanging_reward", "stalled_trainer", "sigkill")
@@ -29,7 +30,7 @@ RUNS = 5
 
 
 def _child(spec: dict[str, object]) -> subprocess.Popen[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = child_env({"PYTHONUNBUFFERED": "1"})
     return subprocess.Popen(
         [sys.executable, str(CHILD), json.dumps(spec)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )

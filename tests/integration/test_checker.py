@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from relayrl.analysis.checker import check_events
 from relayrl.telemetry.tracer import TraceError, TraceEvent, load_trace
+from support.cli import relayrl
 from support.simutil import make_program, run_checked, sim_config
 
 
@@ -178,16 +177,16 @@ def test_cli_check_trace_exit_codes(good_trace: list[TraceEvent], tmp_path: Path
     good = tmp_path / "good"
     good.mkdir()
     (good / "trace.json").write_text(json.dumps(good_trace))
-    ok = subprocess.run([sys.executable, "-m", "relayrl", "check-trace", str(good)], capture_output=True, text=True)
+    ok = relayrl("check-trace", str(good))
     assert ok.returncode == 0 and "rules 1–6" in ok.stdout
     bad = tmp_path / "bad"
     bad.mkdir()
     ev = copy.deepcopy(good_trace)
     _span(ev, "log_metrics", 0)["args"]["thread"] = "MainThread"  # type: ignore[index]
     (bad / "trace.json").write_text(json.dumps(ev))
-    res = subprocess.run([sys.executable, "-m", "relayrl", "check-trace", str(bad)], capture_output=True, text=True)
+    res = relayrl("check-trace", str(bad))
     assert res.returncode == 1 and res.stderr.startswith("violation: rule 3")
-    missing = subprocess.run([sys.executable, "-m", "relayrl", "check-trace", str(tmp_path / "nope")], capture_output=True, text=True)
+    missing = relayrl("check-trace", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no trace" in missing.stderr
 
 

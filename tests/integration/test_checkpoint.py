@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +26,7 @@ from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
 from relayrl.rundir.trajfiles import log_files
 from relayrl.types import Drawn, FilterReason, Group, Prompt
+from support.cli import child_env, relayrl, relayrl_argv
 from support.simutil import StopAt, Stopped, run_checked, sim_config
 
 STEPS = 30
@@ -48,11 +48,11 @@ SIM_RUN = [
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "relayrl", "train", *args]
+    return relayrl_argv("train", *args)
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return child_env({"PYTHONUNBUFFERED": "1"})
 
 
 def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     logged = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(logged) < STEPS  # really interrupted (the last line may be torn)
 
-    resumed = subprocess.run(_cli("--resume", str(run_dir)), env=_env(), capture_output=True, text=True, timeout=120)
+    resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert "from step" in resumed.stdout
 
@@ -126,21 +126,19 @@ def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> 
 
 
 def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run(_cli("--resume", str(tmp_path / "nothing")), env=_env(), capture_output=True, text=True, timeout=60)
+    proc = relayrl("train", "--resume", str(tmp_path / "nothing"), timeout=60)
     assert proc.returncode == 2
     assert "config file not found" in proc.stdout + proc.stderr
     # a run without checkpoints
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2", "orchestrator.checkpoint_every=0"]]
-    assert subprocess.run(_cli(*sets), env=_env(), capture_output=True, timeout=60).returncode == 0
-    proc = subprocess.run(_cli("--resume", str(tmp_path / "r")), env=_env(), capture_output=True, text=True, timeout=60)
+    assert relayrl("train", *sets, timeout=60).returncode == 0
+    proc = relayrl("train", "--resume", str(tmp_path / "r"), timeout=60)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     # a checkpoint whose trainer state is gone: named before anything in the run directory changes
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2"]]
-    assert subprocess.run(_cli(*sets), env=_env(), capture_output=True, timeout=60).returncode == 0
+    assert relayrl("train", *sets, timeout=60).returncode == 0
     (tmp_path / "r" / CHECKPOINTS / "step-000001" / "sim_trainer.json").unlink()
-    proc = subprocess.run(
-        _cli("--resume", str(tmp_path / "r"), "--set=run.steps=3"), env=_env(), capture_output=True, text=True, timeout=60
-    )
+    proc = relayrl("train", "--resume", str(tmp_path / "r"), "--set=run.steps=3", timeout=60)
     assert proc.returncode == 2 and "trainer state file(s) missing: sim_trainer.json" in proc.stderr
     assert (tmp_path / "r" / "trace.json").exists() and not (tmp_path / "r" / "trace.part-0.json").exists()
 
@@ -270,7 +268,7 @@ def test_local_trainer_state_round_trips(tmp_path: Path) -> None:
     from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
     from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
     from relayrl.packing import build_microbatch, plan
-    from relayrl.types import Trajectory
+    from support.trajectories import trajectory
 
     def make() -> tuple[LocalTrainer, object]:
         model, tok = load_model_and_tokenizer(shipped_model_dir())
@@ -280,18 +278,7 @@ def test_local_trainer_state_round_trips(tmp_path: Path) -> None:
     trainer, tok = make()
     ids = tok("12+7=", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
     trajs = [
-        Trajectory(
-            group_id=0,
-            sample_index=i,
-            prompt=Prompt("p", "12+7=", "19"),
-            prompt_tokens=ids,
-            completion_tokens=c,
-            sampler_logprobs=[-1.0] * len(c),
-            completion_text="",
-            policy_version=0,
-            replica=0,
-            advantage=a,
-        )
+        trajectory(sample=i, prompt=Prompt("p", "12+7=", "19"), prompt_tokens=ids, completion_tokens=c, logprob=-1.0, text="", advantage=a)
         for i, (c, a) in enumerate([([5, 6, 1], 1.0), ([5, 7, 1], -1.0)])
     ]
     mb = build_microbatch(0, 0, trajs, plan(trajs, 64, 4, share_prompt=True))
@@ -367,6 +354,6 @@ def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "cancelled" and summary["steps_completed"] < STEPS
     assert check_run_dir(run_dir).ok
-    resumed = subprocess.run(_cli("--resume", str(run_dir)), env=_env(), capture_output=True, text=True, timeout=120)
+    resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == STEPS

@@ -4,18 +4,18 @@ with one line naming what is wrong."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+from support import cli
+
+WIDE = {"COLUMNS": "160"}  # one line per error, whatever the terminal
 
 
 def relayrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300)
+    return cli.relayrl(*args, cwd=cwd, env=WIDE)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,7 @@ def test_runs_piped_prints_whole_values(trained: Path) -> None:
     """stdout is a pipe here (capture_output) and the terminal narrow: no value is cut."""
     from relayrl.analysis.runlist import RUN_COLUMNS, run_figures, runs_cells
 
-    env = {**ENV, "COLUMNS": "40"}
-    res = subprocess.run([sys.executable, "-m", "relayrl", "runs"], cwd=trained, capture_output=True, text=True, env=env, timeout=300)
+    res = cli.relayrl("runs", cwd=trained, env={"COLUMNS": "40"})
     assert res.returncode == 0, res.stderr
     assert "…" not in res.stdout
     header, row = res.stdout.splitlines()
@@ -105,7 +104,7 @@ main()
 )
 def test_missing_extra_exits_2_naming_it(tmp_path: Path, module: str, args: list[str], extra: str) -> None:
     code = BLOCK.format(module=module)
-    res = subprocess.run([sys.executable, "-c", code, "train", *args], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    res = cli.run_python("-c", code, "train", *args, cwd=tmp_path, env=WIDE)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr

@@ -5,9 +5,6 @@ resets the count; the count survives a checkpoint; the command line reports it i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from relayrl.config.schema import ConfigError, load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.orchestrator.build import build_program
 from relayrl.types import TrainBatch
+from support.cli import run_python
 
 torch.set_num_threads(1)
 NAN = float("nan")
@@ -148,8 +146,7 @@ def test_the_command_line_reports_it_in_one_line(tmp_path: Path) -> None:
         )
     )
     args = [a for item in [*QUICK, "run.steps=5", "train.max_consecutive_skips=2", f"run.output_dir={tmp_path}"] for a in ("--set", item)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300)
+    done = run_python(str(script), *args)
     assert done.returncode == 1, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: step 2: 3 steps in a row"), done.stderr

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ from relayrl.orchestrator.deadlines import CallTimeoutError, bounded
 from relayrl.orchestrator.replicas import SamplerRetiredWarning
 from relayrl.orchestrator.watchdog import StallError
 from relayrl.types import GenerateResult, SampleRequest, Weights
+from support.cli import run_python
 from support.simutil import make_program, run_checked, sim_config
 
 
@@ -176,7 +175,7 @@ asyncio.run(make_program(cfg, Path({tmp!r}), [Blocks()]).run())
 
 def test_a_stall_that_blocks_the_event_loop_ends_the_process(tmp_path: Path) -> None:
     script = BLOCKED_LOOP.format(tests=str(Path(__file__).parents[1]), tmp=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    res = run_python("-c", script, timeout=60)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "the event loop is blocked" in res.stderr
     stall = (tmp_path / "run" / "stall.txt").read_text()

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +19,11 @@ from relayrl.rewards.registry import resolve_rewards
 from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.rundir.lock import MARKER
 from relayrl.threads import OrchestratorThreads
-from relayrl.types import Prompt, Trajectory
+from relayrl.types import Trajectory
+from support.cli import relayrl, run_python
+from support.trajectories import trajectory
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+WIDE = {"COLUMNS": "160"}  # one line per error, whatever the terminal
 SIM = ["--backend", "sim", "--set", "task.kind=synthetic", "--set", "run.steps=3", "--set", "run.name=r", "--set", "eval.enabled=false"]
 
 # Runs the command line after a patch (PATCH) that stands in for a bug or a failure somewhere.
@@ -69,12 +69,9 @@ ProgressPrinter.on_step_end = failing
 
 
 def train(tmp_path: Path, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**ENV, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir(exist_ok=True)
     code = SCRIPT.format(patch=patch)
-    return subprocess.run(
-        [sys.executable, "-c", code, "train", *SIM, *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
-    )
+    return run_python("-c", code, "train", *SIM, *args, cwd=tmp_path, env={**WIDE, "TMPDIR": str(tmp_path / "tmp")})
 
 
 def error_lines(res: subprocess.CompletedProcess[str]) -> list[str]:
@@ -94,9 +91,7 @@ def test_a_value_error_from_a_bug_while_building_exits_1_with_its_traceback_kept
     assert "Traceback (most recent call last)" in kept and "in build_task\nValueError: a bug in build_task" in kept
     # the directory made for the traceback is relayrl's: the next run replaces it
     assert sorted(p.name for p in (tmp_path / "runs" / "r").iterdir()) == sorted([MARKER, "error.txt"])
-    again = subprocess.run(
-        [sys.executable, "-m", "relayrl", "train", *SIM], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300
-    )
+    again = relayrl("train", *SIM, cwd=tmp_path, env=WIDE)
     assert again.returncode == 0 and not (tmp_path / "runs" / "r" / "error.txt").exists(), again.stderr
 
 
@@ -202,20 +197,6 @@ def test_first_error_flattens_nested_groups_in_order_and_skips_cancellations() -
 # -- scoring ------------------------------------------------------------------------------------
 
 
-def _traj(i: int) -> Trajectory:
-    return Trajectory(
-        group_id=0,
-        sample_index=i,
-        prompt=Prompt("p0", "2+2=", "4", {}),
-        prompt_tokens=[1, 2],
-        completion_tokens=[3],
-        sampler_logprobs=[-0.5],
-        completion_text="4",
-        policy_version=0,
-        replica=0,
-    )
-
-
 async def _later(t: Trajectory) -> float:
     await asyncio.sleep(0)
     return 1.0
@@ -235,7 +216,7 @@ def test_scoring_reports_the_first_error_of_its_task_group_not_the_group(strict:
     monkeypatch.setattr(scorer, "_run_sync", sync_part)
     try:
         with pytest.raises(RewardPoolError) as info:
-            asyncio.run(scorer.score([_traj(0), _traj(1)], strict=strict))
+            asyncio.run(scorer.score([trajectory(sample=0), trajectory(sample=1)], strict=strict))
     finally:
         threads.shutdown()
         scorer.close()

@@ -20,26 +20,16 @@ from relayrl.orchestrator.program import RunResult
 from relayrl.orchestrator.stages.advantage import advantage_stage, filter_reason
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.telemetry.trajlog import read_trajectories
-from relayrl.types import FilterReason, Group, Prompt, TrainBatch, Trajectory, TrajectoryStatus
+from relayrl.types import FilterReason, Group, TrainBatch, Trajectory
 from support.simutil import run_checked, sim_config
+from support.trajectories import trajectory
 
 KINDS: tuple[AdvantageKind, ...] = ("grpo", "drgrpo", "rloo")
 
 
 def _traj(sample: int, reward: float, failed: bool = False, group: int = 0) -> Trajectory:
-    return Trajectory(
-        group_id=group,
-        sample_index=sample,
-        prompt=Prompt(f"p{group}", "2+2=", "4"),
-        prompt_tokens=[1, 2],
-        completion_tokens=[3] * (sample + 1),
-        sampler_logprobs=[-0.5] * (sample + 1),
-        completion_text="x",
-        policy_version=0,
-        replica=0,
-        reward=reward,
-        status=TrajectoryStatus.FAILED if failed else TrajectoryStatus.OK,
-    )
+    n = sample + 1
+    return trajectory(group=group, sample=sample, completion_tokens=[3] * n, text="x", reward=reward, failed=failed)
 
 
 def _stage(groups: list[Group], kind: AdvantageKind = "grpo", dynamic_sampling: bool = False) -> tuple[list[Group], Ledger]:

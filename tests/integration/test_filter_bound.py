@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +20,10 @@ from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.types import FilterReason, Group, Trajectory
+from support.cli import relayrl
 from support.simutil import make_program, run_checked, sim_config
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+WIDE = {"COLUMNS": "160"}  # one line per error, whatever the terminal
 
 
 def _ledger(groups_per_step: int = 2, bound: int = 0, groups: int = 100) -> Ledger:
@@ -162,14 +160,7 @@ def test_the_cli_exits_1_with_one_line_naming_the_step_and_the_reasons(tmp_path:
     sets = ["run.name=ties", "run.steps=3", "task.kind=synthetic", "rollout.groups_per_step=8", "rollout.prompts_per_request=8"]
     sets += ["algorithm.dynamic_sampling=true", 'task.reward_functions=["const.py:one"]']
     args = [arg for s in sets for arg in ("--set", s)]
-    res = subprocess.run(
-        [sys.executable, "-m", "relayrl", "train", "--backend", "sim", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-    )
+    res = relayrl("train", "--backend", "sim", *args, cwd=tmp_path, env=WIDE)
     assert res.returncode == 1, res.stderr
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert errors == [line for line in res.stderr.splitlines() if "Error" in line or line.startswith("error")]  # no traceback

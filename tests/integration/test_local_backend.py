@@ -147,20 +147,18 @@ def _tiny_batch(tok: Any, advantages: tuple[float, float]) -> TrainBatch:
     """A collated one-step micro-batch of two completions of "12+7=" with these advantages."""
     from relayrl.backends.local.collate import TorchCollator
     from relayrl.packing import build_microbatch, plan
-    from relayrl.types import Prompt, Trajectory
+    from relayrl.types import Prompt
+    from support.trajectories import trajectory
 
     prompt_ids = tok("12+7=", add_special_tokens=False)["input_ids"]
     trajs = [
-        Trajectory(
-            group_id=0,
-            sample_index=i,
+        trajectory(
+            sample=i,
             prompt=Prompt("p", "12+7=", "19"),
             prompt_tokens=prompt_ids,
             completion_tokens=tok(c, add_special_tokens=False)["input_ids"],
             sampler_logprobs=[-1.0] * len(c),
-            completion_text=c,
-            policy_version=0,
-            replica=0,
+            text=c,
             advantage=a,
         )
         for i, (c, a) in enumerate(zip(("19", "18"), advantages, strict=True))

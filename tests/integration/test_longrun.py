@@ -8,8 +8,6 @@ import asyncio
 import gc
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Sized
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.stepbook import StepResults
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Drawn, FilterReason, Group, Prompt, StepResult
+from support.cli import relayrl
 from support.simutil import make_program, run_checked, sim_config
 
 # the JSON keys issue 8 names for `relayrl bench soak`
@@ -154,13 +153,7 @@ def test_soak_bench_reports_every_figure() -> None:
 
 
 def test_soak_bench_json_output() -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "relayrl", "bench", "soak", "--json", "--steps", "40", "--time-scale", "0.002"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    res = relayrl("bench", "soak", "--json", "--steps", "40", "--time-scale", "0.002", timeout=120)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert SOAK_KEYS <= data.keys()

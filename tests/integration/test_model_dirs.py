@@ -4,10 +4,7 @@ tokenizer fits the weights, loading either succeeds or fails with one line namin
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relayrl.models.loading import ModelLoadError, load_model_and_tokenizer, shipped_model_dir
+from support.cli import relayrl
 
 SHIPPED = shipped_model_dir()
 FILES = sorted(p.name for p in SHIPPED.iterdir())
@@ -77,9 +75,8 @@ def test_the_cli_refuses_a_broken_model_directory_and_writes_nothing(
 ) -> None:
     model_dir = _broken_copy(tmp_path, removed, truncated, 0)
     out = tmp_path / "runs"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = ["train", "--set", f"model.path={model_dir}", "--set", f"run.output_dir={out}", "--set", "run.steps=1"]
-    res = subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    res = relayrl(*args, cwd=tmp_path, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], res.stderr

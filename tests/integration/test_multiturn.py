@@ -24,7 +24,7 @@ from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
 from support.modelutil import PAD, VOCAB, tiny_qwen2
 from support.simutil import StopAt, Stopped, make_program, run_checked, sim_config, trace_spans
-from support.trajectories import make_microbatch
+from support.trajectories import make_microbatch, trajectory
 
 # -- the episode runner on a scripted sampler --------------------------------------------------
 
@@ -278,16 +278,14 @@ def _multiturn(rng: random.Random, i: int, prompt: list[int], parts: list[tuple[
         tokens += [rng.randrange(1, VOCAB) for _ in range(n_action + n_obs)]
         logprobs += [-rng.random() * 3 for _ in range(n_action)] + [0.0] * n_obs
         mask += [1] * n_action + [0] * n_obs
-    return Trajectory(
-        group_id=group,
-        sample_index=i,
+    return trajectory(
+        group=group,
+        sample=i,
         prompt=Prompt(f"p{group}", "", ""),
         prompt_tokens=prompt,
         completion_tokens=tokens,
         sampler_logprobs=logprobs,
-        completion_text="",
-        policy_version=0,
-        replica=0,
+        text="",
         advantage=rng.uniform(-2, 2),
         turns=turns,
         loss_mask=mask,

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 from dataclasses import asdict
 from pathlib import Path
@@ -30,24 +27,16 @@ from relayrl.tasks.reasoning_gym import (
 )
 from relayrl.telemetry.trajlog import read_trajectories
 from relayrl.types import Prompt, Trajectory
+from support.cli import relayrl, run_python
 from support.simutil import StopAt, Stopped, make_program, run_checked
+from support.trajectories import trajectory
 
 SIM_RECIPE = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+WIDE = {"COLUMNS": "160"}  # one line per error, whatever the terminal
 
 
 def _trajectory(prompt: Prompt, completion: str) -> Trajectory:
-    return Trajectory(
-        group_id=0,
-        sample_index=0,
-        prompt=prompt,
-        prompt_tokens=[1],
-        completion_tokens=[2],
-        sampler_logprobs=[-0.1],
-        completion_text=completion,
-        policy_version=0,
-        replica=0,
-    )
+    return trajectory(prompt=prompt, prompt_tokens=[1], completion_tokens=[2], logprob=-0.1, text=completion)
 
 
 # -- reasoning-gym ------------------------------------------------------------------------------------
@@ -166,7 +155,7 @@ def test_the_reward_rebuilds_its_scorer_in_another_process_from_the_prompt_metad
         "t = lambda text: Trajectory(0, 0, p, [1], [2], [-0.1], text, 0, 0)\n"
         "print(reasoning_gym_reward(t(p.answer)), reasoning_gym_reward(t('1 + 1')))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "prompt.json")], capture_output=True, text=True, env=ENV, timeout=120)
+    res = run_python("-c", code, str(tmp_path / "prompt.json"), env=WIDE, timeout=120)
     assert res.returncode == 0, res.stderr
     right, wrong = map(float, res.stdout.split())
     assert right == 1.0 and wrong < 1.0
@@ -257,15 +246,13 @@ def test_a_resumed_reasoning_gym_run_scores_its_replayed_prompts(tmp_path: Path,
 
 
 def test_a_bad_dataset_name_exits_2_naming_task_dataset(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "relayrl", "train", str(SIM_RECIPE), "--set", "task.kind=reasoning_gym"]
-    res = subprocess.run(
-        [*args, "--set", "task.dataset=no_such_dataset"], cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300
-    )
+    args = ["train", str(SIM_RECIPE), "--set", "task.kind=reasoning_gym"]
+    res = relayrl(*args, "--set", "task.dataset=no_such_dataset", cwd=tmp_path, env=WIDE)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: task.dataset: unknown reasoning-gym dataset 'no_such_dataset'"), res.stderr
     assert not (tmp_path / "runs").exists()  # refused before the run directory was written
-    res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    res = relayrl(*args, cwd=tmp_path, env=WIDE)
     assert res.returncode == 2 and "task.dataset must name a reasoning-gym dataset" in res.stderr
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +20,7 @@ from relayrl.backends.sim import build as sim_build
 from relayrl.config.schema import Config
 from relayrl.orchestrator.build import build_program
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Trajectory, Weights
+from support.cli import run_python
 from support.simutil import run_checked, sim_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +82,7 @@ def test_the_sim_kind_does_not_evaluate_and_imports_no_torch() -> None:
         "assert p.backend.greedy is None and p.eval_schedule._evaluator is None\n"
         "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = run_python("-c", code, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 

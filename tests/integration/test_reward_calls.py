@@ -19,8 +19,6 @@ import functools
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 import timeit
@@ -39,7 +37,9 @@ from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.rewards.threads import MAX_ABANDONED_THREADS, AbandonedRewardThreadWarning
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Turn
+from support.cli import relayrl
 from support.simutil import run_checked, sim_config
+from support.trajectories import trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_RECIPE = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
@@ -56,17 +56,8 @@ async def avalue(t):
 
 
 def _traj(expr: str = "1.0", group: int = 0, sample: int = 0) -> Trajectory:
-    return Trajectory(
-        group_id=group,
-        sample_index=sample,
-        prompt=Prompt(f"p{group}", "2+2=", "4", {"expr": expr, "nested": {"xs": [1, 2]}}),
-        prompt_tokens=[1, 2],
-        completion_tokens=[3, 4],
-        sampler_logprobs=[-0.5, -0.25],
-        completion_text="4",
-        policy_version=0,
-        replica=0,
-    )
+    prompt = Prompt(f"p{group}", "2+2=", "4", {"expr": expr, "nested": {"xs": [1, 2]}})
+    return trajectory(group=group, sample=sample, prompt=prompt, completion_tokens=[3, 4], sampler_logprobs=[-0.5, -0.25])
 
 
 def _value(t: Trajectory) -> object:
@@ -375,14 +366,11 @@ judge = Callable()
 def test_an_entry_that_cannot_take_a_trajectory_exits_2_naming_it(tmp_path: Path, entry: str, message: str) -> None:
     (tmp_path / "rwsig.py").write_text(SIGNATURES)
     out = tmp_path / "runs"
-    done = subprocess.run(
-        [sys.executable, "-m", "relayrl", "train", str(SIM_RECIPE), "--set", f'task.reward_functions=["rwsig.py:fine", "{entry}"]']
-        + ["--set", f"run.output_dir={out}"],
+    done = relayrl(
+        *["train", str(SIM_RECIPE), "--set", f'task.reward_functions=["rwsig.py:fine", "{entry}"]', "--set", f"run.output_dir={out}"],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)},
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)},
     )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -14,10 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -37,7 +34,9 @@ from relayrl.rewards.registry import Placement, RewardSpecError, resolve_rewards
 from relayrl.rewards.scoring import RewardError, Scorer, ScorerSettings
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Prompt, RewardFailure, Trajectory, TrajectoryStatus, Weights
+from support.cli import relayrl
 from support.simutil import make_program, run_checked, sim_config
+from support.trajectories import trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_RECIPE = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
@@ -45,17 +44,7 @@ EXAMPLE = ROOT / "examples" / "rewards" / "my_reward.py"
 
 
 def _traj(completion: str, answer: str = "4", group: int = 0, sample: int = 0, metadata: dict[str, object] | None = None) -> Trajectory:
-    return Trajectory(
-        group_id=group,
-        sample_index=sample,
-        prompt=Prompt(f"p{group}", "2+2=", answer, metadata or {}),
-        prompt_tokens=[1, 2],
-        completion_tokens=[3],
-        sampler_logprobs=[-0.5],
-        completion_text=completion,
-        policy_version=0,
-        replica=0,
-    )
+    return trajectory(group=group, sample=sample, prompt=Prompt(f"p{group}", "2+2=", answer, metadata or {}), text=completion)
 
 
 def _write_module(directory: Path, name: str, source: str) -> Path:
@@ -76,17 +65,6 @@ def _alive(pid: int, zombie: bool = True) -> bool:
 
 def _rows(run_dir: Path) -> list[dict[str, object]]:
     return pq.read_table(run_dir / "trajectories").to_pylist()
-
-
-def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relayrl", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 # -- resolution -----------------------------------------------------------------------------------
@@ -134,7 +112,7 @@ def test_each_spec_form_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_an_entry_that_cannot_be_resolved_exits_2_naming_it(tmp_path: Path, entry: str, message: str) -> None:
     _write_module(tmp_path, "rwbad", "NOT_A_FUNCTION = 3\n")
     out = tmp_path / "runs"
-    done = _cli(
+    done = relayrl(
         "train",
         str(SIM_RECIPE),
         "--set",
@@ -348,7 +326,7 @@ def test_strict_rewards_fails_the_run_naming_the_function_and_the_trajectory(tmp
             return 1.0
         """,
     )
-    done = _cli(
+    done = relayrl(
         "train",
         str(SIM_RECIPE),
         "--set",
@@ -466,7 +444,7 @@ def test_the_readme_example_runs_with_jsonl_metadata(tmp_path: Path) -> None:
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "tolerance": i % 2} for i in range(1, 9)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    done = _cli(
+    done = relayrl(
         "train",
         str(SIM_RECIPE),
         "--set",

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import resource
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +23,7 @@ from relayrl.config.schema import ConfigError, load_config
 from relayrl.config.sizing import check_fits
 from relayrl.rundir.lock import MARKER, RunDirError, RunDirLock, is_live
 from relayrl.types import GenerateResult, SampleRequest, Weights
+from support.cli import child_env, relayrl, relayrl_argv
 
 QUICK = ["--backend", "sim", "--set", "run.steps=3", "--set", "rollout.groups_per_step=2", "--set", "rollout.num_generations=2"]
 # a sim run that keeps going long enough to be interfered with (a checkpoint every 2 steps)
@@ -44,15 +43,9 @@ LONG = [
 ]
 
 
-def relayrl(*args: str, cwd: Path, **kw: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300, **kw)  # type: ignore[call-overload]
-
-
 def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "relayrl", *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        relayrl_argv(*args), cwd=cwd, env=child_env({"PYTHONUNBUFFERED": "1"}), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
 
 
@@ -279,11 +272,8 @@ def test_a_second_sigint_exits_at_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("after_s", [0.3, 1.0, 2.5])
 def test_a_signal_before_the_run_starts_exits_without_a_traceback(tmp_path: Path, after_s: float) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     # the default recipe through the `relayrl` entry point: imports typer, torch, transformers, loads the model
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl", "train"], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    proc = subprocess.Popen(relayrl_argv("train"), cwd=tmp_path, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

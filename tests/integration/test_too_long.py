@@ -19,11 +19,18 @@ from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import PromptSource
 from relayrl.types import FilterReason, Group, Prompt, SampleRequest, Trajectory
 from support.simutil import run_checked
+from support.trajectories import trajectory
 
 
 def _traj(prompt: int, completion: int, sample: int = 0) -> Trajectory:
-    return Trajectory(
-        0, sample, Prompt("p", "t", "1"), [1] * prompt, [2] * completion, [-1.0] * completion, "1", 0, 0, reward=float(sample)
+    return trajectory(
+        sample=sample,
+        prompt=Prompt("p", "t", "1"),
+        prompt_tokens=[1] * prompt,
+        completion_tokens=[2] * completion,
+        logprob=-1.0,
+        text="1",
+        reward=float(sample),
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -26,7 +25,9 @@ from relayrl.telemetry.trajlog import (  # noqa: E402
     trajectory_schema,
     trajectory_table,
 )
-from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, Trajectory, TrajectoryStatus  # noqa: E402
+from relayrl.types import FilteredGroup, FilterReason, Group, Prompt, Trajectory  # noqa: E402
+from support.cli import run_python  # noqa: E402
+from support.trajectories import trajectory  # noqa: E402
 
 
 # The row semantics the Parquet log must reproduce (the former JSON-lines log's rows).
@@ -59,20 +60,18 @@ def _row(step: int, trained_version: int, t: Trajectory, status: str) -> dict[st
 
 
 def _traj(group_id: int, index: int, version: int, *, reward: float = 0.0, failed: bool = False) -> Trajectory:
-    prompt = Prompt(prompt_id=f"p{group_id}", text=f"{group_id} + {index} =", answer=str(group_id + index))
-    return Trajectory(
-        group_id=group_id,
-        sample_index=index,
-        prompt=prompt,
+    return trajectory(
+        group=group_id,
+        sample=index,
+        prompt=Prompt(prompt_id=f"p{group_id}", text=f"{group_id} + {index} =", answer=str(group_id + index)),
         prompt_tokens=[100 + group_id, 7, 8],
         completion_tokens=[200 + index] * (index + 1),
-        sampler_logprobs=[-0.5] * (index + 1),
-        completion_text=f"answer {index}",
-        policy_version=version,
+        text=f"answer {index}",
+        version=version,
         replica=group_id % 2,
         reward=reward,
         advantage=reward - 0.5,
-        status=TrajectoryStatus.FAILED if failed else TrajectoryStatus.OK,
+        failed=failed,
         error="ValueError: bad" if failed else None,
     )
 
@@ -269,13 +268,13 @@ def test_hard_crash_loses_only_the_open_files_steps(tmp_path: Path) -> None:
         f"""
         import os, sys
         from pathlib import Path
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         from test_trajlog import _write_steps
         log = _write_steps(Path({str(tmp_path)!r}), range(1, 6), max_file_steps=3)
         os._exit(9)  # killed: no close
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = run_python("-c", script, timeout=60)
     assert proc.returncode == 9, proc.stderr
     assert _names(tmp_path) == [".steps-000004-open.parquet.tmp", "steps-000001-000003.parquet"]
     assert (tmp_path / "trajectories" / ".steps-000004-open.parquet.tmp").stat().st_size > 0  # steps 4, 5 were written

@@ -10,7 +10,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +31,9 @@ from relayrl.tasks.jsonl import (
     load_jsonl_prompts,
 )
 from relayrl.telemetry.tracer import TraceError, load_trace
+from support import cli
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+WIDE = {"COLUMNS": "160"}  # one line per error, whatever the terminal
 # RELAYRL_PROPERTY_EXAMPLES=5000 for a longer hunt
 PROPERTY = settings(
     max_examples=int(os.environ.get("RELAYRL_PROPERTY_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -41,9 +41,7 @@ PROPERTY = settings(
 
 
 def relayrl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relayrl", *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300, check=False
-    )
+    return cli.relayrl(*args, cwd=cwd, env=WIDE)
 
 
 def assert_one_error(res: subprocess.CompletedProcess[str], *fragments: str) -> str:

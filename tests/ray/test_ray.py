@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from relayrl.backends.registry import build_backend  # noqa: E402
 from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
+from support.cli import relayrl  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
 from support.simutil import run_checked, sim_config  # noqa: E402
 
@@ -160,10 +159,9 @@ def _probe_then_close(sampler: RaySampler, versions: list[int | None]) -> Callab
 
 def test_a_run_that_starts_its_own_cluster_leaves_no_ray_process(cluster: RayCluster, tmp_path: Path) -> None:
     before = _ray_processes()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
     recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
     args = ["train", str(recipe), "--ray", "--set", "ray.num_cpus=1", "--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}"]
-    res = subprocess.run([sys.executable, "-m", "relayrl", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=180)
+    res = relayrl(*args, cwd=tmp_path, env={"COLUMNS": "160"}, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "started a local Ray cluster" in res.stdout
     assert _ray_processes() == before

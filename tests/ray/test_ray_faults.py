@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.orchestrator.replicas import SamplerRestartedWarning, SamplerRetiredWarning  # noqa: E402
 from relayrl.rundir.checkpoint import checkpoint_dir, complete_checkpoints, load_resume_point  # noqa: E402
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Weights  # noqa: E402
+from support.cli import child_env, relayrl, relayrl_argv  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
 from support.simutil import sim_config  # noqa: E402
 
@@ -284,13 +284,15 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     assert not checkpoint_dir(run_dir, 5).exists()
 
     # (c) the real CLI resumes it on Ray, joining the module's cluster, and completes the run
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
-    resumed = subprocess.run(
-        [sys.executable, "-m", "relayrl", "train", "--resume", str(run_dir), "--ray", "--set", f"ray.address={cluster.address}"],
+    resumed = relayrl(
+        "train",
+        "--resume",
+        str(run_dir),
+        "--ray",
+        "--set",
+        f"ray.address={cluster.address}",
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
+        env={"COLUMNS": "160"},
         timeout=120,
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -347,13 +349,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_stops_a_cli_run_on_its_own_ray_cluster_cleanly(cluster: RayCluster, tmp_path: Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+    env = child_env({"COLUMNS": "160"})
     recipe = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
     sets = ["ray.num_cpus=1", "run.steps=100000", f"run.output_dir={tmp_path}", "run.name=t", "orchestrator.checkpoint_every=1"]
     args = ["train", str(recipe), "--ray", *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl", *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen(relayrl_argv(*args), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not complete_checkpoints(tmp_path / "t" / "checkpoints"):  # the run is under way

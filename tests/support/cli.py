@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -23,14 +23,24 @@ def relayrl_argv(*args: str) -> list[str]:
 
 
 def run_python(
-    *args: str, cwd: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 300
+    *args: str,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    preexec_fn: Callable[[], object] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`python ARGS` (a script, `-c CODE`, `-m MODULE`) to completion, its output captured as text."""
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=child_env(env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=child_env(env), capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn
+    )
 
 
 def relayrl(
-    *args: str, cwd: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 300
+    *args: str,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    preexec_fn: Callable[[], object] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`relayrl ARGS` to completion, its output captured as text."""
-    return run_python("-m", "relayrl", *args, cwd=cwd, env=env, timeout=timeout)
+    return run_python("-m", "relayrl", *args, cwd=cwd, env=env, timeout=timeout, preexec_fn=preexec_fn)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from relayrl.packing import layout_tokens
-from relayrl.types import MicroBatch, PaddingStats, Prompt, Trajectory, TrajectoryStatus
+from relayrl.types import MicroBatch, PaddingStats, Prompt, Trajectory, TrajectoryStatus, Turn
 
 
 def trajectory(
@@ -25,6 +25,8 @@ def trajectory(
     advantage: float = 0.0,
     failed: bool = False,
     error: str | None = None,
+    turns: Sequence[Turn] = (),
+    loss_mask: list[int] | None = None,
 ) -> Trajectory:
     """A trajectory of group `group`, sample `sample`. Defaults: the prompt
     `Prompt(f"p{group}", "2+2=", "4")`, tokens [1, 2] then [3], text "4", each sampler log-prob
@@ -43,6 +45,8 @@ def trajectory(
         advantage=advantage,
         status=TrajectoryStatus.FAILED if failed else TrajectoryStatus.OK,
         error=error,
+        turns=turns,
+        loss_mask=loss_mask,
     )
 
 

@@ -21,7 +21,7 @@ from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logpr
 from relayrl.packing import layout_tokens
 from relayrl.types import MicroBatch, Prompt, Trajectory
 from support.modelutil import PAD, VOCAB, tiny_qwen2
-from support.trajectories import make_microbatch
+from support.trajectories import make_microbatch, trajectory
 
 torch.set_num_threads(1)
 
@@ -41,16 +41,14 @@ def make_trajectory(
     prompt_tokens: list[int] | None = None,
 ) -> Trajectory:
     completion = [rng.randrange(1, vocab) for _ in range(n_comp)]
-    return Trajectory(
-        group_id=i if group_id is None else group_id,
-        sample_index=i,
+    return trajectory(
+        group=i if group_id is None else group_id,
+        sample=i,
         prompt=Prompt(prompt_id=f"p{i}", text="", answer=""),
         prompt_tokens=prompt_tokens if prompt_tokens is not None else [rng.randrange(1, vocab) for _ in range(n_prompt)],
         completion_tokens=completion,
         sampler_logprobs=[-rng.random() * 3 for _ in completion],
-        completion_text="",
-        policy_version=0,
-        replica=0,
+        text="",
         reward=rng.random(),
         advantage=rng.uniform(-2, 2),
     )

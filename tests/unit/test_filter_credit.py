@@ -18,7 +18,8 @@ from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning, dispatch_
 from relayrl.orchestrator.stages.train_loop import GroupTaker
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import Drawn, FilterReason, Group, Prompt, SampleRequest, Trajectory, TrajectoryStatus
+from relayrl.types import Drawn, FilterReason, Group, Prompt, SampleRequest, Trajectory
+from support.trajectories import trajectory
 
 
 class _Drained(Exception):
@@ -35,8 +36,17 @@ class _OneBatch(asyncio.Queue[list[Group]]):
 
 
 def _traj(sample: int, *, reward: float, version: int = 0, tokens: int = 3, failed: bool = False) -> Trajectory:
-    status = TrajectoryStatus.FAILED if failed else TrajectoryStatus.OK
-    return Trajectory(0, sample, Prompt("p", "t", "1"), [1] * tokens, [2] * tokens, [-1.0] * tokens, "1", version, 0, reward, status=status)
+    return trajectory(
+        sample=sample,
+        prompt=Prompt("p", "t", "1"),
+        prompt_tokens=[1] * tokens,
+        completion_tokens=[2] * tokens,
+        logprob=-1.0,
+        text="1",
+        version=version,
+        reward=reward,
+        failed=failed,
+    )
 
 
 def test_a_prompt_too_long_at_dispatch_returns_its_credit() -> None:

@@ -22,12 +22,15 @@ from relayrl.rewards.registry import Placement, ResolvedReward
 from relayrl.rewards.scoring import Failure, Outcome, Scorer, ScorerSettings
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, GenerateResult, Prompt, RewardFailure, SampleRequest, Trajectory, TrajectoryStatus
+from support.trajectories import trajectory
 
 PROMPT = Prompt("p", "1+1=", "2")
 
 
 def _traj(group_id: int, index: int, prompt_tokens: list[int], completion: int = 1) -> Trajectory:
-    return Trajectory(group_id, index, PROMPT, prompt_tokens, [3] * completion, [-0.5] * completion, "2", 0, 0)
+    return trajectory(
+        group=group_id, sample=index, prompt=PROMPT, prompt_tokens=prompt_tokens, completion_tokens=[3] * completion, text="2"
+    )
 
 
 # -- packing -----------------------------------------------------------------------------------

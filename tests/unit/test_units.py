@@ -23,6 +23,7 @@ from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import PackingError, build_microbatch, first_fit_decreasing, layout_tokens, plan
 from relayrl.telemetry.tracer import Tracer, load_trace
 from relayrl.types import Completion, FilterReason, Group, Prompt, SampleRequest, Trajectory
+from support.trajectories import trajectory
 
 
 # -- deferred jobs ---------------------------------------------------------------------------
@@ -92,16 +93,13 @@ def test_schedule_rejects_impossible_points() -> None:
 
 # -- packing ---------------------------------------------------------------------------------
 def _traj(n_prompt: int, n_completion: int, i: int = 0) -> Trajectory:
-    return Trajectory(
-        group_id=i,
-        sample_index=0,
+    return trajectory(
+        group=i,
         prompt=Prompt(str(i), "p", "a"),
         prompt_tokens=[1] * n_prompt,
         completion_tokens=[2] * n_completion,
-        sampler_logprobs=[0.0] * n_completion,
-        completion_text="",
-        policy_version=0,
-        replica=0,
+        logprob=0.0,
+        text="",
     )
 
 
