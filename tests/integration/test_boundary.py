@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from relayrl.backends.sim.workers import SimTrainer
 from relayrl.telemetry.callbacks import Callback
 from relayrl.types import StepResult
 from support.simutil import find, make_program, run_checked, sim_config, trace_spans
@@ -71,7 +73,7 @@ def test_metric_reduction_runs_off_the_event_loop(tmp_path: Path, monkeypatch: p
     threads: list[str] = []
     original = stepbook.reduce_step
 
-    def spy(record):  # type: ignore[no-untyped-def]
+    def spy(record):
         threads.append(threading.current_thread().name)
         return original(record)
 
@@ -96,7 +98,8 @@ def test_cancellation_mid_step_leaves_no_task_or_thread(tmp_path: Path) -> None:
     async def main() -> None:
         task = asyncio.create_task(program.run())
         trainer = program.backend.trainer
-        while sum(1 for c in trainer.calls if c[0] == "optim_step") < 2:  # type: ignore[attr-defined]
+        assert isinstance(trainer, SimTrainer)
+        while sum(1 for c in trainer.calls if c[0] == "optim_step") < 2:
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.03)  # mid-step: bookkeeping of the previous step is running
         task.cancel()
@@ -114,7 +117,7 @@ def test_step_time_taken_at_commit_and_fetch_time_reported_separately(tmp_path: 
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)
     for n in range(1, cfg.run.steps):
-        m = result.results[n].metrics
+        m = cast(dict[str, float], result.results[n].metrics)  # every one of these is set on a completed step
         commit_gap = find(s, "optim_step", n).end - find(s, "optim_step", n - 1).end
         assert m["step_time_sec"] == pytest.approx(commit_gap, abs=2e-3)
         assert m["metrics_fetch_time"] >= 0.1

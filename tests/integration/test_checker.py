@@ -11,7 +11,7 @@ import pytest
 from relayrl.analysis.checker import check_events
 from relayrl.telemetry.tracer import TraceError, TraceEvent, load_trace
 from support.cli import relayrl
-from support.simutil import make_program, run_checked, sim_config
+from support.simutil import event_args, make_program, run_checked, sim_config
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def good_trace(tmp_path_factory: pytest.TempPathFactory) -> list[TraceEvent]:
 
 def _span(events: list[TraceEvent], name: str, step: int, **args: object) -> TraceEvent:
     for e in events:
-        a = e.get("args") or {}
-        if e.get("ph") == "X" and e["name"] == name and a.get("step") == step and all(a.get(k) == v for k, v in args.items()):  # type: ignore[union-attr]
+        a = event_args(e)
+        if e.get("ph") == "X" and e["name"] == name and a.get("step") == step and all(a.get(k) == v for k, v in args.items()):
             return e
     raise AssertionError(name)
 
@@ -78,12 +78,12 @@ def test_bookkeeping_after_next_optim_violates_rule_4(good_trace: list[TraceEven
 
 
 def test_missing_bookkeeping_in_completed_run_violates_rule_4(good_trace: list[TraceEvent]) -> None:
-    ev = [e for e in copy.deepcopy(good_trace) if not (e.get("name") == "log_trajectories" and (e.get("args") or {}).get("step") == 2)]  # type: ignore[union-attr]
+    ev = [e for e in copy.deepcopy(good_trace) if not (e.get("name") == "log_trajectories" and event_args(e).get("step") == 2)]
     assert any("never ran log_trajectories" in v for v in _violations(ev))
 
 
 def test_uncommitted_step_in_completed_run_violates_rule_5(good_trace: list[TraceEvent]) -> None:
-    ev = [e for e in copy.deepcopy(good_trace) if not (e.get("name") in ("optim_step",) and (e.get("args") or {}).get("step") == 3)]  # type: ignore[union-attr]
+    ev = [e for e in copy.deepcopy(good_trace) if not (e.get("name") in ("optim_step",) and event_args(e).get("step") == 3)]
     assert any(v.startswith("rule 5") for v in _violations(ev))
 
 

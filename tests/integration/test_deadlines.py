@@ -22,7 +22,7 @@ from relayrl.orchestrator.replicas import SamplerRetiredWarning
 from relayrl.orchestrator.watchdog import StallError
 from relayrl.types import GenerateResult, SampleRequest, Weights
 from support.cli import run_python
-from support.simutil import make_program, run_checked, sim_config
+from support.simutil import make_program, run_checked, settled_groups, sim_config
 
 
 class HangsAfter(SimSampler):
@@ -44,8 +44,7 @@ async def _forever() -> None:
 
 def _ledger_balanced(ledger: dict[str, object], steps: int, groups_per_step: int) -> None:
     assert ledger["groups_trained"] == steps * groups_per_step
-    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[call-overload,operator]
-    assert settled == ledger["groups_dispatched"]
+    assert settled_groups(ledger) == ledger["groups_dispatched"]
 
 
 def test_a_generate_that_never_returns_fails_its_replica_over(tmp_path: Path) -> None:

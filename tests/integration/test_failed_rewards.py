@@ -8,6 +8,7 @@ import asyncio
 import math
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,7 +130,7 @@ async def _wrong_and_sometimes_hanging(t: Trajectory) -> float:
     return -1.0
 
 
-def _run(tmp_path: Path, *overrides: str) -> tuple[RunResult, RecordingTrainer, list[dict[str, object]]]:
+def _run(tmp_path: Path, *overrides: str) -> tuple[RunResult, RecordingTrainer, list[dict[str, Any]]]:
     cfg = sim_config("run.steps=2", "task.reward_timeout_s=1", *overrides)
     trainer = RecordingTrainer(cfg.sim)
     backend = build_backend(cfg, threading.Event(), evaluate=False)
@@ -144,7 +145,7 @@ def test_a_reward_that_hangs_on_some_wrong_answers_never_reinforces_them(tmp_pat
     """The failed completion used to get its group's only positive advantage (+1.5 with GRPO)."""
     result, _, rows = _run(tmp_path, f"algorithm.advantage={kind}")
     assert len(rows) == 2 * 4 * 4
-    assert max(float(r["advantage"]) for r in rows) <= 0.0  # type: ignore[arg-type]  # no trajectory is reinforced
+    assert max(float(r["advantage"]) for r in rows) <= 0.0  # no trajectory is reinforced
     failed = [r for r in rows if r["status"] == "failed"]
     assert [r["sample_index"] for r in failed] == [0] * 8 and all("timeout" in str(r["error"]) for r in failed)
     assert all(r["advantage"] == 0.0 and r["reward"] == 0.0 for r in failed)
@@ -165,7 +166,7 @@ def test_the_loss_normaliser_counts_only_the_scored_trajectories(tmp_path: Path)
         every = [r for r in rows if r["step"] == step]
         batches = [b for b in trainer.batches if b.step == step]
         assert sum(b.num_sequences for b in batches) == len(ok) == 12  # 16 with the failed ones
-        tokens = sum(len(r["completion_tokens"]) for r in ok)  # type: ignore[arg-type]
-        assert tokens < sum(len(r["completion_tokens"]) for r in every)  # type: ignore[arg-type]
+        tokens = sum(len(r["completion_tokens"]) for r in ok)
+        assert tokens < sum(len(r["completion_tokens"]) for r in every)
         assert {b.step_completion_tokens for b in batches} == {tokens}
         assert {b.step_sequences for b in batches} == {len(ok)}

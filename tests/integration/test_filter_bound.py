@@ -129,7 +129,7 @@ CASES: dict[str, tuple[Callable[[Trajectory], object], str]] = {
 def test_a_run_in_which_no_group_can_train_fails_in_one_line_after_the_bound(tmp_path: Path, case: str) -> None:
     reward, reason = CASES[case]
     cfg = sim_config("algorithm.dynamic_sampling=true", "orchestrator.max_filtered_per_step=30")  # 4 groups a step
-    program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[reward])
+    program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[reward])  # type: ignore[list-item]  # deliberately not a float
     with pytest.warns(NoGroupKeptWarning, match=rf"^step 0: 16 groups filtered in a row \({reason} 16\), none kept;"):
         with pytest.raises(FilterBoundError) as info:
             asyncio.run(asyncio.wait_for(program.run(), 60))  # (the stall watchdog would wait 1800 s)

@@ -188,7 +188,12 @@ class _Opaque:
 def test_no_stage_reads_replica_or_version_off_a_sampler(tmp_path: Path) -> None:
     cfg = sim_config("rollout.num_samplers=2", "sim.generate_per_request=0.01")
     program = make_program(cfg, tmp_path)
-    program.backend.samplers[:] = [_Opaque(SimSampler(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=i)) for i in range(2)]
+    program.backend.samplers[:] = [
+        _Opaque(  # type: ignore[misc]  # deliberately not a Sampler: it hides replica and version
+            SimSampler(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=i)
+        )
+        for i in range(2)
+    ]
     result = run_checked(program)
     assert result.summary["status"] == "completed"
     lanes = {s.lane for s in trace_spans(result) if s.name == "generate"}

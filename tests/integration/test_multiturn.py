@@ -8,6 +8,7 @@ import json
 import random
 import threading
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -250,7 +251,7 @@ def test_sim_run_with_arithmetic_feedback(tmp_path: Path) -> None:
     env_steps = [s for s in spans if s.lane == "env" and s.name == "env_step"]
     assert env_steps and {s.args["turn"] for s in env_steps} >= {1, 2}
     turns = [s for s in spans if s.lane.startswith("sampler/") and s.name == "generate"]
-    assert any(s.args.get("turn") == 2 and int(s.args.get("cached", 0)) > 0 for s in turns)  # type: ignore[arg-type]
+    assert any(s.args.get("turn") == 2 and int(cast(int, s.args.get("cached", 0))) > 0 for s in turns)
 
 
 def test_multiturn_config_errors() -> None:
@@ -373,7 +374,7 @@ def test_local_multiturn_run_agrees_on_policy_and_reports_turns(tmp_path: Path) 
     assert max(float(m["train/logprob_diff_max"]) for m in rows) < 1e-3  # type: ignore[arg-type]
     assert any(float(m["turns_mean"]) > 1.0 for m in rows)  # type: ignore[arg-type]
     spans = trace_spans(result)
-    assert any(s.name == "generate" and s.args.get("turn") == 2 and int(s.args.get("cached", 0)) > 0 for s in spans)  # type: ignore[arg-type]
+    assert any(s.name == "generate" and s.args.get("turn") == 2 and int(cast(int, s.args.get("cached", 0))) > 0 for s in spans)
     summary = result.summary
     for key in ("accuracy", "first_turn_accuracy", "mean_turns"):
         before, after = summary[f"{key}_before"], summary[f"{key}_after"]
@@ -431,7 +432,7 @@ def test_a_prompt_with_no_room_for_an_action_is_filtered_at_dispatch_not_sampled
     with pytest.warns(PromptTooLongWarning, match="rollout.max_total_tokens less one"):
         result = run_checked(build_program(load_config(None, sets), run_dir=tmp_path / "run"), timeout=120)
     assert [r.step for r in result.results] == [0, 1, 2]
-    assert result.ledger.as_dict()["groups_filtered"].get("too_long", 0) >= 1  # type: ignore[union-attr]
+    assert cast(dict[str, int], result.ledger.as_dict()["groups_filtered"]).get("too_long", 0) >= 1
     assert result.summary["samplers_retired"] == []  # no replica was blamed
 
     threads = OrchestratorThreads()

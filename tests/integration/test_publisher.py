@@ -10,7 +10,7 @@ import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -77,7 +77,7 @@ def test_a_sampler_that_hangs_in_its_first_load_after_a_resume_is_failed_over_wi
     ledger = result.ledger.as_dict()
     assert ledger["groups_trained"] == 6 * cfg.rollout.groups_per_step  # steps 4 and 5 on replica 1 alone
     failed = [e for e in result.tracer.events if e.get("name") == "load_weights_failed"]
-    assert [(e["cat"], e["args"]["version"]) for e in failed] == [("sampler/0", 4)], failed
+    assert [(e["cat"], cast(dict[str, object], e["args"])["version"]) for e in failed] == [("sampler/0", 4)], failed
 
 
 def test_without_failover_a_resume_whose_load_hangs_fails_naming_the_replica(tmp_path: Path) -> None:

@@ -403,7 +403,7 @@ def test_step_time_plot_draws_bars_no_higher_than_the_step(finished: Path, tmp_p
     tops: dict[float, float] = {}
     real_bar = Axes.bar
 
-    def bar(self: Axes, x, height, width=0.8, bottom=None, **kwargs):  # type: ignore[no-untyped-def]
+    def bar(self: Axes, x, height, width=0.8, bottom=None, **kwargs):
         for i, xi in enumerate(x):
             tops[xi] = max(tops.get(xi, 0.0), (bottom[i] if bottom is not None else 0.0) + height[i])
         return real_bar(self, x, height, width, bottom=bottom, **kwargs)

@@ -104,7 +104,7 @@ def scorers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Scor
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(rewards.REWARD_FUNCTIONS, "test_value", _value)
         entries: dict[str, object] = {"inline": "test_value", "thread": _value, "async": _avalue, "pool": f"{module}:value"}
-        built = {path: Scorer(resolve_rewards([entry]), ScorerSettings(threads=1), threads) for path, entry in entries.items()}  # type: ignore[list-item]
+        built = {path: Scorer(resolve_rewards([entry]), ScorerSettings(workers=1), threads) for path, entry in entries.items()}  # type: ignore[list-item]
     assert {path: s.rewards[0].placement for path, s in built.items()} == {
         "inline": Placement.INLINE,
         "thread": Placement.THREAD,
@@ -494,7 +494,7 @@ def test_a_reward_that_changes_its_trajectory_does_not_change_the_one_scored(tmp
     trajs[0].status, trajs[0].error = TrajectoryStatus.OK, None
     before = copy.deepcopy(trajs)
     threads = OrchestratorThreads()
-    scorer = Scorer(resolve_rewards([entry]), ScorerSettings(threads=1), threads)  # type: ignore[list-item]
+    scorer = Scorer(resolve_rewards([entry]), ScorerSettings(workers=1), threads)  # type: ignore[list-item]
     try:
         assert asyncio.run(scorer.score(trajs)) == []
     finally:
@@ -602,7 +602,7 @@ def test_the_optional_built_ins_run_in_the_worker_pool_with_the_deadline(tmp_pat
     (resolved,) = resolve_rewards(["hangs_on_sympy"])
     assert (resolved.name, resolved.placement, resolved.spec) == ("hangs_on_sympy", Placement.POOL, "rwslow_builtin:verify")
     threads = OrchestratorThreads()
-    scorer = Scorer([resolved], ScorerSettings(threads=1, timeout_s=0.5), threads)
+    scorer = Scorer([resolved], ScorerSettings(workers=1, timeout_s=0.5), threads)
     t = _traj()
     try:
         failed = asyncio.run(scorer.score([t]))

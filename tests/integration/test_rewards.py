@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -63,7 +64,7 @@ def _alive(pid: int, zombie: bool = True) -> bool:
         return False
 
 
-def _rows(run_dir: Path) -> list[dict[str, object]]:
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return pq.read_table(run_dir / "trajectories").to_pylist()
 
 
@@ -186,12 +187,12 @@ def test_a_nan_or_infinite_reward_fails_its_trajectory_as_non_finite() -> None:
 
 def test_advantages_are_nan_safe() -> None:
     for kind in ("grpo", "drgrpo", "rloo"):
-        adv = group_advantages([1.0, math.nan, 0.0, math.inf, 1.0], kind)  # type: ignore[arg-type]
+        adv = group_advantages([1.0, math.nan, 0.0, math.inf, 1.0], kind)
         assert all(math.isfinite(a) for a in adv) and adv[1] == adv[3] == 0.0
         assert math.isclose(sum(adv), 0.0, abs_tol=1e-9)
         assert adv[0] > 0 > adv[2]
-        assert group_advantages([math.nan, math.nan], kind) == [0.0, 0.0]  # type: ignore[arg-type]
-        assert all(math.isfinite(a) for a in group_advantages([1e308, -1e308, 0.0], kind))  # type: ignore[arg-type]
+        assert group_advantages([math.nan, math.nan], kind) == [0.0, 0.0]
+        assert all(math.isfinite(a) for a in group_advantages([1e308, -1e308, 0.0], kind))
     # dynamic sampling: an all-NaN group ties (a set of NaNs would not: nan != nan)
     assert rewards_tie([math.nan, math.nan, math.nan]) and rewards_tie([math.nan, 1.0, 1.0]) and not rewards_tie([0.0, 1.0])
 
@@ -205,7 +206,7 @@ def test_nan_rewards_never_reach_training_and_all_nan_groups_are_filtered(tmp_pa
     cfg = sim_config("run.steps=3", "algorithm.dynamic_sampling=true")
     result = run_checked(build_program(cfg, run_dir=tmp_path / "run", reward_fns=[poisoned]))
     rows = _rows(tmp_path / "run")
-    assert all(math.isfinite(r["advantage"]) and math.isfinite(r["reward"]) for r in rows)  # type: ignore[arg-type]
+    assert all(math.isfinite(r["advantage"]) and math.isfinite(r["reward"]) for r in rows)
     assert {r["status"] for r in rows if r["group_id"] == 0} == {"filtered:all_failed"}
     one = [r for r in rows if r["group_id"] == 1]
     assert [r["status"] for r in one] == ["failed", "ok", "ok", "ok"] and "non_finite" in str(one[0]["error"])
@@ -297,7 +298,7 @@ def test_hangs_raises_and_crashes_fail_one_trajectory_each_and_the_run_goes_on(t
     }
     for case, error in expected.items():
         assert rows[case]["status"] == "failed" and rows[case]["reward"] == 0.0 and str(rows[case]["error"]).startswith(error), rows[case]
-    assert all(math.isfinite(r["advantage"]) for r in rows.values())  # type: ignore[arg-type]
+    assert all(math.isfinite(r["advantage"]) for r in rows.values())
     # the replaced workers went on scoring: every later trajectory has its reward
     later = [r for (g, _), r in rows.items() if g >= 4]
     assert later and all(r["status"] == "ok" and r["reward"] == float(r["sample_index"] % 2) for r in later)
@@ -416,7 +417,7 @@ def test_the_evaluator_judges_through_the_runs_scorer(tmp_path: Path) -> None:
 
     prompts = [Prompt(f"p{i}", "x" * i, "") for i in range(6)]
     threads = OrchestratorThreads()
-    scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(threads=1), threads)
+    scorer = Scorer(resolve_rewards([f"{judge}:even", positive]), ScorerSettings(workers=1), threads)
     evaluator = HeldoutEvaluator(Engine(), prompts, lambda text: [0] * len(text), lambda tokens: "", max_new_tokens=4, scorer=scorer)
     try:
         result = asyncio.run(evaluator.evaluate(Weights(version=1, payload=None)))

@@ -72,7 +72,7 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path, mon
     before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".relayrl-run"}
     more = sim_config("run.steps=4", "orchestrator.checkpoint_every=1")
     with monkeypatch.context() as m:
-        _failing_backend(m)  # type: ignore[arg-type]
+        _failing_backend(m)
         with pytest.raises(UserError, match="cannot load the model"):
             build_program(more, run_dir=run_dir, resume=True)
     after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".relayrl-run"}

@@ -298,7 +298,7 @@ def test_all_sinks_together(tmp_path: Path, restore_env: None) -> None:
 def test_numeric_filter() -> None:
     import numpy as np
 
-    numeric = sinks_mod._numeric({"step": 3, "a": None, "b": True, "c": 1.5, "d": 2, "e": "x", "f": np.int64(4), "g": np.float32(0.5)})
+    numeric = sinks_mod._numeric({"step": 3, "a": None, "b": True, "c": 1.5, "d": 2, "e": "x", "f": np.int64(4), "g": np.float32(0.5)})  # type: ignore[dict-item]  # deliberately not metric values
     assert numeric == {"b": 1, "c": 1.5, "d": 2, "f": 4, "g": 0.5}
     assert type(numeric["f"]) is int and type(numeric["g"]) is float
     assert sinks_mod._flatten({"a": {"b": 1, "c": "x"}, "d": [1, 2]}) == {"a.b": "1", "a.c": "x", "d": "[1, 2]"}
@@ -334,9 +334,9 @@ def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: 
     (offline,) = (run_dir / "wandb").glob("offline-run-*")  # the crashed run's record is gone
     (run_file,) = offline.glob("run-*.wandb")
     wb_steps = []
-    for record in _wandb_records(run_file):
-        if record.WhichOneof("record_type") == "history":  # type: ignore[attr-defined]
-            items = record.history.item  # type: ignore[attr-defined]
+    for wandb_record in _wandb_records(run_file):
+        if wandb_record.WhichOneof("record_type") == "history":  # type: ignore[attr-defined]
+            items = wandb_record.history.item  # type: ignore[attr-defined]
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
             if "reward_mean" in row:
                 wb_steps.append(int(row["_step"]))

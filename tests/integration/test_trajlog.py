@@ -5,6 +5,11 @@ steps; cutting the log back to a checkpoint keeps each earlier step exactly once
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow
+
 import os
 import shutil
 import sys
@@ -88,7 +93,7 @@ def _step(step: int) -> tuple[int, list[Trajectory], list[FilteredGroup]]:
     return version, trained, [zero_var, stale]
 
 
-def _write_steps(run_dir: Path, steps: range, **limits: int) -> ParquetTrajectoryLog:
+def _write_steps(run_dir: Path, steps: range, **limits: Any) -> ParquetTrajectoryLog:
     log = ParquetTrajectoryLog(run_dir, **limits)
     for step in steps:
         version, trained, filtered = _step(step)
@@ -100,7 +105,7 @@ def _names(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "trajectories").iterdir())
 
 
-def _steps(table: pa.Table) -> list[int]:
+def _steps(table: pyarrow.Table) -> list[int]:
     return sorted(set(table["step"].to_pylist()))
 
 

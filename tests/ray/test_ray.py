@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
 from support.cli import relayrl  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
-from support.simutil import run_checked, sim_config  # noqa: E402
+from support.simutil import run_checked, settled_groups, sim_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,8 +57,7 @@ def test_sim_run_on_ray_completes_balances_and_passes_the_checker(cluster: RayCl
     result = run_checked(build_program(cfg, run_dir=tmp_path / "run"))
     ledger = result.ledger.as_dict()
     assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step
-    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
-    assert settled == ledger["groups_dispatched"]
+    assert settled_groups(ledger) == ledger["groups_dispatched"]
     assert check_run_dir(tmp_path / "run").ok
     events = result.tracer.events
     names = {e.get("name") for e in events}
@@ -147,7 +147,7 @@ def test_local_backend_on_ray_trains_and_its_weights_reach_the_samplers(cluster:
     assert versions and all(v is not None and v >= 1 for v in versions), versions
 
 
-def _probe_then_close(sampler: RaySampler, versions: list[int | None]) -> Callable[[], Awaitable[None]]:
+def _probe_then_close(sampler: RaySampler, versions: list[int | None]) -> Callable[[], Coroutine[Any, Any, None]]:
     close = sampler.close
 
     async def probe() -> None:

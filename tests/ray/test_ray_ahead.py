@@ -28,7 +28,7 @@ from relayrl.orchestrator.deadlines import BoundedTrainer, CallTimeoutError  # n
 from relayrl.orchestrator.program import RunResult  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
-from support.simutil import run_checked, sim_config  # noqa: E402
+from support.simutil import event_args, run_checked, sim_config  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 
@@ -107,7 +107,7 @@ def test_check_trace_flags_a_queued_microbatch_the_actor_ran_before_the_update(c
         for e in events
         if e.get("cat") == "actor:trainer" and e.get("name") == "optim_step"
     }
-    moved = next(e for e in events if e.get("cat") == "actor:trainer" and e.get("args", {}).get("ahead"))  # type: ignore[union-attr]
+    moved = next(e for e in events if e.get("cat") == "actor:trainer" and event_args(e).get("ahead"))
     step = moved["args"]["step"]  # type: ignore[index]
     moved["ts"] = optim_ts[step - 1]  # as if the actor had run it alongside optim_step(step - 1)
     violations = check_events(events).violations
@@ -120,7 +120,8 @@ def test_a_failing_queued_train_step_fails_the_run_naming_the_step(cluster: RayC
     program = build_program(sim_config(*SIM_RAY), run_dir=tmp_path / "run")
     trainer = program.backend.trainer
     assert isinstance(trainer, RayTrainer)
-    optim_step_ahead, poisoned_steps = trainer.optim_step_ahead, []
+    optim_step_ahead = trainer.optim_step_ahead
+    poisoned_steps: list[int] = []
 
     async def poison_from_step_2(ahead: Callable[[], TrainBatch | None]) -> tuple[int, bool]:
         def poisoned() -> TrainBatch | None:

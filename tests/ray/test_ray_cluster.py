@@ -23,7 +23,7 @@ from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.ray.actors import RaySampler  # noqa: E402
 from relayrl.backends.ray.cluster import RAY_ENV  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
-from support.simutil import run_checked, sim_config  # noqa: E402
+from support.simutil import run_checked, settled_groups, sim_config  # noqa: E402
 
 STORE = 100 * 1024 * 1024  # bytes of object store per node
 
@@ -82,8 +82,7 @@ def test_sampler_replicas_on_two_nodes_complete_a_balanced_checked_run(cluster: 
     result = run_checked(program)
     ledger = result.ledger.as_dict()
     assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step
-    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
-    assert settled == ledger["groups_dispatched"]
+    assert settled_groups(ledger) == ledger["groups_dispatched"]
     assert check_run_dir(tmp_path / "run").ok
     assert ray.is_initialized()  # the run joined the cluster and left it running
 

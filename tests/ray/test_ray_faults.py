@@ -39,7 +39,7 @@ from relayrl.rundir.checkpoint import checkpoint_dir, complete_checkpoints, load
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, Weights  # noqa: E402
 from support.cli import child_env, relayrl, relayrl_argv  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
-from support.simutil import sim_config  # noqa: E402
+from support.simutil import settled_groups, sim_config  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 
@@ -185,8 +185,7 @@ def test_a_sampler_actor_that_cannot_be_restarted_is_retired_and_the_run_complet
         result = asyncio.run(asyncio.wait_for(program.run(), 60))
     ledger = result.ledger.as_dict()
     assert ledger["groups_trained"] == cfg.run.steps * cfg.rollout.groups_per_step  # the other replica did the rest
-    settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]  # type: ignore[union-attr,operator]
-    assert settled == ledger["groups_dispatched"]
+    assert settled_groups(ledger) == ledger["groups_dispatched"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert [r["replica"] for r in summary["samplers_retired"]] == [0], summary["samplers_retired"]
@@ -207,7 +206,9 @@ def test_a_killed_trainer_actor_fails_the_run_naming_it_and_keeps_the_newest_che
     trainer = program.backend.trainer
     assert isinstance(trainer, RayTrainer)
     pid = ray.get(trainer.actor.pid.remote())
-    optim_step, optim_step_ahead, updates, killed_at = trainer.optim_step, trainer.optim_step_ahead, [], []
+    optim_step, optim_step_ahead = trainer.optim_step, trainer.optim_step_ahead
+    updates: list[int] = []
+    killed_at: list[float] = []
 
     def kill_at_the_third_update() -> None:
         # step 2's update: the checkpoints of steps 0 and 1 were complete before it was issued

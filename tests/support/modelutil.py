@@ -27,6 +27,6 @@ def random_qwen2(vocab_size: int, seed: int = 0, **config: Any) -> Qwen2ForCausa
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def tiny_qwen2(attn_implementation: str) -> torch.nn.Module:
+def tiny_qwen2(attn_implementation: str) -> Qwen2ForCausalLM:
     """A random Qwen2 over `VOCAB` tokens with this attention implementation ("sdpa", "eager")."""
     return random_qwen2(VOCAB, attn_implementation=attn_implementation)

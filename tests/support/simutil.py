@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from relayrl.analysis.checker import check_run_dir
@@ -12,6 +12,7 @@ from relayrl.config.schema import Config, load_config
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.program import Program, RunResult
 from relayrl.telemetry.callbacks import Callback
+from relayrl.telemetry.tracer import TraceEvent
 
 
 def sim_config(*overrides: str) -> Config:
@@ -66,3 +67,17 @@ def find(all_spans: list[Span], name: str, step: int, **args: object) -> Span:
         if s.name == name and s.step == step and all(s.args.get(k) == v for k, v in args.items()):
             return s
     raise AssertionError(f"no span {name} step {step} {args}")
+
+
+def settled_groups(ledger: Mapping[str, object]) -> int:
+    """The groups a ledger (`Ledger.as_dict()`) has settled: trained, filtered (every reason) and
+    unused; a balanced ledger's equal `groups_dispatched`."""
+    trained, filtered, unused = ledger["groups_trained"], ledger["groups_filtered"], ledger["groups_unused"]
+    assert isinstance(trained, int) and isinstance(unused, int) and isinstance(filtered, dict), ledger
+    return trained + sum(filtered.values()) + unused
+
+
+def event_args(event: TraceEvent) -> dict[str, object]:
+    """A trace event's `args` ({} when it has none)."""
+    args = event.get("args")
+    return args if isinstance(args, dict) else {}

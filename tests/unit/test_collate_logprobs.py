@@ -166,7 +166,9 @@ def test_vocabulary_projection_runs_on_loss_positions_only(microbatch: MicroBatc
     model = tiny_qwen2("sdpa")
     batch = TorchCollator(PAD).collate(microbatch)
     rows: list[int] = []
-    handle = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    handle = head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     results = []
     for types in (lp_module.PLAIN_HEAD_MODEL_TYPES, frozenset()):
         monkeypatch.setattr(lp_module, "PLAIN_HEAD_MODEL_TYPES", types)
@@ -323,7 +325,9 @@ def test_float_mask_follows_model_dtype(microbatch: MicroBatch) -> None:
         assert isinstance(mask, torch.Tensor)
         seen.append(mask.dtype)
 
-    handle = model.base_model.register_forward_pre_hook(spy, with_kwargs=True)  # both paths call it
+    base = model.base_model
+    assert isinstance(base, torch.nn.Module)
+    handle = base.register_forward_pre_hook(spy, with_kwargs=True)  # both paths call it
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch)
     handle.remove()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
+from transformers import GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import PackedBatch, TorchCollator
@@ -33,7 +33,9 @@ def tok() -> PreTrainedTokenizerBase:
 def _dropout_rates(model: torch.nn.Module) -> list[float]:
     """Every attention-dropout rate the model's modules hold, and its config's."""
     rates = [float(v) for m in model.modules() for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)]
-    return rates + [float(model.config.attention_dropout)]  # type: ignore[union-attr]
+    config = model.config
+    assert isinstance(config, PretrainedConfig)
+    return rates + [float(config.attention_dropout)]
 
 
 def _sampled_batch(model: torch.nn.Module, tok: PreTrainedTokenizerBase) -> TrainBatch:

@@ -13,7 +13,7 @@ from relayrl.algorithms.losses import AGGREGATIONS, Aggregation, LossConfig, pol
 torch.set_num_threads(1)
 
 
-def leaf(values: list[float] | torch.Tensor) -> torch.Tensor:
+def leaf(values: list[float] | list[list[float]] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.float32).clone().requires_grad_(True)
 
 
