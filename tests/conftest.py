@@ -9,6 +9,7 @@ Markers (registered in pyproject.toml; `--strict-markers` refuses any other):
 - `ray`: added here to every test under ray/;
 - `torch`: added here to every test of a module that imports torch or transformers, the local
   backend (`relayrl.backends.local`, `run.backend=local`) or the random Qwen2 (support.modelutil);
+  written on a test whose child process loads them (the default recipe run through the CLI);
 - `slow`: written on the test (`@pytest.mark.slow`): more than ~5 s on a 2-core machine.
 """
 

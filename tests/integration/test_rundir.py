@@ -270,6 +270,7 @@ def test_a_second_sigint_exits_at_once(tmp_path: Path) -> None:
     assert proc.returncode == 130 and "second signal" in err
 
 
+@pytest.mark.torch  # its child loads the default recipe: the local backend and the shipped model
 @pytest.mark.parametrize("after_s", [0.3, 1.0, 2.5])
 def test_a_signal_before_the_run_starts_exits_without_a_traceback(tmp_path: Path, after_s: float) -> None:
     # the default recipe through the `relayrl` entry point: imports typer, torch, transformers, loads the model

@@ -3,12 +3,12 @@ benchmarks/README.md.
 
 What is checked, read from the text (URLs removed first):
 - file paths with a known extension (``orchestrator/stages/sync.py``, ``src/relayrl/...``,
-  ``tests/test_x.py``, ``scripts/setup.sh``, ``recipes/default.toml``, ``docs/x.md``), resolved
+  ``tests/unit/test_x.py``, ``scripts/setup.sh``, ``recipes/default.toml``, ``docs/x.md``), resolved
   against the repo root, ``src/`` and ``src/relayrl/``; a bare ``name.py`` may live anywhere in the
   repository's source folders;
 - folder paths in backticks ending in ``/`` whose first part is a repository or package folder
   (``backends/local/``);
-- ``tests/test_x.py::test_name``: the test function exists in that file; a backticked bare
+- ``tests/unit/test_x.py::test_name``: the test function exists in that file; a backticked bare
   ``test_name``: some test file defines it;
 - dotted modules ``relayrl.x.y`` (and ``relayrl.x.y.Name``): the modules exist and the name is
   defined (or imported) at the top of the last one;
@@ -90,7 +90,7 @@ def _test_functions() -> dict[str, frozenset[str]]:
 
 
 def missing_tests(text: str) -> list[str]:
-    """`tests/test_x.py::test_y` and backticked `test_y` names `text` cites that no test file defines."""
+    """`tests/unit/test_x.py::test_y` and backticked `test_y` names `text` cites that no test file defines."""
     tests = _test_functions()
     missing = []
     for module, name in TEST_REF.findall(text):
@@ -187,11 +187,11 @@ def test_the_checks_catch_a_broken_citation(tmp_path: Path) -> None:
     text = (
         "the boundary (`bookkeeping.py`, orchestrator/stages/nothere.py, `backends/gone/`), "
         "relayrl.orchestrator.nothere, relayrl.types.NoSuchName, "
-        "tests/test_docs.py::test_that_does_not_exist and `test_nor_this_one`"
+        "tests/unit/test_docs.py::test_that_does_not_exist and `test_nor_this_one`"
     )
     assert missing_paths(text) == ["orchestrator/stages/nothere.py", "bookkeeping.py", "backends/gone/"]
     assert missing_modules(text) == ["relayrl.orchestrator.nothere", "relayrl.types.NoSuchName"]
-    assert missing_tests(text) == ["tests/test_docs.py::test_that_does_not_exist", "test_nor_this_one"]
+    assert missing_tests(text) == ["tests/unit/test_docs.py::test_that_does_not_exist", "test_nor_this_one"]
     fine = "see `orchestrator/stages/sync.py`, src/relayrl/rundir/checkpoint.py, `backends/local/`, relayrl.types.Trajectory"
     assert missing_paths(fine) == [] and missing_modules(fine) == []
     doc = tmp_path / "x.md"

@@ -403,6 +403,7 @@ def _sync_one_model(name: str, replicas: int, versions: int, object_store_bytes:
     import functools
 
     import ray
+
     from relayrl.backends.ray.actors import SamplerActor, TrainerActor
 
     model = _bench_model(name)

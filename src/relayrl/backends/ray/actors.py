@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import decode, encode

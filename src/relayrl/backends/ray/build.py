@@ -45,9 +45,8 @@ def spread(replicas: int, resources: dict[str, float]) -> list[dict[str, Any]]:
     nodes holding the resources they ask for (soft node affinity: Ray places a replica elsewhere
     if its node cannot take it). Ray's own SPREAD strategy is only a hint, and packs replicas
     that fit on one node there. One such node: no option (Ray's default)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = sorted(
         str(node["NodeID"])
@@ -74,6 +73,7 @@ def place_on_ray(cfg: Config, compute: Compute, evaluate: bool) -> Backend:
 
 def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, actors: list[Any]) -> Backend:
     import ray
+
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor, attach_tracer
 
     sampler_opts = actor_options(cfg.ray.sampler_resources)
