@@ -46,6 +46,7 @@ def _kill_after_checkpoint(proc: subprocess.Popen[str], run_dir: Path, step: int
     os.kill(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(RUNS))
 def test_chaos_run_completes_with_its_books_balanced(seed: int, tmp_path: Path) -> None:
     rng = random.Random(seed)

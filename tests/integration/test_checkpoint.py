@@ -55,6 +55,7 @@ def _env() -> dict[str, str]:
     return child_env({"PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) -> None:
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=killed"]]
     run_dir = tmp_path / "killed"
@@ -125,6 +126,7 @@ def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> 
     assert result.summary["steps_completed"] == 6
 
 
+@pytest.mark.slow
 def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     proc = relayrl("train", "--resume", str(tmp_path / "nothing"), timeout=60)
     assert proc.returncode == 2
@@ -337,6 +339,7 @@ def test_local_run_resumes_with_its_trainer_state_and_evals(tmp_path: Path) -> N
     assert result.summary["steps_completed"] == 4 and result.summary["accuracy_before"] is not None
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
     """A scheduler's SIGTERM cancels the run like Ctrl-C: exit 130, summary "cancelled", a
     closed trace that passes the checker, and the line to resume with; the resume completes."""

@@ -45,7 +45,7 @@ def test_train_writes_a_run_that_checks_reports_and_lists(trained: Path) -> None
         (["--set", "rollout.num_gens=3"], "error: unknown config key 'rollout.num_gens' (from --set)"),
         (["--set", "train.learning_rate=-1"], "error: invalid config key 'train.learning_rate' (from --set)"),
         (["--set", "task.kind=jsonl", "--set", "task.path=missing.jsonl"], "missing.jsonl"),
-        (["--set", "model.path=no-such-model-dir"], "no-such-model-dir"),
+        pytest.param(["--set", "model.path=no-such-model-dir"], "no-such-model-dir", marks=pytest.mark.slow),
         (["--set", 'task.reward_functions=["nope"]'], "task.reward_functions[0]: unknown reward function 'nope'"),
         (["no-such-recipe.toml"], "config file not found: no-such-recipe.toml"),
     ],

@@ -126,6 +126,7 @@ def test_a_run_whose_every_step_is_non_finite_fails_after_the_eleventh(tmp_path:
     assert summary["status"] == "failed" and "train.max_consecutive_skips" in summary["error"]
 
 
+@pytest.mark.slow
 def test_the_command_line_reports_it_in_one_line(tmp_path: Path) -> None:
     script = tmp_path / "poisoned_cli.py"
     script.write_text(

@@ -140,6 +140,7 @@ def _run(tmp_path: Path, *overrides: str) -> tuple[RunResult, RecordingTrainer, 
     return result, trainer, read_trajectories(tmp_path / "run").to_pylist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_reward_that_hangs_on_some_wrong_answers_never_reinforces_them(tmp_path: Path, kind: str) -> None:
     """The failed completion used to get its group's only positive advantage (+1.5 with GRPO)."""
@@ -157,6 +158,7 @@ def test_a_reward_that_hangs_on_some_wrong_answers_never_reinforces_them(tmp_pat
     assert [r.metrics["failed_trajectories"] for r in result.results] == [4, 4]
 
 
+@pytest.mark.slow
 def test_the_loss_normaliser_counts_only_the_scored_trajectories(tmp_path: Path) -> None:
     """token_mean divides by the step's completion tokens, the seq_mean aggregations by its
     sequences: both are the scored trajectories', and no failed trajectory is packed."""

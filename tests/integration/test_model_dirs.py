@@ -65,6 +65,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path: Path) -> Non
         load_model_and_tokenizer(model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("removed", "truncated", "fragment"),
     [

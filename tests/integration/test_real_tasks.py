@@ -217,6 +217,7 @@ def test_a_sim_run_on_a_reasoning_gym_task_completes_with_its_reward(entry: str,
     assert all((r.metrics["reward_std"] or 0) > 0 for r in result.results)
 
 
+@pytest.mark.slow
 def test_a_resumed_reasoning_gym_run_scores_its_replayed_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prompts in flight at a checkpoint come back with their metadata, so their reward works."""
 

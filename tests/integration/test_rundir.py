@@ -212,6 +212,7 @@ def test_a_truncated_metrics_file_is_repaired_from_the_checkpoint_or_refused(tmp
     assert len(metrics.read_text().splitlines()) == 11  # refused: nothing rewritten
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_ends_the_run_with_one_line_naming_the_file_and_the_checkpoint(tmp_path: Path) -> None:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))

@@ -406,6 +406,7 @@ def _events(garbage: bool) -> st.SearchStrategy[list[object]]:
     return st.lists(g(event), max_size=12)
 
 
+@pytest.mark.slow
 @given(st.dictionaries(st.text(max_size=4), _JSON, max_size=4), st.booleans(), st.booleans())
 @PROPERTY
 def test_any_event_cut_anywhere_is_dropped_as_torn(event: dict[str, object], ascii_only: bool, one_line: bool) -> None:

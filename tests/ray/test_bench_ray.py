@@ -12,6 +12,7 @@ E2E_KEYS = {"samples_per_s", "trainer_busy", "sampler_busy", "gap_median_s", "ex
 TINY_E2E = ["rollout.groups_per_step=2", "rollout.num_generations=2", "rollout.prompts_per_request=2", "orchestrator.checkpoint_every=0"]
 
 
+@pytest.mark.slow
 def test_e2e_bench_with_ray_adds_configuration_d_with_the_same_keys() -> None:
     pytest.importorskip("ray")
     figures = run_e2e(steps=2, extra=TINY_E2E, ray=True)
@@ -24,6 +25,7 @@ def test_e2e_bench_with_ray_adds_configuration_d_with_the_same_keys() -> None:
     assert not ray.is_initialized()  # the cluster started for D is shut down
 
 
+@pytest.mark.slow
 def test_weight_sync_bench_reports_bytes_times_and_bandwidth() -> None:
     pytest.importorskip("ray")
     figures = run_weight_sync(replicas=1, models=("tiny",), versions=1)
@@ -54,6 +56,7 @@ RAY_SCALE_KEYS = {
 }
 
 
+@pytest.mark.slow
 def test_ray_scale_bench_reports_each_staleness_and_the_control_plane() -> None:
     pytest.importorskip("ray")
     figures = run_ray_scale(steps=3, replicas=2, time_scale=0.02)

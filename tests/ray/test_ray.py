@@ -51,6 +51,7 @@ def _ray_processes() -> int:
     return n
 
 
+@pytest.mark.slow
 def test_sim_run_on_ray_completes_balances_and_passes_the_checker(cluster: RayCluster, tmp_path: Path) -> None:
     sets = ["ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "sim.generate_per_request=0.005", "sim.train_step=0.02"]
     cfg = sim_config(*sets)
@@ -116,6 +117,7 @@ def test_trainer_actor_answers_get_metrics_while_a_train_step_runs(cluster: RayC
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_local_backend_on_ray_trains_and_its_weights_reach_the_samplers(cluster: RayCluster, tmp_path: Path) -> None:
     cfg = load_config(
         None,
@@ -157,6 +159,7 @@ def _probe_then_close(sampler: RaySampler, versions: list[int | None]) -> Callab
     return probe
 
 
+@pytest.mark.slow
 def test_a_run_that_starts_its_own_cluster_leaves_no_ray_process(cluster: RayCluster, tmp_path: Path) -> None:
     before = _ray_processes()
     recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"

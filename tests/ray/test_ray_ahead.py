@@ -60,6 +60,7 @@ def _actor_gaps(all_spans: list[timeline.Span]) -> dict[int, float]:
     return {n + 1: first[n + 1] - optim_end[n] for n in optim_end if n + 1 in first}
 
 
+@pytest.mark.slow
 def test_next_first_microbatch_is_queued_behind_optim_step_and_the_run_is_unchanged(cluster: RayCluster, tmp_path: Path) -> None:
     ahead_result, ahead_trainer = _sim_run(tmp_path, "ahead", queue_ahead=True)
     plain_result, plain_trainer = _sim_run(tmp_path, "plain", queue_ahead=False)
@@ -167,6 +168,7 @@ def test_an_update_with_a_queued_microbatch_is_bounded_like_optim_step(cluster: 
     assert summary["status"] == "failed" and "optim_step" in summary["error"]
 
 
+@pytest.mark.slow
 def test_torch_steps_queued_ahead_train_as_the_same_calls_in_order(cluster: RayCluster, tmp_path: Path) -> None:
     """The default recipe's torch trainer in its actor, with micro-batches queued ahead: every
     step's loss and gradient norm (the latter reads the weights of every earlier update) equal, to

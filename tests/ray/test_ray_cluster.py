@@ -66,6 +66,7 @@ def _node_of(actor: Any) -> str:
     raise AssertionError(f"actor on unknown node {node_id}")
 
 
+@pytest.mark.slow
 def test_sampler_replicas_on_two_nodes_complete_a_balanced_checked_run(cluster: Any, tmp_path: Path) -> None:
     cfg = sim_config(
         "ray.enabled=true",

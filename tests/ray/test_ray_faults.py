@@ -84,6 +84,7 @@ def _sim_sampler_stalling_once(latch: Any) -> Callable[[Config, int], Any]:
     return factory
 
 
+@pytest.mark.slow
 def test_a_killed_sampler_actor_is_restarted_with_the_current_weights_and_nothing_is_lost(
     cluster: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -238,6 +239,7 @@ def test_a_killed_trainer_actor_fails_the_run_naming_it_and_keeps_the_newest_che
 SIM_RECIPE = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_on_ray(cluster: RayCluster, tmp_path: Path) -> None:
     """The trainer actor's process is killed (SIGKILL) as the orchestrator starts writing the
     third checkpoint (steps 1 and 3 are written, step 5's is under way): the run fails within 30 s
@@ -349,6 +351,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_cli_run_on_its_own_ray_cluster_cleanly(cluster: RayCluster, tmp_path: Path) -> None:
     env = child_env({"COLUMNS": "160"})
     recipe = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes" / "sim.toml"
