@@ -362,17 +362,7 @@ def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> 
             answer = prompt.answer if s % 2 else str(rng.randrange(200))
             completion = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             trajectories.append(
-                Trajectory(
-                    group_id=g,
-                    sample_index=s,
-                    prompt=prompt,
-                    prompt_tokens=ids,
-                    completion_tokens=completion,
-                    sampler_logprobs=[0.0] * len(completion),
-                    completion_text="",
-                    policy_version=0,
-                    replica=0,
-                )
+                trajectory(group=g, sample=s, prompt=prompt, prompt_tokens=ids, completion_tokens=completion, logprob=0.0, text="")
             )
     mb = build_microbatch(0, 0, trajectories, plan(trajectories, 40, 8, share_prompt=True))
     assert max(len({mb.trajectories[i].group_id for i in row}) for row in mb.rows) >= 2  # really packed

@@ -19,8 +19,9 @@ from relayrl.backends.local.sampler import SamplerCompute
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
 from relayrl.models.loading import disable_dropout, load_model_and_tokenizer, shipped_model_dir
 from relayrl.packing import build_microbatch, plan
-from relayrl.types import Prompt, SampleRequest, TrainBatch, Trajectory
+from relayrl.types import Prompt, SampleRequest, TrainBatch
 from support.modelutil import random_qwen2
+from support.trajectories import trajectory
 
 torch.set_num_threads(1)
 
@@ -48,16 +49,14 @@ def _sampled_batch(model: torch.nn.Module, tok: PreTrainedTokenizerBase) -> Trai
         for g, text in enumerate(("12+7=", "31-4="))
     ]
     trajs = [
-        Trajectory(
-            group_id=result.request.group_id,
-            sample_index=i,
+        trajectory(
+            group=result.request.group_id,
+            sample=i,
             prompt=result.request.prompt,
             prompt_tokens=result.request.prompt_tokens,
             completion_tokens=c.tokens,
             sampler_logprobs=c.logprobs,
-            completion_text=c.text,
-            policy_version=0,
-            replica=0,
+            text=c.text,
             advantage=1.0 if i % 2 else -1.0,
         )
         for result in sampler.generate(requests)
