@@ -2,7 +2,7 @@
 
 Invariant: the text is a pure function of the models in config/schema.py (their order, types,
 constraints, defaults, descriptions and RESUMABLE marks), so the checked-in file can be compared
-with it (tests/test_config_docs.py); regenerate it with
+with it (tests/unit/test_config_docs.py); regenerate it with
 `python -m relayrl.config.docs > docs/configuration.md`.
 """
 
@@ -24,7 +24,7 @@ _HEADER = f"""\
 # Configuration
 
 <!-- Generated from src/relayrl/config/schema.py by `{REGENERATE}`;
-do not edit by hand: tests/test_config_docs.py checks that this file equals the generated text. -->
+do not edit by hand: tests/unit/test_config_docs.py checks that this file equals the generated text. -->
 
 A recipe is a TOML file with one table per section below (`[run]`, `[task]`, ...); `relayrl train
 --set section.key=value` overrides one key (repeatable). A key left out takes its default; an unknown

@@ -26,7 +26,7 @@ opened. The log is written in the bookkeeping part `log_trajectories` (telemetry
 bookkeeping thread, off the event loop); a step costs one row group, and a file one footer and
 one fsync when it is closed. Rows of a step, in the order `trajectory_table` builds them: the step's trajectories with
 their own status, then each filtered group's trajectories with status "filtered:<reason>"
-(tests/test_trajlog.py checks them against a plain-Python model of these rows).
+(tests/integration/test_trajlog.py checks them against a plain-Python model of these rows).
 """
 
 from __future__ import annotations

@@ -1,0 +1,49 @@
+"""Benchmarks without Ray run end to end at a reduced scale (figures are printed by the CLI, not
+asserted as timings; only relations that follow from the simulated costs are checked). The Ray
+ones are in tests/ray/test_bench_ray.py."""
+
+from __future__ import annotations
+
+import json
+from typing import cast
+
+from relayrl.bench.suite import BOUNDARY_PROFILE, run_boundary, run_control_plane
+from support.cli import relayrl
+
+
+def test_boundary_bench_reports_both_modes_and_the_inline_gap_holds_the_bookkeeping() -> None:
+    scale = 0.05
+    figures = run_boundary(steps=3, time_scale=scale)
+    inline, over = figures["inline"], figures["overlapped"]
+    assert isinstance(inline, dict) and isinstance(over, dict)
+    # inline pays fetch + reduction + logging + callbacks + release + packing at every boundary
+    inline_floor = scale * sum(
+        BOUNDARY_PROFILE[f"sim.{k}"]
+        for k in (
+            "get_metrics",
+            "reduce_metrics",
+            "log_metrics",
+            "log_trajectories",
+            "on_step_end",
+            "release_memory",
+            "pack_per_microbatch",
+        )
+    )
+    assert inline["gap_median_s"] >= inline_floor
+    assert over["gap_median_s"] < inline["gap_median_s"]
+    assert 0 < over["busy_fraction"] <= 1 and over["busy_fraction"] > inline["busy_fraction"]
+    assert figures["ratio"] == over["gap_median_s"] / inline["gap_median_s"]
+
+
+def test_boundary_bench_json_output() -> None:
+    res = relayrl("bench", "boundary", "--json", "--steps", "2", "--time-scale", "0.02", timeout=120)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert {"inline", "overlapped", "ratio"} <= data.keys()
+    assert {"gap_median_s", "busy_fraction", "loop_lag_max_ms"} <= data["inline"].keys()
+
+
+def test_control_plane_bench_pushes_every_trajectory_through() -> None:
+    figures = run_control_plane(steps=2, one_core=False)
+    assert figures["trajectories"] == 2 * 64 * 16
+    assert cast(float, figures["trajectories_per_s"]) > 0

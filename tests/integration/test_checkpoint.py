@@ -1,0 +1,362 @@
+"""Checkpoints and resume: a run killed with SIGKILL resumes from its newest checkpoint and ends
+as if it had never stopped — every step trained once, every prompt trained once, the ledger
+balanced, the trace rules holding; the trainer's state round-trips exactly; bad resumes are named."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from relayrl.analysis.checker import check_run_dir
+from relayrl.config.schema import load_config
+from relayrl.orchestrator.build import build_program
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.window import DispatchWindow
+from relayrl.rundir.checkpoint import CHECKPOINTS, CheckpointError, PromptSource, complete_checkpoints
+from relayrl.rundir.trajfiles import log_files
+from relayrl.types import Drawn, FilterReason, Group, Prompt
+from support.cli import child_env, relayrl, relayrl_argv
+from support.simutil import StopAt, Stopped, run_checked, sim_config
+
+STEPS = 30
+GROUPS_PER_STEP = 4
+SIM_RUN = [
+    "run.backend=sim",
+    f"run.steps={STEPS}",
+    "rollout.num_generations=4",
+    f"rollout.groups_per_step={GROUPS_PER_STEP}",
+    "rollout.prompts_per_request=2",
+    "train.row_tokens=64",
+    "train.rows_per_microbatch=2",
+    "train.share_prompt=false",
+    "sim.train_step=0.02",
+    "sim.generate_per_request=0.005",
+    "orchestrator.checkpoint_every=4",
+    "orchestrator.keep_checkpoints=2",
+]
+
+
+def _cli(*args: str) -> list[str]:
+    return relayrl_argv("train", *args)
+
+
+def _env() -> dict[str, str]:
+    return child_env({"PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) -> None:
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=killed"]]
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / CHECKPOINTS / "step-000007").exists():  # two checkpoints in
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    logged = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(logged) < STEPS  # really interrupted (the last line may be torn)
+
+    resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "from step" in resumed.stdout
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["steps_completed"] == STEPS
+    assert 8 <= summary["resumed_from_step"] < STEPS
+    # every step once, in order
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    # every trained prompt once; the prompts handed out are a prefix of the stream: none lost
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    assert sorted(set(trajs["step"])) == list(range(STEPS))
+    _assert_each_step_logged_once(run_dir, trajs, rows)
+    trained = trajs[trajs["status"] == "ok"]
+    steps_of: dict[str, set[int]] = defaultdict(set)
+    for prompt_id, step in zip(trained["prompt_id"], trained["step"]):
+        steps_of[prompt_id].add(int(step))
+    assert all(len(s) == 1 for s in steps_of.values())
+    assert len(steps_of) == STEPS * GROUPS_PER_STEP
+    seen = {int(p.rsplit("-", 1)[1]) for p in trajs["prompt_id"]}  # "arith-train-<stream index>"
+    assert seen == set(range(len(seen)))
+    ledger = summary["ledger"]
+    assert ledger["groups_trained"] == STEPS * GROUPS_PER_STEP
+    filtered = sum(ledger["groups_filtered"].values())
+    assert ledger["groups_dispatched"] == ledger["groups_trained"] + filtered + ledger["groups_unused"]
+    # the resumed segment obeys the boundary rules; the killed one is kept beside it
+    report = check_run_dir(run_dir)
+    assert report.ok, report.violations
+    assert (run_dir / "trace.part-0.json").exists()
+    # checkpoints: the newest two, complete, nothing half-written left
+    kept = complete_checkpoints(run_dir / CHECKPOINTS)
+    assert [p.name for p in kept] == ["step-000027", "step-000029"]
+    assert not [p for p in (run_dir / CHECKPOINTS).iterdir() if p.name.startswith(".")]
+
+
+def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> None:
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        build_program(cfg, run_dir=tmp_path / "r", resume=True)
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    with pytest.raises(CheckpointError, match="already trained 4 steps of run.steps=4; raise run.steps"):
+        build_program(cfg, run_dir=tmp_path / "r", resume=True)
+    # ... and raising run.steps continues it from the final checkpoint
+    longer = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2", "run.steps=6")
+    result = run_checked(build_program(longer, run_dir=tmp_path / "r", resume=True))
+    assert [r.step for r in result.results] == [4, 5]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert result.summary["steps_completed"] == 6
+
+
+@pytest.mark.slow
+def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
+    proc = relayrl("train", "--resume", str(tmp_path / "nothing"), timeout=60)
+    assert proc.returncode == 2
+    assert "config file not found" in proc.stdout + proc.stderr
+    # a run without checkpoints
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2", "orchestrator.checkpoint_every=0"]]
+    assert relayrl("train", *sets, timeout=60).returncode == 0
+    proc = relayrl("train", "--resume", str(tmp_path / "r"), timeout=60)
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    # a checkpoint whose trainer state is gone: named before anything in the run directory changes
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2"]]
+    assert relayrl("train", *sets, timeout=60).returncode == 0
+    (tmp_path / "r" / CHECKPOINTS / "step-000001" / "sim_trainer.json").unlink()
+    proc = relayrl("train", "--resume", str(tmp_path / "r"), "--set=run.steps=3", timeout=60)
+    assert proc.returncode == 2 and "trainer state file(s) missing: sim_trainer.json" in proc.stderr
+    assert (tmp_path / "r" / "trace.json").exists() and not (tmp_path / "r" / "trace.part-0.json").exists()
+
+
+def test_fresh_run_refuses_a_used_run_directory_without_overwrite(tmp_path: Path) -> None:
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r")
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    keep = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "run.overwrite=false")
+    with pytest.raises(ValueError, match="not empty and run.overwrite=false: resume it with --resume"):
+        build_program(keep, run_dir=tmp_path / "r")
+
+
+def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -> None:
+    """Checkpoint every step, groups filtered out of order (dynamic sampling), crash twice, resume
+    twice. The first run has a fast sampler and a slow trainer, so 16 groups are in flight at
+    its checkpoint (staleness 4); the first resume has a slow sampler behind a one-request
+    queue, so replayed prompts are still waiting to be dispatched when its checkpoint is taken."""
+    sets = [
+        f"run.output_dir={tmp_path}",
+        "run.name=r",
+        "run.steps=10",
+        "rollout.max_staleness=4",
+        "orchestrator.queue_size=1",
+        "rollout.prompts_per_request=1",
+        "algorithm.dynamic_sampling=true",
+        "orchestrator.checkpoint_every=1",
+        "orchestrator.keep_checkpoints=1",
+        "sim.learn_rate=0.0",
+    ]
+    fast = sim_config(*sets, "sim.generate_per_request=0.001", "sim.train_step=0.05")
+    slow = sim_config(*sets, "sim.generate_per_request=0.05", "sim.train_step=0.01")
+    run_dir = tmp_path / "r"
+    # a crash in on_step_end(N) comes before checkpoint N: the resumes start at steps 3 and 4
+    for crash_at, resume, cfg in ((3, False, fast), (4, True, slow)):
+        with pytest.raises(Stopped):
+            asyncio.run(build_program(cfg, [StopAt(crash_at)], run_dir=run_dir, resume=resume).run())
+    state = json.loads((run_dir / CHECKPOINTS / "step-000003" / "state.json").read_text())
+    assert len(state["in_flight"]) > 3  # replays that were still waiting are carried on
+    result = run_checked(build_program(fast, run_dir=run_dir, resume=True))
+    assert result.summary["steps_completed"] == 10
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(10))
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    _assert_each_step_logged_once(run_dir, trajs, rows)
+    assert trajs.groupby("group_id")["prompt_id"].nunique().max() == 1  # an id names one group
+    trained = trajs[trajs["status"] == "ok"]
+    assert trained.groupby("prompt_id")["step"].nunique().max() == 1  # no prompt trained twice
+    logged = {int(p.rsplit("-", 1)[1]) for p in trajs["prompt_id"]}
+    in_flight = {int(d.prompt.prompt_id.rsplit("-", 1)[1]) for d in result.ledger.in_flight()}
+    # every prompt the stream handed out is trained or filtered (logged) or still in flight: none lost
+    assert logged | in_flight == set(range(len(logged | in_flight)))
+    assert not logged & in_flight
+    assert filtered_count(trajs) > 0  # the case this test is about: groups settled out of order
+
+
+def test_a_resumed_runs_trajectory_log_has_each_step_once(tmp_path: Path) -> None:
+    """A run that fails at the end of step 6 closes its trajectory file (steps 4-6, past its
+    newest checkpoint, of step 3); the resume cuts the log back to step 3 and logs steps 4-9
+    again: each step once, in files rolled at each checkpoint (so a kill never loses a step a
+    checkpoint claims)."""
+    sets = [f"run.output_dir={tmp_path}", "run.name=r", "run.steps=10", "orchestrator.checkpoint_every=4"]
+    cfg = sim_config(*sets)
+    run_dir = tmp_path / "r"
+    with pytest.raises(Stopped):
+        asyncio.run(build_program(cfg, [StopAt(6)], run_dir=run_dir).run())
+    assert [f.path.name for f in log_files(run_dir)] == ["steps-000000-000003.parquet", "steps-000004-000006.parquet"]
+    result = run_checked(build_program(cfg, run_dir=run_dir, resume=True))
+    assert result.summary["resumed_from_step"] == 4
+    names = ["steps-000000-000003.parquet", "steps-000004-000007.parquet", "steps-000008-000009.parquet"]
+    assert [f.path.name for f in log_files(run_dir)] == names
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    assert sorted(set(trajs["step"])) == list(range(10))
+    _assert_each_step_logged_once(run_dir, trajs, rows)
+
+
+def _assert_each_step_logged_once(run_dir: Path, trajs: pd.DataFrame, metrics: list[dict[str, object]]) -> None:
+    """The resumed run's trajectory log holds each step exactly once: the files' step ranges are
+    disjoint and in name order, no trajectory appears twice, and each step has the rows of the
+    trajectories its metrics row counts (its trained groups; filtered groups come on top)."""
+    files = log_files(run_dir)
+    assert [f.path.name for f in files] == sorted(f.path.name for f in files)
+    assert all(a.last < b.first for a, b in itertools.pairwise(files))
+    assert not trajs.duplicated(["step", "group_id", "sample_index"]).any()
+    assert trajs.groupby("group_id")["step"].nunique().max() == 1  # a group is logged at one step
+    logged = trajs[~trajs["status"].str.startswith("filtered")].groupby("step").size().to_dict()
+    assert logged == {int(r["step"]): int(r["num_trajectories"]) for r in metrics}  # type: ignore[call-overload]
+
+
+def filtered_count(trajs: pd.DataFrame) -> int:
+    return int(trajs["status"].str.startswith("filtered").sum())
+
+
+def test_prompt_source_replays_then_continues_the_stream() -> None:
+    stream = (Prompt(f"p{i}", str(i), str(i)) for i in range(100))
+    replay = [Drawn(3, Prompt("p3", "3", "3")), Drawn(5, Prompt("p5", "5", "5"))]
+    source = PromptSource(stream, replay, skip=7)
+    drawn = [next(source) for _ in range(4)]
+    assert [(d.index, d.prompt.prompt_id) for d in drawn] == [(3, "p3"), (5, "p5"), (7, "p7"), (8, "p8")]
+    assert source.drawn == 9
+
+
+def test_ledger_checkpoint_keeps_settled_counts_and_in_flight_prompts() -> None:
+    ledger = Ledger()
+    prompts = [Drawn(i, Prompt(f"p{i}", "", "")) for i in range(5)]
+    ids = ledger.dispatch(prompts, 4)
+    ledger.trained(ids[0], 4)
+    group = Group(ids[2], [])
+    ledger.filtered(group, FilterReason.STALE, DispatchWindow(groups_per_step=1, max_staleness=0, total_steps=1))
+    assert [(d.index, d.prompt.prompt_id) for d in ledger.in_flight()] == [(1, "p1"), (3, "p3"), (4, "p4")]
+    resumed = Ledger.resumed(json.loads(json.dumps(ledger.checkpoint())))
+    again = resumed.dispatch(ledger.in_flight(), 4)
+    for gid in again:
+        resumed.trained(gid, 4)
+    d = resumed.as_dict()
+    assert d["groups_dispatched"] == 5 and d["groups_trained"] == 4 and d["groups_filtered"] == {"stale": 1}
+    assert d["groups_unused"] == 0 and d["trajectories_trained"] == 16 and d["trajectories_dispatched"] == 20
+    with pytest.raises(Exception, match="never dispatched"):
+        resumed.trained(ids[1], 4)  # an id of the run before the resume
+
+
+def test_local_trainer_state_round_trips(tmp_path: Path) -> None:
+    """Save after one update, load into a fresh trainer: the same weights and version, and the
+    next update (which depends on AdamW's moments and the LR schedule) lands on the same weights."""
+    from relayrl.algorithms.losses import LossConfig
+    from relayrl.backends.local.collate import TorchCollator
+    from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+    from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+    from relayrl.packing import build_microbatch, plan
+    from support.trajectories import trajectory
+
+    def make() -> tuple[LocalTrainer, object]:
+        model, tok = load_model_and_tokenizer(shipped_model_dir())
+        settings = TrainerSettings(learning_rate=1e-2, total_steps=10, loss=LossConfig(), warmup_steps=3, lr_schedule="cosine")
+        return LocalTrainer(model, settings), tok
+
+    trainer, tok = make()
+    ids = tok("12+7=", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    trajs = [
+        trajectory(sample=i, prompt=Prompt("p", "12+7=", "19"), prompt_tokens=ids, completion_tokens=c, logprob=-1.0, text="", advantage=a)
+        for i, (c, a) in enumerate([([5, 6, 1], 1.0), ([5, 7, 1], -1.0)])
+    ]
+    mb = build_microbatch(0, 0, trajs, plan(trajs, 64, 4, share_prompt=True))
+    mb.payload = TorchCollator(pad_token_id=0).collate(mb)
+
+    async def update(t: LocalTrainer) -> int:
+        await t.train_step(mb.train_batch())
+        return await t.optim_step()
+
+    async def first_part() -> dict[str, torch.Tensor]:
+        await update(trainer)
+        await trainer.save_state(tmp_path)
+        await update(trainer)
+        state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        await trainer.close()
+        return state
+
+    continued = asyncio.run(first_part())
+    fresh, _ = make()
+
+    async def second_part() -> tuple[int, int]:
+        version = await fresh.load_state(tmp_path)
+        exported = (await fresh.export_weights()).version
+        after = await update(fresh)
+        await fresh.close()
+        return version, exported * 100 + after
+
+    version, both = asyncio.run(second_part())
+    assert version == 1 and both == 102
+    for name, value in fresh.model.state_dict().items():
+        torch.testing.assert_close(value, continued[name], rtol=0, atol=0)
+
+
+def test_local_run_resumes_with_its_trainer_state_and_evals(tmp_path: Path) -> None:
+    """The local backend end to end: a 2-step run with a checkpoint per step, extended to 4 steps
+    by a resume that restores the trainer (version 2) and keeps the held-out evaluations."""
+    base = [
+        "run.backend=local",
+        "task.kind=arithmetic",
+        "rollout.num_generations=4",
+        "rollout.groups_per_step=4",
+        "task.heldout_size=16",
+        "orchestrator.release_memory=false",
+        "orchestrator.checkpoint_every=1",
+        "eval.every_steps=2",
+    ]
+    first = load_config(None, [*base, "run.steps=2"])
+    run_checked(build_program(first, run_dir=tmp_path / "run"), timeout=120)
+    assert (tmp_path / "run" / CHECKPOINTS / "step-000001" / "trainer.pt").is_file()
+    longer = load_config(None, [*base, "run.steps=4"])
+    result = run_checked(build_program(longer, run_dir=tmp_path / "run", resume=True), timeout=120)
+    assert [r.step for r in result.results] == [2, 3]
+    assert [r.policy_version for r in result.results] == [3, 4]  # went on from version 2
+    evals = [json.loads(line)["version"] for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
+    assert evals == [0, 2, 4]
+    assert result.summary["steps_completed"] == 4 and result.summary["accuracy_before"] is not None
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM cancels the run like Ctrl-C: exit 130, summary "cancelled", a
+    closed trace that passes the checker, and the line to resume with; the resume completes."""
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=t"]]
+    run_dir = tmp_path / "t"
+    proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / CHECKPOINTS / "step-000003").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 143, stderr
+    assert f"with: relayrl train --resume {run_dir}" in stderr and "Traceback" not in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled" and summary["steps_completed"] < STEPS
+    assert check_run_dir(run_dir).ok
+    resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == STEPS
