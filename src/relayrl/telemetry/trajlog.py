@@ -37,7 +37,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -170,7 +170,6 @@ class _OpenFile:
     """The file being written: its hidden path, the writer, the steps it holds so far."""
 
     tmp: Path
-    fh: IO[bytes]
     writer: pq.ParquetWriter
     first: int
     last: int
@@ -229,7 +228,7 @@ class ParquetTrajectoryLog:
         current.last = step
         current.steps += 1
         self.rows_written += table.num_rows
-        if current.steps >= self.max_file_steps or current.fh.tell() >= self.max_file_bytes:
+        if current.steps >= self.max_file_steps or current.tmp.stat().st_size >= self.max_file_bytes:
             self.roll()
 
     def roll(self) -> None:
@@ -243,12 +242,13 @@ class ParquetTrajectoryLog:
             with writing(final):
                 current.writer.close()
                 if self.fsync:
-                    current.fh.flush()
-                    os.fsync(current.fh.fileno())
-                current.fh.close()
+                    fd = os.open(current.tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
                 os.replace(current.tmp, final)
         except BaseException:
-            current.fh.close()
             current.tmp.unlink(missing_ok=True)
             raise
 
@@ -260,14 +260,12 @@ class ParquetTrajectoryLog:
         import pyarrow.parquet as pq
 
         tmp = self.directory / open_name(step)
-        fh = open(tmp, "wb")  # closed by roll or _discard
-        try:
-            writer = pq.ParquetWriter(fh, trajectory_schema(), compression=self.compression)
+        try:  # a path, not a Python file object: pyarrow writes it natively, never through the GIL
+            writer = pq.ParquetWriter(str(tmp), trajectory_schema(), compression=self.compression)
         except BaseException:
-            fh.close()
             tmp.unlink(missing_ok=True)
             raise
-        self._open = _OpenFile(tmp, fh, writer, step, step)
+        self._open = _OpenFile(tmp, writer, step, step)
         return self._open
 
     def _discard(self) -> None:
@@ -279,7 +277,6 @@ class ParquetTrajectoryLog:
         except Exception:  # the file is being thrown away
             pass
         finally:
-            current.fh.close()
             current.tmp.unlink(missing_ok=True)
 
 
