@@ -20,6 +20,7 @@ from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
 from relayrl.envs.base import Environment
 from relayrl.errors import UserError
+from relayrl.orchestrator.parts import assemble
 from relayrl.orchestrator.program import Program
 from relayrl.orchestrator.state import RunState
 from relayrl.rewards import registry as rewards
@@ -182,7 +183,7 @@ def _program(
     callbacks: Sequence[Callback],
     lock: RunDirLock | None,
 ) -> Program:
-    return Program(
+    parts = assemble(
         checked.cfg,
         backend,
         state,
@@ -190,10 +191,10 @@ def _program(
         run_dir=run_dir,
         threads=threads,
         callbacks=callbacks,
-        lock=lock,
         environment=checked.environment,
         heldout=checked.task.heldout,
     )
+    return Program(parts, lock=lock)
 
 
 def _release(lock: RunDirLock | None, built: Backend | None) -> None:

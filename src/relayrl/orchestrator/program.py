@@ -3,9 +3,9 @@
     dispatch → sampler(s) → collect → score → advantages → train loop → commit → weight sync
                                                               └→ deferred bookkeeping
 
-What it delegates: building the run, fresh or restored, and validating it (orchestrator/build.py:
-`start_run`, `resume_run`), what the run carries across a resume (orchestrator/state.py's
-`RunState`), restoring a resume point and writing checkpoints (orchestrator/checkpointing.py), when the
+It only supervises. What it delegates: building the run, fresh or restored, and validating it
+(orchestrator/build.py: `start_run`, `resume_run`), assembling its parts (orchestrator/parts.py),
+what the run carries across a resume (orchestrator/state.py's `RunState`), restoring a resume point and writing checkpoints (orchestrator/checkpointing.py), when the
 held-out evaluation runs (eval/schedule.py), the run directory's config.toml, evals.jsonl and
 summary.json and the summary itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
 
@@ -18,47 +18,33 @@ the outcome.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
-from relayrl.config.schema import Config
-from relayrl.envs.base import Environment
-from relayrl.eval.heldout import HeldoutEvaluator
-from relayrl.eval.schedule import EvalSchedule
-from relayrl.orchestrator.checkpointing import Checkpointer, CheckpointPolicy, LoggedSteps, restore
-from relayrl.orchestrator.deadlines import BoundedTrainer
+from relayrl.orchestrator.checkpointing import restore
 from relayrl.orchestrator.deferred import DeferredJobs
-from relayrl.orchestrator.ledger import FilterWatch, Ledger
+from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.parts import RunParts
 from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool
 from relayrl.orchestrator.stages.advantage import advantage_stage
 from relayrl.orchestrator.stages.dispatch import dispatch_stage
-from relayrl.orchestrator.stages.episodes import EpisodeRunner, EpisodeSettings
 from relayrl.orchestrator.stages.sample import MultiTurn, Rollout, SingleTurn, sampler_stage
 from relayrl.orchestrator.stages.score import score_stage
 from relayrl.orchestrator.stages.sync import SyncTimes, VersionSignal, sync_stage
 from relayrl.orchestrator.stages.train_loop import CommitFigures, GroupTaker, PackingSpec, StepHooks, TrainLoop
-from relayrl.orchestrator.state import RunState
 from relayrl.orchestrator.taskgroups import first_error
 from relayrl.orchestrator.watchdog import StallWatchdog
 from relayrl.orchestrator.window import DispatchWindow
-from relayrl.rewards.registry import ResolvedReward
-from relayrl.rewards.scoring import Scorer, ScorerSettings
 from relayrl.rundir import files as runfiles
 from relayrl.rundir.lock import RunDirLock
-from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
-from relayrl.telemetry.sinks import build_sinks
-from relayrl.telemetry.stepbook import StepBookkeeper
 from relayrl.telemetry.tracer import Tracer
-from relayrl.threads import OrchestratorThreads
 from relayrl.types import (
     Group,
-    Prompt,
     SampleRequest,
     StepRecord,
     StepResult,
@@ -80,135 +66,34 @@ class RunResult:
     ledger: Ledger
 
 
-def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSettings:
-    """Multi-turn limits: `rollout.max_total_tokens` (0: `train.row_tokens`), never beyond the
-    model's context (`max_prompt_tokens` + `rollout.max_new_tokens`)."""
-    r = cfg.rollout
-    total = r.max_total_tokens or cfg.train.row_tokens
-    if max_prompt_tokens is not None:
-        total = min(total, max_prompt_tokens + r.max_new_tokens)
-    return EpisodeSettings(
-        max_turns=r.max_turns, max_total_tokens=total, max_new_tokens=r.max_new_tokens, observation_template=cfg.task.observation_template
-    )
-
-
 class Program:
-    def __init__(
-        self,
-        cfg: Config,
-        backend: Backend,
-        state: RunState,
-        rewards: Sequence[ResolvedReward],
-        *,
-        run_dir: Path | None,
-        threads: OrchestratorThreads,
-        callbacks: Sequence[Callback] = (),
-        lock: RunDirLock | None = None,
-        environment: Environment | None = None,
-        heldout: Sequence[Prompt] = (),
-    ) -> None:
-        """`state` is fresh or restored (orchestrator/state.py); everything was validated and the
-        run directory prepared (config.toml written) by orchestrator/build.py: constructing a
-        Program writes nothing but the trace it opens."""
-        self.cfg = cfg
-        self.environment = environment  # multi-turn episodes (task.environment); None: single completions
-        self.lock = lock  # the run directory's lock (run.build_program took it); released when the run ends
-        self.backend = backend
-        # every trainer call bounded by train.call_timeout_s (the stages call it through this)
-        self.trainer = BoundedTrainer(backend.trainer, cfg.train.call_timeout_s)
-        self.state = state
-        self.start_step = state.start_step
-        self.prompts = state.prompts
-        self.run_dir = run_dir
-        self.threads = threads
-        t = cfg.task
-        settings = ScorerSettings(
-            t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s, t.reward_clip
-        )
-        # the reward functions, on the scoring thread, in worker processes (started at their first
-        # call, ended with the run) or on the loop; the held-out evaluator judges through it too
-        self.scorer = Scorer(rewards, settings, threads)
-        self.callbacks = list(callbacks)
-        self.ledger = state.ledger
-        # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
-        self.ledger.watch = FilterWatch.of(cfg.rollout.groups_per_step, cfg.orchestrator.max_filtered_per_step, self.start_step)
-        self._logged = LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, self.ledger.as_dict())
-        self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover)
-        run_info: dict[str, object] = {
-            "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
-            "max_staleness": cfg.rollout.max_staleness,
-            "groups_per_step": cfg.rollout.groups_per_step,
-            "steps": cfg.run.steps,
-            "backend": cfg.run.backend,
-            "loop_thread": threading.current_thread().name,
-            "first_step": self.start_step,
-        }
-        self.tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
-        backend.attach_tracer(self.tracer)
-        for name, seconds in backend.startup.items():  # before the run's clock started: ends at 0
-            self.tracer.complete("orchestrator", name, -seconds, 0.0, seconds=round(seconds, 3))
-        self.episodes: EpisodeRunner | None = None  # multi-turn episodes (task.environment)
-        if environment is not None:
-            limits = episode_settings(cfg, backend.max_prompt_tokens)
-            self.episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, threads, self.tracer)
-        # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
-        # run evaluates), judged through the run's scorer, greedy episodes for multi-turn tasks
-        evaluator = (
-            HeldoutEvaluator(
-                backend.greedy,
-                heldout,
-                backend.tokenize,
-                backend.decode,
-                cfg.eval.max_new_tokens,
-                scorer=self.scorer,
-                episodes=self.episodes,
-            )
-            if backend.greedy is not None and heldout
-            else None
-        )
-        self.bookkeeper = StepBookkeeper(
-            tracer=self.tracer,
-            run_dir=run_dir,
-            callbacks=[self._logged, state, *self.callbacks],
-            host_work=backend.host_work,
-            abort=threads.abort,
-            log_trajectories=cfg.orchestrator.log_trajectories,
-            release=cfg.orchestrator.release_memory,
-            trim=cfg.orchestrator.malloc_trim,
-            checkpoint_after=lambda step: self.checkpointer.due(step + 1),  # called once the run runs
-            sinks=build_sinks(
-                run_dir,
-                cfg.telemetry.sinks,
-                cfg.run.name,
-                cfg.model_dump(),
-                project=cfg.telemetry.project,
-                resume_step=self.start_step if state.resumed else None,  # each sink's record restarts at the checkpoint
-            )
-            if run_dir is not None
-            else None,
-        )
+    """Supervises one run: drives its stages under one TaskGroup, then writes summary.json and
+    releases the run directory. Its parts are assembled by orchestrator/parts.py."""
+
+    def __init__(self, parts: RunParts, *, lock: RunDirLock | None = None) -> None:
+        """`parts` were assembled from a validated config, the backend and the run's state
+        (orchestrator/build.py); `lock` is the run directory's, released when the run ends."""
+        self.parts = parts
+        self.lock = lock
+        self.cfg = parts.cfg
+        self.backend = parts.backend
+        self.state = parts.state
+        self.start_step = parts.state.start_step
+        self.prompts = parts.state.prompts
+        self.ledger = parts.state.ledger
+        self.run_dir = parts.run_dir
+        self.threads = parts.threads
+        self.callbacks = parts.callbacks
+        self.trainer = parts.trainer
+        self.scorer = parts.scorer
+        self.tracer = parts.tracer
+        self.episodes = parts.episodes
+        self.bookkeeper = parts.bookkeeper
+        self.eval_schedule = parts.eval_schedule
+        self.checkpointer = parts.checkpointer
+        self._logged = parts.logged
+        self.replicas = ReplicaPool.of(parts.backend.samplers, parts.cfg.rollout.sampler_failover)
         self.loop: TrainLoop | None = None
-        self.eval_schedule = EvalSchedule(
-            evaluator=evaluator,
-            trainer=self.trainer,
-            every=cfg.eval.every_steps,
-            steps=cfg.run.steps,
-            run_dir=run_dir,
-            threads=threads,
-            tracer=self.tracer,
-            callbacks=self.callbacks,
-            results=state.evals,
-        )
-        self.checkpointer = Checkpointer(
-            run_dir=run_dir,
-            policy=CheckpointPolicy(cfg.orchestrator.checkpoint_every, cfg.run.steps, cfg.orchestrator.keep_checkpoints),
-            backend_name=cfg.run.backend,
-            trainer=self.trainer,
-            threads=threads,
-            tracer=self.tracer,
-            logged=self._logged,
-            state=state,
-        )
 
     def _dispatch_bound(self, backend: Backend) -> int | None:
         """The most prompt tokens a group may have to be sampled: the model's context after
