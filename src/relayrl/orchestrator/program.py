@@ -5,9 +5,10 @@
 
 It only supervises. What it delegates: building the run, fresh or restored, and validating it
 (orchestrator/build.py: `start_run`, `resume_run`), assembling its parts (orchestrator/parts.py),
-what the run carries across a resume (orchestrator/state.py's `RunState`), restoring a resume point and writing checkpoints (orchestrator/checkpointing.py), when the
-held-out evaluation runs (eval/schedule.py), the run directory's config.toml, evals.jsonl and
-summary.json and the summary itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
+what the run carries across a resume (orchestrator/state.py's `RunState`), restoring a resume
+point and writing checkpoints (orchestrator/checkpointing.py), when the held-out evaluation runs
+(eval/schedule.py), the run directory's config.toml, evals.jsonl and summary.json and the summary
+itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
 
 Invariant: the first error in any stage, deferred job or worker call cancels every other task
 and reaches the caller as itself (not wrapped); cancellation of the run leaves no task or
