@@ -7,8 +7,9 @@ bookkeeper with its sinks, and the checkpointer. orchestrator/build.py calls `as
 everything was validated and the run directory prepared; `Program` (orchestrator/program.py)
 only supervises what it returns.
 
-Invariant: assembling writes nothing but the trace it opens (trace.json), and every part that
-reads what a checkpoint records reads it off the one `RunState`.
+Invariant: assembling writes nothing but the files it opens for the run to append to (trace.json,
+metrics.jsonl and the sinks'), and every part that reads what a checkpoint records reads it off
+the one `RunState`.
 """
 
 from __future__ import annotations
