@@ -200,7 +200,7 @@ def test_a_restart_overtaken_by_a_newer_round_loads_that_round_s_version_before_
         pool = ReplicaPool.of([sampler], failover=True)
         publisher = WeightPublisher(trainer, pool, Tracer(None, {}), load_timeout_s=5.0)
         [slot] = pool.slots
-        restarting = asyncio.create_task(publisher.restart(slot, sampler, RuntimeError("died"), "generate"))
+        restarting = asyncio.create_task(publisher.restart(slot, RuntimeError("died"), "generate"))
         while not sampler.loaded:
             await asyncio.sleep(0)
         trainer.version = 1  # a commit while the restarted replica loads version 0

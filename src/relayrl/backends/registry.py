@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Collator, GreedyEngine, HostWork, PromptEncoder, Sampler, TextDecoder, TextEncoder, Trainer
-from relayrl.config.schema import Config
+from relayrl.config.schema import Config, ConfigError
 from relayrl.telemetry.tracer import Tracer
 
 # run.backend -> "module:function" returning the kind's `Compute` for a config
@@ -100,7 +100,7 @@ def _load(spec: str) -> object:
 def compute_kind(name: str) -> Callable[[Config, threading.Event], Compute]:
     """The kind `run.backend` names, imported now."""
     if name not in KINDS:
-        raise ValueError(f"run.backend: no compute kind named {name!r} (known: {', '.join(sorted(KINDS))})")
+        raise ConfigError(f"run.backend: no compute kind named {name!r} (known: {', '.join(sorted(KINDS))})")
     kind: Callable[[Config, threading.Event], Compute] = _load(KINDS[name])  # type: ignore[assignment]
     return kind
 

@@ -74,7 +74,6 @@ class Program:
     def __init__(self, parts: RunParts, *, lock: RunDirLock | None = None) -> None:
         """`parts` were assembled from a validated config, the backend and the run's state
         (orchestrator/build.py); `lock` is the run directory's, released when the run ends."""
-        self.parts = parts
         self.lock = lock
         self.cfg = parts.cfg
         self.backend = parts.backend

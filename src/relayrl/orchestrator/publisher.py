@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 
-from relayrl.backends.protocols import Sampler, Trainer
+from relayrl.backends.protocols import Trainer
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
 from relayrl.telemetry.tracer import Tracer
@@ -91,16 +91,16 @@ class WeightPublisher:
                 slot.version = weights.version
         return weights
 
-    async def restart(self, slot: SamplerSlot, worker: Sampler, exc: Exception, during: str) -> Exception | None:
+    async def restart(self, slot: SamplerSlot, exc: Exception, during: str) -> Exception | None:
         """Bring `slot`'s replica, whose worker died during `during` (raising `exc`), back into
-        service: wait for its worker to be alive again (`worker.restart()`), then load the newest
+        service: wait for its worker to be alive again (`slot.worker.restart()`), then load the newest
         version into it, again while a round pushed a newer one meanwhile. Returns why it cannot
         be restarted (None: it serves again, holding `pool.target` or newer)."""
         lane = f"sampler/{slot.replica}"
         slot.restarting = True  # sync rounds skip it: it loads the newest weights here
         start = self._tracer.now()
         try:
-            await worker.restart()
+            await slot.worker.restart()
             weights = self._newest if self._newest is not None else await self._export()
             while True:
                 await self._load(slot, weights)

@@ -96,7 +96,7 @@ async def sampler_stage(
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")
             if sampler.restartable(exc):
                 await inbox.put(requests)  # the other replicas sample them while this one restarts
-                failed = await publisher.restart(slot, sampler, exc, "generate")
+                failed = await publisher.restart(slot, exc, "generate")
                 if failed is None:
                     continue
                 pool.retire(slot, failed, "restart", [r.group_id for r in requests])
