@@ -15,6 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
 from relayrl.analysis import timeline
 from relayrl.analysis.plots import PLOTS, SPAN_COLOURS, step_time_stack, timeline_window
@@ -485,10 +486,10 @@ def test_multi_turn_plots_appear_only_for_a_multi_turn_run(tmp_path: Path, multi
 def test_reward_and_accuracy_are_drawn_on_separate_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from relayrl.analysis import plots
 
-    figures = []
+    figures: list[Figure] = []
     new_figure = plots._new_figure
 
-    def keep(width: float, height: float):  # type: ignore[no-untyped-def]
+    def keep(width: float, height: float) -> Figure:
         figures.append(new_figure(width, height))
         return figures[-1]
 
