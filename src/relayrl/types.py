@@ -343,9 +343,11 @@ class StepRecord:
 @dataclass(slots=True, frozen=True)
 class EvalResult:
     """A held-out evaluation of one policy version (`relayrl.eval.heldout`). `accuracy`: the share
-    of held-out prompts answered correctly (multi-turn: solved within `rollout.max_turns`);
-    multi-turn only: `first_turn_accuracy` (solved by the first action) and `mean_turns` (policy
-    turns per episode)."""
+    of held-out prompts answered correctly by the task's own check (tasks/correctness.py; multi-turn:
+    solved within `rollout.max_turns`), whatever the reward functions; `reward_mean`: the mean
+    reward of the greedy completions under the run's reward functions (a failed call counts 0;
+    None in evaluations recorded before it existed); multi-turn only: `first_turn_accuracy` (solved
+    by the first action) and `mean_turns` (policy turns per episode)."""
 
     version: int
     accuracy: float
@@ -353,3 +355,4 @@ class EvalResult:
     seconds: float
     first_turn_accuracy: float | None = None
     mean_turns: float | None = None
+    reward_mean: float | None = None

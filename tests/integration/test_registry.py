@@ -67,10 +67,11 @@ def test_a_compute_kind_is_one_registry_entry_and_the_program_evaluates_on_its_g
     cfg = sim_config("task.heldout_size=5", "run.steps=3")
     result = run_checked(build_program(cfg, run_dir=tmp_path / "run", reward_fns=[one]))
     evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
-    assert [(e["version"], e["accuracy"], e["num_prompts"]) for e in evals] == [(0, 1.0, 5), (3, 1.0, 5)]
+    assert [(e["version"], e["reward_mean"], e["num_prompts"]) for e in evals] == [(0, 1.0, 5), (3, 1.0, 5)]
     assert _Engine.loaded == [3]  # the start is measured on the weights the engine holds
     assert judged == [0] * 5 + [3] * 5  # through the run's scorer, which calls the run's functions
-    assert result.summary["accuracy_before"] == 1.0
+    assert result.summary["heldout_reward_mean_before"] == 1.0
+    assert result.summary["accuracy_before"] == 0.0  # the task's check: no held-out sum is 1
 
 
 def test_the_sim_kind_does_not_evaluate_and_imports_no_torch() -> None:

@@ -15,6 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
 from relayrl.analysis import timeline
 from relayrl.analysis.plots import PLOTS, SPAN_COLOURS, step_time_stack, timeline_window
@@ -27,7 +28,7 @@ from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.tracer import load_trace
 from relayrl.types import StepResult
 
-PNG_NAMES = [p.name for p in PLOTS]
+PNG_NAMES = [p.name for p in PLOTS if p.applies is None]  # every run's plots (not the multi-turn one)
 OVERRIDES = [
     "run.steps=6",
     "orchestrator.release_memory=false",
@@ -428,3 +429,75 @@ def test_runs_text_keeps_whole_values() -> None:
     assert lines[1].startswith("a-very-long-run-name-indeed  completed")
     assert "1235" in lines[1] and "…" not in text
     assert lines[2].index("running") == lines[1].index("completed")  # aligned columns
+
+
+def test_the_report_shows_the_best_and_worst_completion_of_sampled_steps(finished: Path, tmp_path: Path) -> None:
+    run_dir = _copy(finished, tmp_path / "samples")
+    data = load_run(run_dir)
+    assert [(x.step, x.which) for x in data.samples] == [(step, which) for step in range(6) for which in ("best", "worst")]
+    assert data.trajectories is not None
+    for step in range(6):
+        rewards = [r["reward"] for r in data.trajectories if r["step"] == step and r["status"] == "ok"]
+        best, worst = (x for x in data.samples if x.step == step)
+        assert (best.reward, worst.reward) == (max(rewards), min(rewards))  # type: ignore[type-var]
+        assert best.prompt and best.completion is not None
+    text = write_report(run_dir).read_text()
+    assert '<table class="samples">' in text and text.count('<tr class="best">') == 6 and text.count('<tr class="worst">') == 6
+
+
+def test_samples_are_cut_and_escaped_and_steps_evenly_spaced() -> None:
+    from relayrl.analysis.htmlpage import render_html
+    from relayrl.analysis.rundata import RunData, Sample, even_picks
+
+    assert even_picks(list(range(100)), 10) == [0, 11, 22, 33, 44, 55, 66, 77, 88, 99]
+    assert even_picks([3, 4], 10) == [3, 4]
+    data = RunData(Path("run"), samples=[Sample(0, "best", 1.0, "<b>2+2</b>", "<script>x</script>")])
+    page = render_html(data, [], [])
+    assert "&lt;script&gt;x&lt;/script&gt;" in page and "<script>" not in page and "&lt;b&gt;2+2&lt;/b&gt;" in page
+
+
+def _bare_run(run_dir: Path, multiturn: bool) -> Path:
+    (run_dir).mkdir(parents=True)
+    turns = {"turns_mean": 2.5, "first_turn_solved_rate": 0.25} if multiturn else {}
+    rows = [{"step": i, "reward_mean": 0.1 * i, "step_time_sec": 1.0, "train_time": 0.5, **turns} for i in range(3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    multi = {"first_turn_accuracy": 0.2, "mean_turns": 2.4} if multiturn else {}
+    evals = [{"version": v, "accuracy": 0.3, "reward_mean": 0.5, **multi} for v in (0, 3)]
+    (run_dir / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    return run_dir
+
+
+@pytest.mark.parametrize("multiturn", [True, False])
+def test_multi_turn_plots_appear_only_for_a_multi_turn_run(tmp_path: Path, multiturn: bool) -> None:
+    run_dir = _bare_run(tmp_path / "run", multiturn)
+    (run_dir / "report").mkdir()
+    (run_dir / "report" / "multiturn.png").write_bytes(b"stale")  # from an earlier report
+    out = write_report(run_dir)
+    tables = _parse(out)
+    text = out.read_text()
+    if multiturn:
+        _assert_pngs(run_dir, ["multiturn"], tables)
+        assert "Multi-turn episodes" in text
+    else:
+        assert not (run_dir / "report" / "multiturn.png").exists()
+        assert "Multi-turn episodes" not in text and "report/multiturn.png" not in tables.hrefs
+
+
+def test_reward_and_accuracy_are_drawn_on_separate_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from relayrl.analysis import plots
+
+    figures: list[Figure] = []
+    new_figure = plots._new_figure
+
+    def keep(width: float, height: float) -> Figure:
+        figures.append(new_figure(width, height))
+        return figures[-1]
+
+    monkeypatch.setattr(plots, "_new_figure", keep)
+    plots.plot_reward(load_run(_bare_run(tmp_path / "run", False)), tmp_path / "reward.png")
+    (fig,) = figures
+    labels = [{line.get_label() for line in ax.get_lines()} for ax in fig.axes]
+    assert len(fig.axes) == 2  # two panels, no twin axis
+    assert "reward (mean of the step's trajectories)" in labels[0] and "held-out accuracy (evals.jsonl)" not in labels[0]
+    assert labels[1] == {"held-out accuracy (evals.jsonl)"}
+    assert "held-out mean reward (evals.jsonl)" in labels[0]

@@ -424,7 +424,9 @@ def test_the_evaluator_judges_through_the_runs_scorer(tmp_path: Path) -> None:
     finally:
         threads.shutdown()
         scorer.close()
-    assert result.accuracy == 2 / 6  # even lengths 0, 2, 4, but p2's NaN makes it wrong
+    # rewards even + positive: 2, 1, 0 (p2's NaN fails its trajectory: reward 0), 1, 2, 1
+    assert result.reward_mean == 7 / 6
+    assert result.accuracy == 1.0  # the task's check, not the rewards: every "" is the answer ""
 
 
 # -- ledger and the example -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from relayrl.analysis.plots import PlotResult
-from relayrl.analysis.rundata import KeyFigure, Row, RunData, format_value
+from relayrl.analysis.rundata import SAMPLE_CHARS, SAMPLE_STEPS, KeyFigure, Row, RunData, format_value
 
 _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto; max-width: 1250px; color: #222; }
@@ -27,6 +27,7 @@ td.src { color: #888; font-size: 0.85em; }
 figure { margin: 1em 0 2em; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.9em; } .skip { color: #a33; } .error { color: #a00; font-weight: 600; }
 .cols { columns: 2; column-gap: 2em; } .notes li { color: #a60; }
+table.samples pre { white-space: pre-wrap; margin: 0; max-width: 480px; font-size: 0.9em; }
 """
 
 
@@ -67,6 +68,22 @@ def _ledger_table(summary: Row | None) -> str:
     return f'<h2>Ledger</h2><table class="ledger">{cells}</table>'
 
 
+def _samples_table(data: RunData) -> str:
+    """Up to SAMPLE_STEPS steps, evenly spaced: the best and the worst reward completion of each."""
+    if not data.samples:
+        return ""
+    rows = "".join(
+        f'<tr class="{_e(x.which)}"><td class="num">{_e(x.step)}</td><td>{_e(x.which)}</td>'
+        f'<td class="num">{_e(format_value(x.reward))}</td><td><pre>{_e(x.prompt)}</pre></td><td><pre>{_e(x.completion)}</pre></td></tr>'
+        for x in data.samples
+    )
+    return (
+        '<h2>Sample completions</h2><p class="sub">The best and the worst reward completion of up to '
+        f"{SAMPLE_STEPS} steps, evenly spaced (trajectory log; texts cut to {SAMPLE_CHARS} characters).</p>"
+        '<table class="samples"><tr><th>step</th><th></th><th>reward</th><th>prompt</th><th>completion</th></tr>' + rows + "</table>"
+    )
+
+
 def _plot_html(result: PlotResult, run_dir: Path) -> str:
     title = _e(result.spec.title)
     if result.png is None:
@@ -97,6 +114,7 @@ def render_html(data: RunData, figures: Sequence[KeyFigure], plots: Sequence[Plo
         parts.append('<ul class="notes">' + "".join(f"<li>{_e(n)}</li>" for n in data.notes) + "</ul>")
     parts.append("<h2>Key figures</h2>" + _figures_table(figures))
     parts.extend(_plot_html(p, data.run_dir) for p in plots)
+    parts.append(_samples_table(data))
     parts.append(_ledger_table(data.summary))
     step = data.metrics[-1].get("step") if data.metrics else None
     parts.append(f"<h2>Last metrics row (step {_e(format_value(step))})</h2>" + _last_row_table(data.metrics))

@@ -20,23 +20,26 @@ from relayrl.analysis import timeline
 from relayrl.analysis.rundata import Row, RunData, finite
 
 if TYPE_CHECKING:
-    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 GANTT_STEPS = 4  # the timeline plot shows the last few steps, enough to see the boundary
 TRAINED_STATUSES = frozenset({"ok", "failed"})  # trajectory-log statuses of trained trajectories
 
+# Waiting for data (the trainer's wait for a step's groups) is expected in a pipeline whose samplers
+# set its pace: drawn in a neutral colour, never an alarm colour.
+WAIT_COLOUR = "#b5a98f"
+
 # Step-time components (metrics.jsonl key, label, colour). Only exposed time is stacked — time the
 # trainer spends computing or waiting — so a bar never rises above step_time_sec (commit to commit):
 # - training: train_time, the trainer's train_step calls;
-# - exposed generation: exposed_generation_time, waiting for the step's groups (part of the gap);
+# - waiting for data: exposed_generation_time, waiting for the step's groups (part of the gap);
 # - rest of the boundary gap: boundary_gap_sec (commit to the next train_step) minus that wait;
 # - other: step_time_sec minus the above (optim_step, waits between micro-batches).
 # Packing and weight sync run while the trainer computes: they are drawn as markers, not stacked.
 STEP_COMPONENTS: tuple[tuple[str, str, str], ...] = (
     ("train_time", "training", "#1f77b4"),
-    ("exposed_generation_time", "exposed generation", "#d62728"),
+    ("exposed_generation_time", "waiting for data (expected while samples are generated)", WAIT_COLOUR),
     ("boundary_gap_sec", "rest of the boundary gap", "#ff7f0e"),
 )
 OVERLAPPED_COMPONENTS: tuple[tuple[str, str, str], ...] = (
@@ -51,7 +54,7 @@ SPAN_COLOURS: dict[str, str] = {
     "optim_step": "#0b2e59",
     "get_metrics": "#17becf",
     "pack": "#ff7f0e",
-    "wait_data": "#d62728",
+    "wait_data": WAIT_COLOUR,
     "weight_sync": "#9467bd",
     "checkpoint": "#8c564b",
     "reduce_metrics": "#2ca02c",
@@ -103,22 +106,30 @@ def _style(ax: Axes, title: str, xlabel: str, ylabel: str, integer_x: bool = Fal
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _eval_series(data: RunData, key: str) -> tuple[list[float], list[float]]:
+    """(policy version, value) of the evals.jsonl rows where `key` is a number."""
+    pairs = [(finite(r.get("version")), finite(r.get(key))) for r in data.evals]
+    kept = [(v, y) for v, y in pairs if v is not None and y is not None]
+    return [v for v, _ in kept], [y for _, y in kept]
+
+
 def plot_reward(data: RunData, path: Path) -> str:
+    """Reward (top panel) and held-out accuracy (bottom panel): two figures on two axes."""
     xs, mean = _series(data.metrics, "reward_mean")
-    evals = [
-        (v, a) for v, a in ((finite(r.get("version")), finite(r.get("accuracy"))) for r in data.evals) if v is not None and a is not None
-    ]
-    if not xs and not evals:
+    eval_x, accuracy = _eval_series(data, "accuracy")
+    heldout_x, heldout_reward = _eval_series(data, "reward_mean")
+    if not xs and not eval_x:
         raise PlotSkipped("no reward_mean in metrics.jsonl and no evals.jsonl")
-    fig = _new_figure(9, 4)
-    ax = fig.add_subplot()
-    handles: list[Artist] = []
+    fig = _new_figure(9, 6.5 if eval_x else 4)
+    if eval_x:
+        ax, acc_ax = fig.subplots(2, 1, sharex=True)
+    else:
+        ax, acc_ax = fig.add_subplot(), None
     if xs:
-        (line,) = ax.plot(xs, mean, color="#1f77b4", marker="o", markersize=3, label="reward (mean of the step's trajectories)")
-        handles.append(line)
+        ax.plot(xs, mean, color="#1f77b4", marker="o", markersize=3, label="reward (mean of the step's trajectories)")
         std_x, std = _series(data.metrics, "reward_std")
         if std_x == xs:
-            band = ax.fill_between(
+            ax.fill_between(
                 xs,
                 [m - s for m, s in zip(mean, std)],
                 [m + s for m, s in zip(mean, std)],
@@ -126,26 +137,59 @@ def plot_reward(data: RunData, path: Path) -> str:
                 alpha=0.18,
                 label="± reward std",
             )
-            handles.append(band)
-    _style(ax, "Reward and held-out accuracy" if evals else "Reward", "step (reward) · policy version (accuracy)", "reward", True)
-    if evals:
-        acc_ax = ax.twinx() if xs else ax
-        (acc_line,) = acc_ax.plot(
-            [v for v, _ in evals],
-            [a for _, a in evals],
-            color="#2ca02c",
-            marker="s",
-            markersize=5,
-            linewidth=2,
-            label="held-out accuracy (evals.jsonl)",
+    if heldout_x:
+        ax.plot(
+            heldout_x, heldout_reward, color="#17becf", marker="D", markersize=5, linewidth=1.5, label="held-out mean reward (evals.jsonl)"
         )
-        acc_ax.set_ylabel("held-out accuracy")
+    _style(ax, "Reward", "" if acc_ax is not None else "step", "reward", True)
+    ax.legend(loc="upper left", fontsize=8)
+    if acc_ax is not None:
+        acc_ax.plot(eval_x, accuracy, color="#2ca02c", marker="s", markersize=5, linewidth=2, label="held-out accuracy (evals.jsonl)")
+        first_x, first = _eval_series(data, "first_turn_accuracy")
+        if first_x:
+            acc_ax.plot(first_x, first, color="#98df8a", marker="^", markersize=5, linewidth=1.5, label="first-turn accuracy (evals.jsonl)")
+        _style(acc_ax, "Held-out accuracy (the task's correctness check)", "step (reward) · policy version (held-out)", "accuracy", True)
         acc_ax.set_ylim(-0.02, 1.02)
-        handles.append(acc_line)
-    ax.legend(handles=handles, loc="upper left", fontsize=8)
+        acc_ax.legend(loc="upper left", fontsize=8)
     fig.savefig(path, dpi=100)
     note = "Band: ± one standard deviation of the step's rewards."
-    return note if evals else note + " No held-out evaluations in this run (evals.jsonl absent)."
+    if not eval_x:
+        return note + " No held-out evaluations in this run (evals.jsonl absent)."
+    return note + (
+        " Held-out accuracy is the share of held-out prompts the task's own check counts correct; the held-out mean"
+        " reward is the run's reward functions on the same greedy completions."
+    )
+
+
+def is_multiturn(data: RunData) -> bool:
+    """Whether the run played multi-turn episodes (its metrics or evaluations have turn figures)."""
+    return any("turns_mean" in r for r in data.metrics) or any("mean_turns" in r for r in data.evals)
+
+
+def plot_multiturn(data: RunData, path: Path) -> str:
+    """Multi-turn runs: turns per episode (left) and first-turn solved rate (right), per step
+    (sampled episodes) and per evaluated version (greedy held-out episodes)."""
+    turn_x, turns = _series(data.metrics, "turns_mean")
+    solved_x, solved = _series(data.metrics, "first_turn_solved_rate")
+    eval_turn_x, eval_turns = _eval_series(data, "mean_turns")
+    eval_first_x, eval_first = _eval_series(data, "first_turn_accuracy")
+    if not (turn_x or solved_x or eval_turn_x or eval_first_x):
+        raise PlotSkipped("no turns_mean or first_turn_solved_rate in metrics.jsonl and no multi-turn evaluations")
+    fig = _new_figure(11, 4)
+    turns_ax, solved_ax = fig.subplots(1, 2)
+    turns_ax.plot(turn_x, turns, color="#1f77b4", marker="o", markersize=3, label="sampled episodes (metrics.jsonl)")
+    if eval_turn_x:
+        turns_ax.plot(eval_turn_x, eval_turns, color="#2ca02c", marker="s", markersize=5, label="held-out, greedy (evals.jsonl)")
+    _style(turns_ax, "Turns per episode", "step · policy version (held-out)", "policy turns", True)
+    turns_ax.legend(loc="upper right", fontsize=8)
+    solved_ax.plot(solved_x, solved, color="#1f77b4", marker="o", markersize=3, label="sampled episodes (metrics.jsonl)")
+    if eval_first_x:
+        solved_ax.plot(eval_first_x, eval_first, color="#2ca02c", marker="s", markersize=5, label="held-out, greedy (evals.jsonl)")
+    _style(solved_ax, "First-turn solved rate", "step · policy version (held-out)", "solved by the first action", True)
+    solved_ax.set_ylim(-0.02, 1.02)
+    solved_ax.legend(loc="upper left", fontsize=8)
+    fig.savefig(path, dpi=100)
+    return "Per step: the mean over the step's sampled episodes; per evaluation: the greedy held-out episodes."
 
 
 @dataclass(slots=True, frozen=True)
@@ -373,10 +417,12 @@ class PlotSpec:
     name: str  # PNG file stem
     title: str
     draw: Callable[[RunData, Path], str]  # writes the PNG, returns a caption; raises PlotSkipped
+    applies: Callable[[RunData], bool] | None = None  # None: every run; False: not listed at all
 
 
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("reward", "Reward and held-out accuracy", plot_reward),
+    PlotSpec("multiturn", "Multi-turn episodes", plot_multiturn, is_multiturn),
     PlotSpec("step_time", "Step time breakdown", plot_step_time),
     PlotSpec("timeline", "Trainer timeline", plot_timeline),
     PlotSpec("padding", "Padding efficiency", plot_padding),
@@ -398,6 +444,9 @@ def render_plots(data: RunData, out_dir: Path) -> list[PlotResult]:
     results: list[PlotResult] = []
     for spec in PLOTS:
         png = out_dir / f"{spec.name}.png"
+        if spec.applies is not None and not spec.applies(data):  # not this kind of run: no entry, no PNG
+            png.unlink(missing_ok=True)
+            continue
         try:
             note = spec.draw(data, png)
             results.append(PlotResult(spec, png, note))

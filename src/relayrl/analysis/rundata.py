@@ -41,6 +41,7 @@ class RunData:
     events: list[TraceEvent] | None = None  # None: no trace.json (or not read)
     trajectories: list[Row] | None = None  # None: no trajectory log (or not read)
     trajectory_source: str = ""
+    samples: list[Sample] = field(default_factory=list)  # best and worst completions of sampled steps (read_samples)
     notes: list[str] = field(default_factory=list)
 
 
@@ -62,6 +63,60 @@ def read_trajectories(run_dir: Path, columns: Sequence[str] = TRAJECTORY_COLUMNS
     table = trajlog.read_trajectories(run_dir).select(list(columns))
     count = f"{len(files)} file{'s' if len(files) != 1 else ''}"
     return table.to_pylist(), f"trajectories/ ({count}, steps {files[0].first}–{max(f.last for f in files)})"
+
+
+SAMPLE_STEPS = 10  # the samples table shows up to this many steps, evenly spaced
+SAMPLE_CHARS = 300  # prompt and completion texts are cut to this many characters
+
+
+@dataclass(slots=True, frozen=True)
+class Sample:
+    """One completion of the samples table: the best or the worst reward of its step."""
+
+    step: int
+    which: str  # "best" or "worst"
+    reward: float
+    prompt: str
+    completion: str
+
+
+def _cut(text: object, limit: int = SAMPLE_CHARS) -> str:
+    text = "" if text is None else str(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def even_picks(items: Sequence[int], count: int) -> list[int]:
+    """Up to `count` of `items`, evenly spaced, the first and the last included."""
+    if len(items) <= count:
+        return list(items)
+    if count <= 1:
+        return [items[-1]]
+    return sorted({items[round(i * (len(items) - 1) / (count - 1))] for i in range(count)})
+
+
+def read_samples(run_dir: Path, steps: int = SAMPLE_STEPS) -> list[Sample]:
+    """For up to `steps` logged steps, evenly spaced: the step's best and worst reward completion
+    among its scored trajectories (status ok), texts cut to SAMPLE_CHARS. Reads the trajectory
+    log's closed files, only the columns it needs; [] without a log."""
+    files = trajlog.log_files(run_dir)
+    if not files:
+        return []
+    import pyarrow.parquet as pq
+
+    rows: list[Row] = []
+    for f in files:
+        rows.extend(pq.read_table(f.path, columns=["step", "status", "reward", "prompt", "completion"]).to_pylist())
+    by_step: dict[int, list[Row]] = {}
+    for r in rows:
+        step, reward = r.get("step"), finite(r.get("reward"))
+        if isinstance(step, int) and reward is not None and r.get("status") == "ok":
+            by_step.setdefault(step, []).append(r)
+    out: list[Sample] = []
+    for step in even_picks(sorted(by_step), steps):
+        ranked = sorted(by_step[step], key=lambda r: finite(r.get("reward")) or 0.0)
+        for which, r in (("best", ranked[-1]), ("worst", ranked[0])):
+            out.append(Sample(step, which, finite(r.get("reward")) or 0.0, _cut(r.get("prompt")), _cut(r.get("completion"))))
+    return out
 
 
 def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True, strict: bool = False) -> RunData:
@@ -100,6 +155,10 @@ def load_run(run_dir: Path, *, trace: bool = True, trajectories: bool = True, st
             data.notes.append(f"trajectory log: not read ({' '.join(str(exc).split())})")
         if found is not None:
             data.trajectories, data.trajectory_source = found
+            try:
+                data.samples = read_samples(run_dir)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                data.notes.append(f"trajectory log: samples not read ({' '.join(str(exc).split())})")
     return data
 
 
@@ -233,6 +292,14 @@ def key_figures(data: RunData) -> list[KeyFigure]:
     def acc_after() -> tuple[float | int | None, str]:
         return (accuracies[-1], "evals.jsonl") if len(accuracies) > 1 else (None, "")
 
+    heldout_rewards = [a for a in (finite(r.get("reward_mean")) for r in data.evals) if a is not None]
+
+    def heldout_reward_before() -> tuple[float | int | None, str]:
+        return (heldout_rewards[0], "evals.jsonl") if heldout_rewards else (None, "")
+
+    def heldout_reward_after() -> tuple[float | int | None, str]:
+        return (heldout_rewards[-1], "evals.jsonl") if len(heldout_rewards) > 1 else (None, "")
+
     def reward(index: int) -> Callable[[], tuple[float | int | None, str]]:
         def compute() -> tuple[float | int | None, str]:
             return (finite(rows[index].get("reward_mean")), "metrics.jsonl") if rows else (None, "")
@@ -250,6 +317,8 @@ def key_figures(data: RunData) -> list[KeyFigure]:
     add("boundary_gap_median_s", "median boundary gap", "boundary_gap_median_s", gap, lambda v: f"{1e3 * v:.4g} ms")
     add("accuracy_before", "held-out accuracy before", "accuracy_before", acc_before)
     add("accuracy_after", "held-out accuracy after", "accuracy_after", acc_after)
+    add("heldout_reward_mean_before", "held-out mean reward before", "heldout_reward_mean_before", heldout_reward_before)
+    add("heldout_reward_mean_after", "held-out mean reward after", "heldout_reward_mean_after", heldout_reward_after)
     add("reward_first", "first reward (mean)", "reward_mean_first", reward(0))
     add("reward_last", "last reward (mean)", "reward_mean_last", reward(-1))
     add("filtered_groups", "filtered groups", None, filtered)

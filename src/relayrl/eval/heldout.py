@@ -1,19 +1,26 @@
-"""Held-out evaluation: greedy exact-match accuracy of a given policy version (multi-turn tasks:
-greedy episodes with the environment, solved within the turn limit).
+"""Held-out evaluation: greedy accuracy and mean reward of a given policy version (multi-turn
+tasks: greedy episodes with the environment).
 
-A completion is correct when every configured reward function gives it a positive reward (the
-same functions that score training rollouts). In a run the functions are called through the run's
-scorer (given at construction): user functions in their worker processes, async ones on the loop,
-each bounded by its timeout; a failed call (timeout, raised, crashed, non-finite) makes the
-completion wrong and is not counted in the ledger. Without a scorer the functions are called here.
+Two figures, kept apart. `accuracy` is the task's own correctness check (tasks/correctness.py:
+the parsed answer equals the prompt's answer; reasoning-gym: the dataset's scorer gives full
+credit; multi-turn: an action solved the episode within the turn limit), whatever reward functions
+the run trains on, so a partial-credit reward cannot make a wrong answer count as right.
+`reward_mean` is the mean of the completions' rewards under the run's reward functions, computed
+as for training rollouts (weighted, clipped; a failed call makes the reward 0, and is not counted
+in the ledger).
 
-The evaluator is the orchestrator's (orchestrator/program.py builds it from the backend's greedy
-engine, the run's scorer and, for multi-turn tasks, its episode runner); the engine never knows
+In a run both go through scorers (given at construction): the run's for the rewards (user
+functions in their worker processes, async ones on the loop, each bounded by its timeout) and one
+holding the correctness check, whose failed call makes the completion wrong. Without them the
+functions are called here.
+
+The evaluator is the orchestrator's (orchestrator/parts.py builds it from the backend's greedy
+engine, the run's scorers and, for multi-turn tasks, its episode runner); the engine never knows
 who drives it.
 
 Invariant: an evaluation reports the version whose weights it measured (the engine loads those
 weights first; the evaluator remembers the version it last loaded, and does not ask the engine),
-on the same fixed prompts every time, so accuracies are comparable across a run.
+on the same fixed prompts every time, so its figures are comparable across a run.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from relayrl.rewards.registry import RewardFunction, exact_match
+from relayrl.tasks.correctness import answer_match, is_correct
 from relayrl.types import Completion, EvalResult, Prompt, SampleRequest, Trajectory, TurnRequest, TurnResult, Weights
 
 if TYPE_CHECKING:
@@ -44,11 +52,14 @@ class HeldoutEvaluator:
         *,
         scorer: Scorer | None = None,
         episodes: EpisodeRunner | None = None,
+        correctness: Scorer | RewardFunction = answer_match,
     ) -> None:
-        """`version`: the policy version the engine holds when built. `scorer`: judge completions
-        with the run's scorer (and its reward functions) instead of calling `reward_fns` here.
-        `episodes`: evaluate greedy multi-turn episodes of that runner's environment (a prompt
-        counts as correct when an action solved it within the turn limit)."""
+        """`version`: the policy version the engine holds when built. `scorer`: reward completions
+        with the run's scorer (and its reward functions) instead of calling `reward_fns` here
+        (their sum). `correctness`: the task's correctness check (tasks/correctness.py), a scorer
+        holding it or the function itself (called here). `episodes`: evaluate greedy multi-turn
+        episodes of that runner's environment (a prompt counts as correct when an action solved
+        it within the turn limit)."""
         if not prompts:
             raise ValueError("held-out evaluation needs at least one prompt (task.heldout_size)")
         self._engine = engine
@@ -60,9 +71,10 @@ class HeldoutEvaluator:
         self._version = version  # what the engine holds: the version last loaded into it
         self._scorer = scorer
         self._episodes = episodes
+        self._correctness = correctness
 
     async def evaluate(self, weights: Weights | None) -> EvalResult:
-        """Accuracy of `weights` (None: of the weights the engine holds now)."""
+        """Accuracy and mean reward of `weights` (None: of the weights the engine holds now)."""
         start = time.perf_counter()
         if weights is not None:
             await self._engine.load_weights(weights)
@@ -72,16 +84,16 @@ class HeldoutEvaluator:
             return await self._evaluate_episodes(self._episodes, version, start)
         outputs = await self._engine.greedy(self._tokens, self._max_new_tokens)
         trajs = [self._trajectory(p, toks, out, version) for p, toks, out in zip(self._prompts, self._tokens, outputs, strict=True)]
-        if self._scorer is not None:
-            correct = sum(all(isinstance(x, float) and x > 0 for x in row) for row in await self._scorer.outcomes(trajs))
-        else:
-            correct = sum(self._correct(t) for t in trajs)
-        return EvalResult(version, correct / len(self._prompts), len(self._prompts), time.perf_counter() - start)
+        correct = await self._correct(trajs)
+        rewards = await self._rewards(trajs)
+        n = len(self._prompts)
+        return EvalResult(version, sum(correct) / n, n, time.perf_counter() - start, reward_mean=sum(rewards) / n)
 
     async def _evaluate_episodes(self, runner: EpisodeRunner, version: int, start: float) -> EvalResult:
         requests = [SampleRequest(-1 - i, p, toks, 1) for i, (p, toks) in enumerate(zip(self._prompts, self._tokens, strict=True))]
         groups = await runner.run(requests, self._greedy_turn(version), env_lane="eval.env")
         episodes = [g.trajectories[0] for g in groups]
+        rewards = await self._rewards(episodes)
         n = len(episodes)
         return EvalResult(
             version,
@@ -90,7 +102,34 @@ class HeldoutEvaluator:
             time.perf_counter() - start,
             first_turn_accuracy=sum(e.turns[0].solved for e in episodes) / n,
             mean_turns=sum(len(e.turns) for e in episodes) / n,
+            reward_mean=sum(rewards) / n,
         )
+
+    async def _correct(self, trajs: list[Trajectory]) -> list[bool]:
+        """Whether each completion passes the task's correctness check (a failed check: no)."""
+        check = self._correctness
+        if not callable(check):
+            return [is_correct(row[0]) for row in await check.outcomes(trajs)]
+        out = []
+        for t in trajs:
+            try:
+                out.append(is_correct(float(check(t))))
+            except Exception:  # a raising check counts the completion as wrong
+                out.append(False)
+        return out
+
+    async def _rewards(self, trajs: list[Trajectory]) -> list[float]:
+        """Each completion's reward as training would get it (a failed call: 0)."""
+        if self._scorer is not None:
+            await self._scorer.score(trajs)  # sets each one's reward (0.0 when a call failed); the ledger never sees them
+            return [t.reward for t in trajs]
+        out = []
+        for t in trajs:
+            try:
+                out.append(sum(float(fn(t)) for fn in self._reward_fns))
+            except Exception:  # a raising reward function gives the completion no reward
+                out.append(0.0)
+        return out
 
     def _greedy_turn(self, version: int) -> TurnFn:
         """One greedy turn per episode on the engine (re-reading each context: evaluation keeps
@@ -120,13 +159,6 @@ class HeldoutEvaluator:
             policy_version=version,
             replica=-1,
         )
-
-    def _correct(self, traj: Trajectory) -> bool:
-        """Correct = every reward function gives a positive reward to the greedy completion."""
-        try:
-            return all(fn(traj) > 0 for fn in self._reward_fns)
-        except Exception:  # a raising reward function scores the completion as wrong
-            return False
 
     async def close(self) -> None:
         await self._engine.close()

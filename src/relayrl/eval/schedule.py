@@ -77,7 +77,9 @@ class EvalSchedule:
         assert self._evaluator is not None
         start = self._tracer.now()
         result = await self._evaluator.evaluate(weights)
-        self._tracer.complete("eval", "eval", start, self._tracer.now(), version=result.version, accuracy=result.accuracy)
+        self._tracer.complete(
+            "eval", "eval", start, self._tracer.now(), version=result.version, accuracy=result.accuracy, reward_mean=result.reward_mean
+        )
         self.results.append(result)
         run_dir = self._run_dir
         if run_dir is not None:

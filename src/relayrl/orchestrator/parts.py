@@ -31,6 +31,7 @@ from relayrl.orchestrator.stages.episodes import EpisodeRunner, EpisodeSettings
 from relayrl.orchestrator.state import RunState
 from relayrl.rewards.registry import ResolvedReward
 from relayrl.rewards.scoring import Scorer, ScorerSettings
+from relayrl.tasks.build import correctness_check
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.sinks import build_sinks
 from relayrl.telemetry.stepbook import StepBookkeeper
@@ -108,10 +109,18 @@ def assemble(
         limits = episode_settings(cfg, backend.max_prompt_tokens)
         episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, threads, tracer)
     # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
-    # run evaluates), judged through the run's scorer, greedy episodes for multi-turn tasks
+    # run evaluates), rewarded through the run's scorer, judged correct by the task's own check
+    # (a scorer of its own, which starts no process), greedy episodes for multi-turn tasks
     evaluator = (
         HeldoutEvaluator(
-            backend.greedy, heldout, backend.tokenize, backend.decode, cfg.eval.max_new_tokens, scorer=scorer, episodes=episodes
+            backend.greedy,
+            heldout,
+            backend.tokenize,
+            backend.decode,
+            cfg.eval.max_new_tokens,
+            scorer=scorer,
+            episodes=episodes,
+            correctness=Scorer([correctness_check(cfg.task.kind)], settings, threads),
         )
         if backend.greedy is not None and heldout
         else None

@@ -39,6 +39,8 @@ def eval_row(result: EvalResult) -> dict[str, object]:
         "num_prompts": result.num_prompts,
         "seconds": result.seconds,
     }
+    if result.reward_mean is not None:
+        row["reward_mean"] = result.reward_mean
     if result.first_turn_accuracy is not None:
         row["first_turn_accuracy"] = result.first_turn_accuracy
         row["mean_turns"] = result.mean_turns
@@ -109,7 +111,9 @@ def build_summary(
         "boundary_gap_median_s": timeline.median(gaps),
         "accuracy_before": evals[0].accuracy if evals else None,
         "accuracy_after": evals[-1].accuracy if len(evals) > 1 else None,
-        "evals": [{"version": e.version, "accuracy": e.accuracy} for e in evals],
+        "heldout_reward_mean_before": evals[0].reward_mean if evals else None,
+        "heldout_reward_mean_after": evals[-1].reward_mean if len(evals) > 1 else None,
+        "evals": [{"version": e.version, "accuracy": e.accuracy, "reward_mean": e.reward_mean} for e in evals],
         **_multiturn_evals(evals),
         "reward_mean_first": reward_mean_first,
         "reward_mean_last": results[-1].metrics.get("reward_mean") if results else None,

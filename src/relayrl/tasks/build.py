@@ -12,6 +12,8 @@ from pathlib import Path
 
 from relayrl.config.schema import Config, ConfigError
 from relayrl.errors import UserError
+from relayrl.rewards.registry import Placement, ResolvedReward
+from relayrl.tasks.correctness import answer_check
 from relayrl.types import Prompt
 
 
@@ -57,3 +59,14 @@ def build_task(cfg: Config) -> TaskData:
     jtask = JsonlTask(JsonlTaskConfig(path=Path(t.path), heldout_path=heldout_path, heldout_last=t.heldout_last, seed=cfg.run.seed))
     heldout = jtask.heldout(min(t.heldout_size, len(jtask.heldout_prompts)))
     return TaskData(jtask.stream(), heldout)
+
+
+def correctness_check(kind: str) -> ResolvedReward:
+    """The task's own correctness check for `task.kind` (tasks/correctness.py), as a scorer runs
+    it: the dataset's scorer at full credit for reasoning-gym (in a reward call thread, under the
+    run's deadline), else the parsed answer equal to the prompt's answer (in the scoring thread)."""
+    if kind == "reasoning_gym":
+        from relayrl.tasks.reasoning_gym import reasoning_gym_correct
+
+        return ResolvedReward("correct:reasoning_gym", reasoning_gym_correct, 1.0, Placement.THREAD)
+    return answer_check()

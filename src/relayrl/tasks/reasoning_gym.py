@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import re
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,11 +36,11 @@ from typing import Any
 
 from relayrl.config.schema import ConfigError
 from relayrl.errors import UserError
+from relayrl.tasks.correctness import parsed_answer
 from relayrl.tasks.epochs import EpochCycle
 from relayrl.types import Prompt, Trajectory
 
 METADATA_KEY = "reasoning_gym"
-_ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -226,9 +225,15 @@ def scorer(name: str, options: Mapping[str, object]) -> Any:
 
 def extract_answer(completion: str) -> str:
     """The text inside the last ``<answer>…</answer>`` of the completion, else the whole completion;
-    stripped either way."""
-    tagged = _ANSWER_TAG.findall(completion)
-    return (tagged[-1] if tagged else completion).strip()
+    stripped either way (`tasks.correctness.parsed_answer`)."""
+    return parsed_answer(completion)
+
+
+def reasoning_gym_correct(trajectory: Trajectory) -> float:
+    """The task's correctness check (tasks/correctness.py): 1.0 when the dataset's scorer gives the
+    completion's answer full credit (`score_answer` = 1.0), else 0.0; raises as
+    `reasoning_gym_reward` does."""
+    return 1.0 if reasoning_gym_reward(trajectory) == 1.0 else 0.0
 
 
 def reasoning_gym_reward(trajectory: Trajectory) -> float:

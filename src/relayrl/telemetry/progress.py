@@ -79,7 +79,8 @@ class ProgressPrinter(Callback):
 
     def on_eval(self, result: EvalResult) -> None:
         self._accuracy = result.accuracy
-        message = f"held-out accuracy {result.accuracy:.3f} (policy version {result.version}, {result.num_prompts} prompts)"
+        reward = "" if result.reward_mean is None else f", mean reward {result.reward_mean:.3f}"
+        message = f"held-out accuracy {result.accuracy:.3f}{reward} (policy version {result.version}, {result.num_prompts} prompts)"
         if self._progress is not None:
             self._progress.console.print(message)
         else:
