@@ -4,6 +4,7 @@ packing of multi-turn trajectories (observation tokens are context only)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import threading
@@ -22,7 +23,8 @@ from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner, EpisodeSettings
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import OrchestratorThreads
-from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, Turn, TurnRequest, TurnResult
+from relayrl.types import Completion, Prompt, SampleRequest, Trajectory, TrajectoryStatus, Turn, TurnRequest, TurnResult
+from support.envutil import CharEncoder
 from support.modelutil import PAD, VOCAB, tiny_qwen2
 from support.simutil import StopAt, Stopped, make_program, run_checked, sim_config, trace_spans
 from support.trajectories import make_microbatch, trajectory
@@ -94,7 +96,7 @@ class Scripted:
 
 
 def _runner(env: object, settings: EpisodeSettings, threads: OrchestratorThreads) -> EpisodeRunner:
-    return EpisodeRunner(env, "test-env", lambda text: [3] * len(text), settings, threads, Tracer(None, {}))  # type: ignore[arg-type]
+    return EpisodeRunner(env, "test-env", CharEncoder(), settings, threads, Tracer(None, {}))  # type: ignore[arg-type]
 
 
 def _requests(groups: int, samples: int) -> list[SampleRequest]:
@@ -189,7 +191,7 @@ def test_sync_steps_run_off_the_loop_and_async_steps_on_it() -> None:
     assert async_env.loop_threads == [loop_thread] * 4
 
 
-def test_an_environment_error_names_the_environment_prompt_and_turn() -> None:
+def test_an_environment_error_fails_its_episode_or_under_strict_the_run_naming_the_prompt_and_turn() -> None:
     class Broken:
         def start(self, prompt: Prompt) -> Broken:
             return self
@@ -201,20 +203,19 @@ def test_an_environment_error_names_the_environment_prompt_and_turn() -> None:
         def step(self, action: str) -> EnvStep:
             return "not a step"  # type: ignore[return-value]
 
+    settings = EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2)
     threads = OrchestratorThreads()
     try:
-        with pytest.raises(EnvironmentStepError, match=r"'test-env' raised in step \(prompt 'p0', sample 0, turn 1\): KeyError"):
-            asyncio.run(
-                _runner(Broken(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), threads).run(
-                    _requests(1, 1), Scripted()
-                )
-            )
-        with pytest.raises(EnvironmentStepError, match="returned str, not an EnvStep"):
-            asyncio.run(
-                _runner(WrongType(), EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2), threads).run(
-                    _requests(1, 1), Scripted()
-                )
-            )
+        groups = asyncio.run(_runner(Broken(), settings, threads).run(_requests(1, 2), Scripted()))
+        for t in groups[0].trajectories:
+            assert t.status is TrajectoryStatus.FAILED and len(t.turns) == 1
+            where = f"step (prompt 'p0', sample {t.sample_index}, turn 1)"
+            assert t.error == f"environment: raised: KeyError: 'boom' (environment 'test-env', {where})"
+        strict = dataclasses.replace(settings, strict=True)
+        with pytest.raises(EnvironmentStepError, match=r"'test-env' failed in step \(prompt 'p0', sample 0, turn 1\): raised: KeyError"):
+            asyncio.run(_runner(Broken(), strict, threads).run(_requests(1, 1), Scripted()))
+        with pytest.raises(EnvironmentStepError, match="step\\(\\) returned a str, not an EnvStep"):
+            asyncio.run(_runner(WrongType(), settings, threads).run(_requests(1, 1), Scripted()))
     finally:
         threads.shutdown()
 
