@@ -189,7 +189,7 @@ class EnvCalls:
         try:
             async with asyncio.TaskGroup() as tg:
                 for i in asynchronous:
-                    tg.create_task(self._run_async(calls[i], out, i))
+                    tg.create_task(self._run_async(calls[i], out, i), name="env-calls")
                 if plain:
                     await self._run_plain(calls, plain, out)
         except BaseExceptionGroup as group:
