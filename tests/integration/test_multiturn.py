@@ -476,7 +476,7 @@ def test_a_huge_observation_ends_its_episode_without_being_tokenized_and_tokeniz
     try:
         for observation, fits in (("x" * 1_000_000, False), ("x" * 100, True)):
             encoder = CharEncoder()
-            runner = EpisodeRunner(Talker(observation), "talker", encoder, settings, threads, Tracer(None, {}))  # type: ignore[arg-type]
+            runner = EpisodeRunner(Talker(observation), "talker", encoder, settings, threads, Tracer(None, {}))
 
             async def main(runner: EpisodeRunner) -> tuple[list[Group], str]:
                 return await runner.run(_requests(1, 1), Scripted()), threading.current_thread().name
@@ -500,7 +500,7 @@ def test_observations_are_plain_text_unless_the_environment_opts_in() -> None:
     try:
         for env, special in ((Talker("<eos>"), False), (SpecialTalker("<eos>"), True)):
             encoder = CharEncoder()
-            runner = EpisodeRunner(env, "talker", encoder, settings, threads, Tracer(None, {}))  # type: ignore[arg-type]
+            runner = EpisodeRunner(env, "talker", encoder, settings, threads, Tracer(None, {}))
             asyncio.run(runner.run(_requests(1, 1), Scripted()))
             assert encoder.special == [special]
     finally:
