@@ -5,9 +5,12 @@ trajectories on one sampler replica. Every sample is one episode: the environmen
 the prompt; then, turn after turn, the replica samples every live episode's next action in one
 `generate_turns` call (it keeps each episode's KV cache between calls and reads only the new
 tokens), the environment steps every episode on that action (all at once: async steps awaited on
-the event loop, sync ones run in the `env` worker thread), and the observation it answers with is
-appended as context. An episode ends when the environment returns no observation, after
-`rollout.max_turns` actions, or when its next turn would not fit in `rollout.max_total_tokens`.
+the event loop, sync ones in an environment call thread, each bounded by
+`rollout.env_step_timeout_s`: envs/calls.py), and the observation it answers with is appended as
+context (formatted and tokenized in the `env` thread, off the loop, as plain text unless the
+environment sets `special_tokens_in_observations = True`). An episode ends when the environment
+returns no observation, after `rollout.max_turns` actions, or when its next turn would not fit
+in `rollout.max_total_tokens`.
 
 Invariants:
 - a trajectory's completion is its actions and observations in order; `loss_mask` is 1 exactly
@@ -17,11 +20,21 @@ Invariants:
   turn's (staleness counts the oldest turn); `env_reward` is the sum of the parts;
 - prompt + completion never exceeds `max_total_tokens`; a prompt that leaves no room for one
   action token is never sampled (dispatch filters it as too_long; the runner refuses it with
-  `EpisodePromptTooLong`, a task error like the environment's, never a replica's fault);
+  `EpisodePromptTooLong`, a task error like the environment's, never a replica's fault); an
+  observation is sized in characters before it is tokenized: one that cannot fit even at
+  `max_token_chars` characters a token ends its episode ("length") untokenized;
 - each turn's sampling call is traced on the replica's lane (`generate`, with `turn`) and each
   batch of environment steps on the `env` lane (`env_step`);
-- an environment that raises fails the run (`EnvironmentStepError`, naming the environment, the
-  prompt and the turn): it is the task's error, not the sampler's, so no replica is retired for it;
+- an environment call that raises (anything, SystemExit included), returns a non-finite reward
+  or runs past `rollout.env_step_timeout_s` fails its episode: the trajectory is `failed` with an
+  `error` "environment: REASON: DETAIL (environment NAME, where)", is not scored and is counted
+  by the score stage (`reward_failures["environment"]`), out of its group's baseline; an
+  episode whose `start` failed still samples its first action (every trajectory has a turn and
+  a version) and is never stepped. Under `rollout.strict_environment` such a call fails the run
+  instead. A wrong type returned (start() without a `step`, a step that is no `EnvStep`, an
+  observation that is not a str, a reward that is not a number), or more stuck sync calls than
+  envs/calls.py tolerates, fail the run: `EnvironmentStepError` (a RunFailed: one line naming the
+  environment, the prompt and the turn), the task's error, so no replica is retired for it;
 - the replica is told to forget the episodes' caches once they are over.
 """
 
