@@ -6,7 +6,9 @@ one at a time, in the order they were made) with an abort flag. The orchestrator
 
 Invariant: a coroutine awaiting `run_in_thread` (or `ThreadHost.call`) that gets cancelled does
 not return before its thread's work has stopped (it sets the abort flag, which cooperative work
-checks, and waits), so cancellation never leaves work running behind the caller's back.
+checks, and waits), so cancellation never leaves work running behind the caller's back. User
+code that never checks the flag (an environment's sync `step`) therefore never runs here: it runs
+in envs/calls.py's environment call threads, which are abandoned rather than waited for.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def test_the_watch_warns_once_then_fails_naming_the_step_the_reasons_and_the_key
     assert str(info.value) == (
         "step 0: 17 groups filtered in a row (zero_variance 13, all_failed 4) and none kept to train: "
         "with dynamic sampling every group of this task ties (algorithm.dynamic_sampling; a constant reward?); "
-        "every reward call of these groups failed (summary.json's reward_failures, the error column of trajectories/); "
+        "every reward call or environment episode of these groups failed "
+        "(summary.json's reward_failures, the error column of trajectories/); "
         "raise orchestrator.max_filtered_per_step (now 16) or check the reward"
     )
     assert ledger.as_dict()["groups_filtered"] == {"zero_variance": 13, "all_failed": 4}  # settled before it raised

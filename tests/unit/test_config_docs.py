@@ -30,6 +30,8 @@ RESUMABLE_BEFORE = [
     "rollout.sampler_threads",
     "rollout.sampler_nice",
     "rollout.episode_cache_mb",
+    "rollout.env_step_timeout_s",
+    "rollout.strict_environment",
     "train.torch_threads",
     "orchestrator.overlap_bookkeeping",
     "orchestrator.queue_size",
@@ -118,7 +120,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
 
 def test_resumable_keys_are_the_former_prefixes_keys() -> None:
     assert sorted(resumable_keys()) == sorted(RESUMABLE_BEFORE)
-    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 51
+    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 53
 
 
 def test_resume_changes_reads_the_marks() -> None:

@@ -21,7 +21,7 @@ class Backend:
     samplers: list[Sampler]  # replica i is samplers[i]
     collator: Collator  # orchestrator-side, runs in the packing thread
     tokenize: PromptEncoder  # orchestrator-side, runs on the event loop (dispatch)
-    encode_text: TextEncoder  # an observation's text → token ids, no special tokens (multi-turn episodes)
+    encode_text: TextEncoder  # an observation's text → token ids, as plain text (multi-turn episodes)
     decode: TextDecoder  # completion token ids → text (held-out evaluation)
     # prompt tokens the model's context leaves room for after rollout.max_new_tokens (None: no
     # bound); longer prompts are filtered at dispatch, never sampled

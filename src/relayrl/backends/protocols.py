@@ -194,10 +194,18 @@ class PromptEncoder(Protocol):
 
 
 class TextEncoder(Protocol):
-    """An observation's text → token ids, no special tokens (multi-turn episodes). Orchestrator-side,
-    on the event loop. A kind that cannot run episodes gives one that raises `UnsupportedError`."""
+    """An observation's text → token ids (multi-turn episodes), no special tokens added, and as
+    plain text: a special token's string in it (`<eos>`, a chat model's role markers) is split
+    into ordinary tokens, never read as that token, unless `special_tokens` (the environment's
+    opt-in). Orchestrator-side, in the `env` thread, one call at a time. `max_token_chars`: no
+    token stands for more characters than this, so a text of n characters has at least
+    n / max_token_chars tokens (the size check made before tokenizing). A kind that cannot run
+    episodes gives one that raises `UnsupportedError`."""
 
-    def __call__(self, text: str) -> list[int]: ...
+    @property
+    def max_token_chars(self) -> int: ...
+
+    def __call__(self, text: str, *, special_tokens: bool = False) -> list[int]: ...
 
 
 class TextDecoder(Protocol):

@@ -296,6 +296,16 @@ class RolloutConfig(_Section):
     """The KV caches a sampler replica keeps between an episode's turns (read instead of
     recomputing the context), at most this many MiB; beyond it the least recently used are dropped
     and those episodes re-read their context (0: keep none)."""
+    env_step_timeout_s: float = Field(300.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Multi-turn episodes: bound in seconds (0 = none) on each call of the environment's start()
+    and step(), sync or async, generous so as never to fire on a healthy environment: a call past
+    it fails its episode (counted; see strict_environment). An async call is cancelled; a sync
+    one cannot be interrupted, so its thread is abandoned, and the run fails when more than 4 are
+    still running."""
+    strict_environment: bool = Field(False, json_schema_extra=RESUMABLE)
+    """Multi-turn episodes: an environment call that raises, returns a non-finite reward or runs
+    past env_step_timeout_s fails the run at once instead of its episode (counted like a failed
+    reward, left out of its group's baseline). A wrong type returned always fails the run."""
 
 
 class AlgorithmConfig(_Section):

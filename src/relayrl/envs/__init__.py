@@ -1,4 +1,5 @@
-"""Multi-turn environments: the built-ins by name and resolving `task.environment`.
+"""Multi-turn environments: the built-ins by name and resolving `task.environment` (the
+protocol is base.py; calling an environment's methods, bounded, is calls.py).
 
 A `task.environment` entry is one of
 - a built-in name: `ENVIRONMENTS` (`arithmetic_feedback`, `calculator`);

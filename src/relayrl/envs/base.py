@@ -6,11 +6,16 @@ an `EnvStep`: an observation shown to the policy before its next turn (or None: 
 over) and this action's reward part. The trajectory's reward is the sum of its parts.
 
 Both methods may be `async def` (awaited on the event loop: I/O, an HTTP tool, a subprocess; a
-wait holds no thread) or plain `def` (run in the orchestrator's `env` worker thread: CPU-bound
-steps never run on the event loop). The episode runner (orchestrator/stages/episodes.py) ends every episode
-after `rollout.max_turns` actions, or earlier when the next turn would not fit in
-`rollout.max_total_tokens`; the step of the last action is still taken (it scores it) and its
-observation is dropped.
+wait holds no thread) or plain `def` (run in an environment call thread: CPU-bound steps never
+run on the event loop). Each call is bounded by `rollout.env_step_timeout_s` (envs/calls.py). The
+episode runner (orchestrator/stages/episodes.py) ends every episode after `rollout.max_turns`
+actions, or earlier when the next turn would not fit in `rollout.max_total_tokens`; the step of
+the last action is still taken (it scores it) and its observation is dropped.
+
+An observation is tokenized as plain text: a special token's string in it (`<eos>`, a chat
+model's `<|im_start|>`) is ordinary text, so a tool's output cannot inject control tokens. An
+environment whose observations must carry special tokens opts in with a class attribute
+`special_tokens_in_observations = True`.
 
 Invariant: an environment sees only texts (the prompt, the actions); tokens, log-probs and
 versions stay with the runner, which records them per turn in the trajectory.

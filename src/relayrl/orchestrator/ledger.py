@@ -59,7 +59,8 @@ class NoGroupKeptWarning(RuntimeWarning):
 # why groups of each filter reason may never train: the hint of FilterBoundError's message
 _CAUSES = {
     "zero_variance": "with dynamic sampling every group of this task ties (algorithm.dynamic_sampling; a constant reward?)",
-    "all_failed": "every reward call of these groups failed (summary.json's reward_failures, the error column of trajectories/)",
+    "all_failed": "every reward call or environment episode of these groups failed "
+    "(summary.json's reward_failures, the error column of trajectories/)",
     "too_long": "their prompts or trajectories are too long (the model's context, train.row_tokens)",
     "stale": "they were sampled by policies older than rollout.max_staleness allows",
 }

@@ -66,7 +66,12 @@ def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSetti
     if max_prompt_tokens is not None:
         total = min(total, max_prompt_tokens + r.max_new_tokens)
     return EpisodeSettings(
-        max_turns=r.max_turns, max_total_tokens=total, max_new_tokens=r.max_new_tokens, observation_template=cfg.task.observation_template
+        max_turns=r.max_turns,
+        max_total_tokens=total,
+        max_new_tokens=r.max_new_tokens,
+        observation_template=cfg.task.observation_template,
+        step_timeout_s=r.env_step_timeout_s,
+        strict=r.strict_environment,
     )
 
 

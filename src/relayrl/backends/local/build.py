@@ -72,13 +72,19 @@ class _Tokenize:
 
 
 class EncodeText:
-    """Text → token ids with no special tokens (an observation of a multi-turn episode)."""
+    """An observation's text → token ids (a `TextEncoder`): no special tokens added, and a special
+    token's string in the text (`<eos>`, `<|im_start|>`) split as ordinary text
+    (`split_special_tokens`) unless `special_tokens`. `max_token_chars` is the longest entry of
+    the vocabulary: no token decodes to more characters than its entry has (a byte-level entry
+    has one character per byte, a sentencepiece or WordPiece one its text and a marker)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tok = tokenizer
+        self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
-    def __call__(self, text: str) -> list[int]:
-        return [int(i) for i in self._tok(text, add_special_tokens=False)["input_ids"]]
+    def __call__(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        ids = self._tok(text, add_special_tokens=False, split_special_tokens=not special_tokens)["input_ids"]
+        return [int(i) for i in ids]
 
 
 class Decode:

@@ -215,9 +215,17 @@ class SimTokenizer:
         return codes + [0] * (self._n - len(codes))
 
 
-def sim_encode_text(text: str) -> list[int]:
-    """An observation's text as sim token ids (one per character)."""
-    return [ord(c) % 64 for c in text]
+class SimEncodeText:
+    """An observation's text as sim token ids, one per character (a `TextEncoder`: the sim has no
+    special tokens)."""
+
+    max_token_chars = 1
+
+    def __call__(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 64 for c in text]
+
+
+sim_encode_text = SimEncodeText()
 
 
 class SimHostWork:

@@ -5,8 +5,9 @@ single completions (`SingleTurn`: one `generate` call) or multi-turn episodes wi
 Invariant: each sampling call is traced on its replica's lane with the version that sampled it
 (from the results; the replica number and, for an empty result, the version come from the
 orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s`;
-groups leave in the order the call returned them. An environment's error, or a prompt that
-leaves an episode no room, fails the run (it is the task's, not the replica's). A replica whose `generate` raises is retired
+groups leave in the order the call returned them. An environment's error that fails the run
+(EnvironmentStepError: a wrong type, strict_environment, stuck calls), or a prompt that leaves an
+episode no room, fails it as the task's error, not the replica's. A replica whose `generate` raises is retired
 (see `relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas: no group
 is lost or sampled twice. A replica whose worker died and can be restarted (`Sampler.restartable`,
 the Ray backend) re-queues its requests, restarts (the weight publisher loads the version the

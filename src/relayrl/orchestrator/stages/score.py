@@ -7,16 +7,22 @@ Invariant: every trajectory leaves with a finite reward; one on which a reward f
 failed with reward 0 and each failed call is counted in the ledger by function and reason, before
 the batch moves on. With `task.strict_rewards` the first failed call fails the run at once (a
 `RewardError` naming the function and the trajectory; the batch's other calls are cancelled or
-killed, not awaited), after that call was counted.
+killed, not awaited), after that call was counted. A trajectory whose environment failed its
+episode (already `failed`, orchestrator/stages/episodes.py) is not scored: it is counted in the
+ledger as a failed call of the function `environment`, by reason, and moves on with reward 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import operator
 
 from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.stages.episodes import ENV_FAILURE, env_failure_reason
 from relayrl.rewards.scoring import RewardError, Scorer, strict_error
-from relayrl.types import Group
+from relayrl.types import Group, TrajectoryStatus
+
+_STATUS = operator.attrgetter("status")
 
 
 async def score_stage(
@@ -29,8 +35,13 @@ async def score_stage(
 ) -> None:
     while True:
         groups = await inbox.get()
+        trajectories = [t for g in groups for t in g.trajectories]
+        if TrajectoryStatus.FAILED in map(_STATUS, trajectories):  # episodes their environment failed (a C scan)
+            reasons = [env_failure_reason(t) for t in trajectories]
+            ledger.count_reward_failures([(ENV_FAILURE, r) for r in reasons if r is not None], sum(r is not None for r in reasons))
+            trajectories = [t for t, r in zip(trajectories, reasons) if r is None]
         try:
-            failed = await scorer.score([t for g in groups for t in g.trajectories], strict=strict)
+            failed = await scorer.score(trajectories, strict=strict)
         except RewardError as exc:  # strict_rewards' first failed call, or too many abandoned reward threads
             if exc.failed is not None:
                 ledger.count_reward_failures([(exc.failed.function, exc.failed.reason.value)], 1)
