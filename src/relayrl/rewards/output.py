@@ -12,7 +12,9 @@ Invariants:
 - A worker never blocks on its output for longer than the reader takes to read a chunk: the
   reader keeps reading (and discarding past the cap) until `close()`.
 - The log file never holds more than `cap_bytes` of output (a resumed run's earlier output
-  counts), plus its header line and the cap line; it is created only when something was written.
+  counts), plus its header line and a cap line per run segment that reached the cap; it is
+  created only when something was written. A log that cannot be written (disk full) is said once
+  on the console, and the output is discarded from then on.
 - The console hears of the log once, at its first write (where it is and its cap), and once more
   if the cap is reached.
 - Nothing is started until a worker needs the pipe; `close()` (after the workers are reaped)
@@ -54,7 +56,9 @@ class WorkerOutput:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._file: BinaryIO | None = None
-        self.kept = 0  # bytes of output written (to the log or stderr) by this process
+        self.kept = 0  # bytes of output kept (in the log, a resumed run's included, or on stderr)
+        self._cap_said = False
+        self._broken = False  # the log cannot be written: everything is discarded
         self.discarded = 0  # bytes read past the cap
 
     def write_fd(self) -> int:
@@ -82,43 +86,50 @@ class WorkerOutput:
                 data = os.read(read_fd, _CHUNK)
                 if not data:
                     return
-                self._take(data)
+                try:
+                    self._take(data)
+                except Exception:  # never leave the workers writing to a pipe nobody reads: discard from now on
+                    self._broken = True
                 if self._stop.is_set():  # something still writes: drain for a bounded time only
                     drain_until = drain_until or time.monotonic() + _DRAIN_S
                     if time.monotonic() > drain_until:
                         return
-        except OSError as exc:  # the log's disk is full, ...: the rest is discarded, said once
-            self._say(f"reward workers' output is no longer kept: {exc}")
-            with contextlib.suppress(OSError):
-                while os.read(read_fd, _CHUNK):
-                    pass
         finally:
             if self._file is not None:
                 with contextlib.suppress(OSError):
                     self._file.close()
 
     def _take(self, data: bytes) -> None:
-        room = self.cap_bytes - self.kept
-        if room <= 0:
+        if self._broken:
             self.discarded += len(data)
             return
-        head = data[:room]
-        if self.log_path is None:
-            if self.kept == 0:
-                self._say(f"reward workers' output follows (its first {_size(self.cap_bytes)}; no run directory)")
-            view = memoryview(head)
-            while view:
-                view = view[os.write(2, view) :]
-        else:
-            if self._file is None:
+        try:
+            if self.log_path is not None and self._file is None:
                 self._open()
-            assert self._file is not None
+            room = self.cap_bytes - self.kept
+            head = data[: max(0, room)]
+            if head:
+                self._write(head)
+                self.kept += len(head)
+            if len(head) < len(data):
+                self.discarded += len(data) - len(head)
+                if not self._cap_said:
+                    self._capped()
+        except OSError as exc:  # the log's disk is full, its directory gone, ...: the rest is discarded, said once
+            self._broken = True
+            self.discarded += len(data)
+            self._say(f"reward workers' output is no longer kept: {exc}")
+
+    def _write(self, head: bytes) -> None:
+        if self._file is not None:
             self._file.write(head)
             self._file.flush()
-        self.kept += len(head)
-        if len(head) < len(data):
-            self.discarded += len(data) - len(head)
-            self._capped()
+            return
+        if self.kept == 0:
+            self._say(f"reward workers' output follows (its first {_size(self.cap_bytes)}; no run directory)")
+        view = memoryview(head)
+        while view:
+            view = view[os.write(2, view) :]
 
     def _open(self) -> None:
         assert self.log_path is not None
@@ -130,6 +141,7 @@ class WorkerOutput:
         self._say(f"reward workers' output goes to {self.log_path} (its first {_size(self.cap_bytes)})")
 
     def _capped(self) -> None:
+        self._cap_said = True
         line = f"reward workers' output reached its cap of {_size(self.cap_bytes)}; the rest is discarded"
         if self._file is not None:
             self._file.write(f"\n# relayrl: {line}\n".encode())
