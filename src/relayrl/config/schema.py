@@ -131,7 +131,7 @@ class TaskConfig(_Section):
     """reasoning_gym: the dataset's options (the fields of its config besides seed and size)."""
     dataset_size: int = Field(1000, ge=1)
     """reasoning_gym: the training set is this many entries of seed `dataset_seed`, cycled and
-    reshuffled every epoch."""
+    reshuffled every epoch; generated before the run starts, at most 1,000,000 (config/sizing.py)."""
     dataset_seed: int | None = None
     """reasoning_gym: the training set's seed (None = run.seed)."""
     heldout_seed: int | None = None
@@ -148,7 +148,8 @@ class TaskConfig(_Section):
     """One per reward function; None = all 1."""
     reward_workers: int = Field(2, ge=1, json_schema_extra=RESUMABLE)
     """Sync reward functions named by module or file, and the optional built-ins (math_verify,
-    reasoning_gym), run in this many worker processes."""
+    reasoning_gym), run in this many worker processes: at most max(8, 4 per CPU) (config/sizing.py).
+    Their stdout and stderr go to the run directory's reward_workers.log (its first 10 MiB)."""
     reward_timeout_s: float = Field(30.0, gt=0.0, json_schema_extra=RESUMABLE)
     """Seconds allowed per call of every reward function (worker processes, async functions,
     Python-API callables), except the cheap built-ins exact_match, numeric_match,
@@ -460,8 +461,9 @@ class OrchestratorConfig(_Section):
     reward that always fails); 0 = 20 × rollout.groups_per_step, at least 200. A warning comes
     first, half way there."""
     max_host_memory_gb: float = Field(0.0, ge=0.0, json_schema_extra=RESUMABLE)
-    """A run whose trajectories are estimated to need more host memory than this is refused up
-    front (config/sizing.py); 0 = half of this machine's memory."""
+    """A run whose trajectories, reward worker processes or generated training set (each on its
+    own) are estimated to need more host memory than this is refused up front (config/sizing.py);
+    0 = half of this machine's memory."""
 
 
 class SimConfig(_Section):

@@ -1,4 +1,15 @@
-"""Sizes a run can hold: an up-front estimate of the host memory its trajectories need.
+"""Sizes a run can hold: up-front bounds on what a run creates before it can be stopped.
+
+- Trajectories: see below.
+- Reward workers (`task.reward_workers`): at most MAX_REWARD_WORKERS_PER_CPU per CPU this process
+  may use (at least MIN_REWARD_WORKERS_CAP), and BYTES_PER_REWARD_WORKER each (a worker's resident
+  memory after importing its functions, measured ~16-21 MB) within the memory budget. A worker
+  runs one call at a time, so workers beyond the CPUs only help rewards that wait; those are
+  better written async (`task.reward_concurrency`).
+- The reasoning-gym training set (`task.dataset_size`, generated up front): at most
+  MAX_DATASET_SIZE entries (~40 µs each to generate here: ~40 s at the cap, and more entries than
+  any run draws), and BYTES_PER_DATASET_ENTRY each (chain_sum measured ~1.5-2.4 KB) within the
+  memory budget.
 
 A run keeps at most (max_staleness + 2) steps' worth of trajectories in memory: the steps the
 dispatch window lets run ahead, the step being trained and the step being logged. Each costs about
@@ -6,9 +17,10 @@ BYTES_PER_TRAJECTORY plus BYTES_PER_TOKEN for every token it may hold (measured 
 backend: ~0.8 KB for a 20-token trajectory; token ids, log-probs and packed copies cost ~64 B per
 token). A token bound is known before anything is loaded: a trajectory must fit one packed row.
 
-Invariant: a configuration whose estimate exceeds the memory budget is refused before the run
-starts, with the keys that size it and the estimate named; it never starts and runs the machine
-out of memory (or blocks its event loop for minutes creating objects).
+Invariant: a configuration whose estimate exceeds the memory budget (each estimate on its own),
+or a size beyond its cap, is refused before the run starts, in one line naming the keys that size
+it, the value, the bound and why; it never starts and runs the machine out of memory (or blocks
+its event loop for minutes creating objects, or spawns processes for minutes).
 """
 
 from __future__ import annotations
@@ -20,6 +32,13 @@ from relayrl.config.schema import Config, ConfigError
 BYTES_PER_TRAJECTORY = 1024
 BYTES_PER_TOKEN = 64
 GB = 1024**3
+MB = 1024**2
+BYTES_PER_REWARD_WORKER = 25 * MB
+MAX_REWARD_WORKERS_PER_CPU = 4
+MIN_REWARD_WORKERS_CAP = 8
+BYTES_PER_DATASET_ENTRY = 4 * 1024
+MAX_DATASET_SIZE = 1_000_000
+SECONDS_PER_DATASET_ENTRY = 40e-6  # chain_sum, one core of this machine
 
 
 def physical_memory_bytes() -> int | None:
@@ -27,6 +46,18 @@ def physical_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def max_reward_workers(cpus: int) -> int:
+    return max(MIN_REWARD_WORKERS_CAP, MAX_REWARD_WORKERS_PER_CPU * cpus)
 
 
 def trajectory_tokens(cfg: Config) -> int:
@@ -45,24 +76,88 @@ def estimate_host_bytes(cfg: Config) -> int:
     return trajectories_held(cfg) * (BYTES_PER_TRAJECTORY + BYTES_PER_TOKEN * trajectory_tokens(cfg))
 
 
-def check_fits(cfg: Config) -> None:
-    """Raise a ConfigError when the run's trajectories cannot fit the memory budget
-    (orchestrator.max_host_memory_gb, or half of this machine's memory when it is 0)."""
+def memory_budget(cfg: Config) -> tuple[int, str] | None:
+    """The host memory budget and how to name it: orchestrator.max_host_memory_gb, or half of this
+    machine's memory when it is 0 (None when that is unknown)."""
     if cfg.orchestrator.max_host_memory_gb > 0:
-        budget, what = int(cfg.orchestrator.max_host_memory_gb * GB), "orchestrator.max_host_memory_gb"
-    else:
-        total = physical_memory_bytes()
-        if total is None:
-            return
-        budget, what = total // 2, f"half of this machine's {total / GB:.1f} GB"
+        return int(cfg.orchestrator.max_host_memory_gb * GB), "orchestrator.max_host_memory_gb"
+    total = physical_memory_bytes()
+    if total is None:
+        return None
+    return total // 2, f"half of this machine's {total / GB:.1f} GB"
+
+
+def check_fits(cfg: Config) -> None:
+    """Raise a ConfigError when the run's trajectories, its reward workers or its generated
+    training set cannot fit the memory budget (orchestrator.max_host_memory_gb, or half of this
+    machine's memory when it is 0), or a size is beyond its cap (module docstring)."""
+    budget = memory_budget(cfg)
+    check_trajectories(cfg, budget)
+    check_reward_workers(cfg, budget)
+    check_dataset_size(cfg, budget)
+
+
+def check_trajectories(cfg: Config, budget: tuple[int, str] | None) -> None:
+    if budget is None:
+        return
+    budget_bytes, what = budget
     need = estimate_host_bytes(cfg)
-    if need <= budget:
+    if need <= budget_bytes:
         return
     r = cfg.rollout
     raise ConfigError(
         f"rollout.num_generations={r.num_generations} × rollout.groups_per_step={r.groups_per_step} × "
         f"(rollout.max_staleness={r.max_staleness} + 2) = {trajectories_held(cfg):,} trajectories held at once, "
         f"up to {trajectory_tokens(cfg)} tokens each: an estimated {need / GB:,.1f} GB of host memory, more than "
-        f"{what} ({budget / GB:,.1f} GB); lower rollout.num_generations or rollout.groups_per_step "
+        f"{what} ({budget_bytes / GB:,.1f} GB); lower rollout.num_generations or rollout.groups_per_step "
         "(or raise orchestrator.max_host_memory_gb)"
     )
+
+
+def check_reward_workers(cfg: Config, budget: tuple[int, str] | None, cpus: int | None = None) -> None:
+    """task.reward_workers: at most `max_reward_workers(cpus)`, and their memory within the budget."""
+    n = cfg.task.reward_workers
+    cpus = usable_cpus() if cpus is None else cpus
+    cap = max_reward_workers(cpus)
+    if n > cap:
+        raise ConfigError(
+            f"task.reward_workers={n:,} is more than {cap} (max({MIN_REWARD_WORKERS_CAP}, {MAX_REWARD_WORKERS_PER_CPU} per CPU × "
+            f"{cpus} CPUs)): each worker is a process (~{BYTES_PER_REWARD_WORKER // MB} MB, started at the first reward call) "
+            "running one call at a time, so more than the CPUs only helps rewards that wait; lower task.reward_workers "
+            "(a reward that waits on the network is better async, bounded by task.reward_concurrency)"
+        )
+    if budget is None:
+        return
+    budget_bytes, what = budget
+    need = n * BYTES_PER_REWARD_WORKER
+    if need > budget_bytes:
+        raise ConfigError(
+            f"task.reward_workers={n:,} worker processes need an estimated {need / GB:,.1f} GB of host memory "
+            f"(~{BYTES_PER_REWARD_WORKER // MB} MB each), more than {what} ({budget_bytes / GB:,.1f} GB); "
+            "lower task.reward_workers (or raise orchestrator.max_host_memory_gb)"
+        )
+
+
+def check_dataset_size(cfg: Config, budget: tuple[int, str] | None) -> None:
+    """task.dataset_size (reasoning_gym, generated up front): at most MAX_DATASET_SIZE entries, and
+    their memory within the budget."""
+    t = cfg.task
+    if t.kind != "reasoning_gym":
+        return
+    n = t.dataset_size
+    if n > MAX_DATASET_SIZE:
+        raise ConfigError(
+            f"task.dataset_size={n:,} is more than {MAX_DATASET_SIZE:,}: the training set is generated up front, before the "
+            f"run starts (~{MAX_DATASET_SIZE * SECONDS_PER_DATASET_ENTRY:.0f} s at the bound), and cycled every epoch; a run draws "
+            "run.steps × rollout.groups_per_step prompts, so lower task.dataset_size"
+        )
+    if budget is None:
+        return
+    budget_bytes, what = budget
+    need = n * BYTES_PER_DATASET_ENTRY
+    if need > budget_bytes:
+        raise ConfigError(
+            f"task.dataset_size={n:,} entries need an estimated {need / GB:,.1f} GB of host memory "
+            f"(~{BYTES_PER_DATASET_ENTRY // 1024} KB each), more than {what} ({budget_bytes / GB:,.1f} GB); "
+            "lower task.dataset_size (or raise orchestrator.max_host_memory_gb)"
+        )

@@ -31,6 +31,7 @@ from relayrl.orchestrator.stages.episodes import EpisodeRunner, EpisodeSettings
 from relayrl.orchestrator.state import RunState
 from relayrl.rewards.registry import ResolvedReward
 from relayrl.rewards.scoring import Scorer, ScorerSettings
+from relayrl.rundir.files import REWARD_WORKERS_LOG
 from relayrl.tasks.build import correctness_check
 from relayrl.telemetry.callbacks import Callback
 from relayrl.telemetry.sinks import build_sinks
@@ -89,7 +90,10 @@ def assemble(
 ) -> RunParts:
     trainer = BoundedTrainer(backend.trainer, cfg.train.call_timeout_s)
     t = cfg.task
-    settings = ScorerSettings(t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s, t.reward_clip)
+    worker_log = run_dir / REWARD_WORKERS_LOG if run_dir is not None else None
+    settings = ScorerSettings(
+        t.reward_workers, t.reward_timeout_s, t.reward_concurrency, t.reward_memory_mb, t.reward_cpu_s, t.reward_clip, worker_log
+    )
     # the reward functions, on the scoring thread, in worker processes (started at their first
     # call, ended with the run) or on the loop; the held-out evaluator judges through it too
     scorer = Scorer(rewards, settings, threads)

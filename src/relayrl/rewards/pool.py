@@ -12,6 +12,10 @@ process's address space, and give every call one `CallOutcome`: its value, or wh
   its CPU limit (SIGXCPU) or ran out of memory (a `MemoryError` under `memory_mb` is reported as
   crashed, not raised, since the process may be unusable after it); the worker is replaced.
 
+A worker's stdout and stderr (fd 1 and 2: Python, C and its subprocesses alike) go to one pipe
+read by rewards/output.py, which keeps them in the run directory's reward_workers.log up to a
+cap (`log_path`; without one, a short head on stderr), never straight to the console.
+
 Workers are fresh interpreters started with subprocess (fork + exec of `sys.executable`, as the
 "spawn" start method does, never a bare fork of this process, which has threads and torch) that
 import only this module, relayrl.rewards.registry and the user's reward modules; they never import
@@ -28,6 +32,8 @@ Invariants:
   batch by raising: the calls in flight are then killed with their workers.
 - A value is sent back as `as_reward` makes it: exactly a float (a numpy scalar, an int, a bool or
   a 0-d array returned by the function is converted in the worker).
+- Starting the workers stops soon after `abort` is set: the flag is checked before each one is
+  spawned, as it is while they start and while calls run.
 - No worker outlives the pool: `close()` ends and reaps every process; a worker also dies with the
   thread that started it (PR_SET_PDEATHSIG on Linux: a SIGKILLed parent leaves none behind) and
   exits when its connection closes.
@@ -54,6 +60,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from relayrl.errors import RunFailed
+from relayrl.rewards.output import WorkerOutput
 from relayrl.types import RewardFailure
 
 #: how long a worker may take to start and import the reward modules
@@ -137,9 +144,13 @@ def _exit_detail(returncode: int | None, limits: PoolLimits) -> str:
 
 class RewardPool:
     """N worker processes running the functions named by `specs` (`module:function` or
-    `/abs/file.py:function`); `run(calls)` is thread-safe (one batch at a time) and blocking."""
+    `/abs/file.py:function`); `run(calls)` is thread-safe (one batch at a time) and blocking. The
+    workers' stdout and stderr go to `log_path` (its first `log_cap_bytes`; None: a short head on
+    stderr)."""
 
-    def __init__(self, specs: Sequence[str], workers: int, limits: PoolLimits) -> None:
+    def __init__(
+        self, specs: Sequence[str], workers: int, limits: PoolLimits, log_path: Path | None = None, log_cap_bytes: int | None = None
+    ) -> None:
         if workers < 1:
             raise ValueError(f"a reward pool needs at least one worker, got {workers}")
         self.specs = list(specs)
@@ -151,6 +162,7 @@ class RewardPool:
         self.started_pids: list[int] = []  # every worker process started, replacements included
         self.replaced = 0  # workers replaced after a timeout or a crash
         self._on_outcome: Callable[[int, CallOutcome], None] | None = None  # the running batch's
+        self.output = WorkerOutput(log_path) if log_cap_bytes is None else WorkerOutput(log_path, log_cap_bytes)
 
     # -- parent side -------------------------------------------------------------------------
 
@@ -158,7 +170,10 @@ class RewardPool:
         parent_sock, child_sock = socket.socketpair()
         try:
             fd = child_sock.fileno()
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(fd)], pass_fds=(fd,), stdin=subprocess.DEVNULL, close_fds=True)
+            out = self.output.write_fd()
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(fd)], pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=out, stderr=out, close_fds=True
+            )
         except BaseException:
             parent_sock.close()
             raise
@@ -233,6 +248,8 @@ class RewardPool:
 
     def _run(self, calls: Sequence[tuple[int, object]], abort: threading.Event | None) -> list[CallOutcome]:
         while len(self._threads) < self.size:
+            if abort is not None and abort.is_set():
+                raise RewardPoolAborted("the reward pool's caller is stopping")
             self._threads.append(self._spawn())
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         queue = deque(range(len(calls)))
@@ -353,6 +370,7 @@ class RewardPool:
                     w.proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     w.proc.wait(timeout=10)
+        self.output.close()
 
 
 # -- worker side -------------------------------------------------------------------------------
@@ -401,6 +419,9 @@ def _limit_cpu(seconds: float) -> None:
 def worker_main(fd: int) -> None:
     """A reward worker: import the functions, then answer calls until the connection closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent ends us
+    for stream in (sys.stdout, sys.stderr):  # fd 1 and 2 are a pipe: lines go out as written, not at exit
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     conn = Connection(fd)
     try:
         init = conn.recv()

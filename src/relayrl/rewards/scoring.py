@@ -42,6 +42,7 @@ import itertools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 from relayrl.errors import RunFailed, first_error, leaf_errors
@@ -99,6 +100,7 @@ class ScorerSettings:
     memory_mb: int = 0
     cpu_s: float = 0.0
     clip: float = 0.0  # task.reward_clip: each value clipped to ±clip before weighting; 0 = off
+    worker_log: Path | None = None  # the reward workers' stdout and stderr (rewards/output.py); None: a short head on stderr
 
 
 def _failure_of(x: object) -> Failure | None:
@@ -179,7 +181,8 @@ class Scorer:
             specs = [r.spec for _, r in self._pooled]
             assert all(s is not None for s in specs)
             limits = PoolLimits(settings.timeout_s, settings.memory_mb, settings.cpu_s)
-            self.pool = RewardPool([s for s in specs if s is not None], settings.workers, limits)  # started at its first call
+            # started at its first call
+            self.pool = RewardPool([s for s in specs if s is not None], settings.workers, limits, log_path=settings.worker_log)
         self._semaphore: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     # -- running the functions ---------------------------------------------------------------

@@ -25,6 +25,7 @@ CONFIG = "config.toml"
 EVALS = "evals.jsonl"
 SUMMARY = "summary.json"
 CONFIG_CHANGES = "config_changes.jsonl"  # one row per key a resume changed: from_step, key, old, new
+REWARD_WORKERS_LOG = "reward_workers.log"  # the reward workers' stdout and stderr, capped (rewards/output.py)
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:

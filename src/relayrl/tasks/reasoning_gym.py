@@ -13,7 +13,9 @@ Invariants:
   `task.dataset_config`, overlapping seeds one naming `task.heldout_seed`.
 - The training set is the `dataset_size` entries of seed `dataset_seed`, generated up front; item
   ``i`` of the stream is a pure function of (config, i) (epochs reshuffled with the seed), so the
-  stream resumes from a cursor. Nothing is generated on the event loop.
+  stream resumes from a cursor. Nothing is generated on the event loop. Generation that takes
+  more than ~1.5 s shows its progress on stderr (tasks/progress.py); its size is bounded up front
+  (config/sizing.py).
 - Held-out prompts are disjoint from the training ones by seed and by question: reasoning-gym
   draws entry ``i`` of seed ``s`` from ``Random(s + i)`` (seed s + 1's entry 0 is seed s's entry
   1), so held-out entries come from a seed range that does not overlap the training range, and
@@ -38,6 +40,7 @@ from relayrl.config.schema import ConfigError
 from relayrl.errors import UserError
 from relayrl.tasks.correctness import parsed_answer
 from relayrl.tasks.epochs import EpochCycle
+from relayrl.tasks.progress import GenerationProgress
 from relayrl.types import Prompt, Trajectory
 
 METADATA_KEY = "reasoning_gym"
@@ -124,7 +127,12 @@ class ReasoningGymTask:
         options = json.loads(json.dumps(dict(config.options)))
         train_ds = create_dataset(config.dataset, options, config.seed, config.size)
         _remember_scorer(config.dataset, options, train_ds)
-        train = [self._prompt(train_ds, options, i, f"rg-{config.dataset}-{config.seed}-{i}") for i in range(config.size)]
+        progress = GenerationProgress(f"reasoning-gym dataset {config.dataset!r} entries", config.size)
+        train = []
+        for i in range(config.size):
+            train.append(self._prompt(train_ds, options, i, f"rg-{config.dataset}-{config.seed}-{i}"))
+            progress.tick(i + 1)
+        progress.finish()
         questions = {p.text for p in train}
 
         heldout: list[Prompt] = []
