@@ -356,7 +356,7 @@ def test_no_reward_process_is_left_after_a_failed_run(tmp_path: Path, monkeypatc
     _write_module(tmp_path, "rwfail", "def f(t):\n    if t.group_id == 2:\n        raise OSError('disk')\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     program = make_program(sim_config('task.reward_functions=["rwfail:f"]', "task.strict_rewards=true", "task.reward_workers=3"), tmp_path)
-    with pytest.raises(RewardError, match=r"'rwfail:f' failed on trajectory 0 of group 2 \(prompt 'sim-2'\): raised: OSError: disk"):
+    with pytest.raises(RewardError, match=r"'rwfail:f' failed on trajectory \d+ of group 2 \(prompt 'sim-2'\): raised: OSError: disk"):
         asyncio.run(asyncio.wait_for(program.run(), 60))
     assert program.scorer.pool is not None and len(program.scorer.pool.started_pids) == 3
     assert not [pid for pid in program.scorer.pool.started_pids if _alive(pid)]
