@@ -315,7 +315,7 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     assert report.ok, report.violations
     assert report.completed
     assert (run_dir / "trace.part-0.json").exists()  # the killed run's trace is kept beside it
-    assert complete_checkpoints(run_dir / "checkpoints")[-1] == checkpoint_dir(run_dir, steps - 1)
+    assert complete_checkpoints(run_dir / "checkpoints")[-1] == checkpoint_dir(run_dir, steps)  # the last step's
 
 
 def _ray_processes_of(root: int) -> set[int]:
