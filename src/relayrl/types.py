@@ -319,9 +319,9 @@ class StepRecord:
     commit-time figures reach it through `StepHooks.commit_figures`); bookkeeping only empties
     `groups` and `filtered` once they are logged."""
 
-    step: int
+    step: int  # numbered from 1 (the train loop's counter, which every file and message shows)
     groups: list[Group]
-    policy_version: int = 0  # version after this step's commit
+    policy_version: int = 0  # version after this step's commit (= step)
     filtered: list[FilteredGroup] = field(default_factory=list)
     padding: list[PaddingStats] = field(default_factory=list)
     step_time_sec: float = 0.0

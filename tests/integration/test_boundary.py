@@ -19,7 +19,7 @@ def test_next_train_step_issued_while_fetch_outstanding_and_fetch_lands_before_n
     cfg = sim_config("sim.get_metrics=0.15", "sim.train_step=0.05", "sim.optim_step=0.01")
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)
-    for n in range(cfg.run.steps - 1):
+    for n in range(1, cfg.run.steps):  # steps are numbered from 1
         fetch = find(s, "get_metrics", n)
         mb0_next = find(s, "train_step", n + 1, microbatch=0)
         optim_next = find(s, "optim_step", n + 1)
@@ -40,12 +40,12 @@ def test_on_step_end_runs_after_next_first_train_step_on_a_worker_thread(tmp_pat
 
     program.bookkeeper._callbacks.append(Spy())
     run_checked(program)
-    assert [step for step, _, _ in seen] == list(range(cfg.run.steps))
+    assert [step for step, _, _ in seen] == list(range(1, cfg.run.steps + 1))
     for step, thread, calls in seen:
         assert thread != threading.main_thread().name and thread.startswith("relayrl-bookkeeping")
-        if step + 1 < cfg.run.steps:
-            # the trainer had already been handed step N+1's first micro-batch (version N+1)
-            assert ("train_step", step + 1) in calls
+        if step < cfg.run.steps:
+            # the trainer had already been handed step N+1's first micro-batch (trained from version N)
+            assert ("train_step", step) in calls
 
 
 def test_raising_on_step_end_fails_the_run_and_leaves_nothing_running(tmp_path: Path) -> None:
@@ -116,8 +116,8 @@ def test_step_time_taken_at_commit_and_fetch_time_reported_separately(tmp_path: 
     cfg = sim_config("sim.get_metrics=0.1", "sim.train_step=0.06", "sim.optim_step=0.01")
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)
-    for n in range(1, cfg.run.steps):
-        m = cast(dict[str, float], result.results[n].metrics)  # every one of these is set on a completed step
+    for n in range(2, cfg.run.steps + 1):
+        m = cast(dict[str, float], result.results[n - 1].metrics)  # every one of these is set on a completed step
         commit_gap = find(s, "optim_step", n).end - find(s, "optim_step", n - 1).end
         assert m["step_time_sec"] == pytest.approx(commit_gap, abs=2e-3)
         assert m["metrics_fetch_time"] >= 0.1
@@ -130,7 +130,7 @@ def test_next_step_first_microbatch_is_packed_while_final_one_trains(tmp_path: P
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)
     gaps = [r.metrics["boundary_gap_sec"] for r in result.results[1:]]
-    for n in range(cfg.run.steps - 1):
+    for n in range(1, cfg.run.steps):  # steps are numbered from 1
         pack0 = find(s, "pack", n + 1, microbatch=0)
         assert pack0.end <= find(s, "optim_step", n).start  # rule 9: packed before the commit
     assert max(g for g in gaps if g is not None) < 0.03  # never paid a pack at the boundary
@@ -150,7 +150,7 @@ def test_next_step_is_packed_when_its_groups_arrive_during_the_final_microbatch(
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)
     late = 0
-    for n in range(1, cfg.run.steps - 1):
+    for n in range(2, cfg.run.steps):
         train = find(s, "train_step", n, microbatch=0)
         assert train.args["final"]
         pack0 = find(s, "pack", n + 1, microbatch=0)
@@ -166,7 +166,7 @@ def test_inline_baseline_pays_the_boundary_on_the_event_loop(tmp_path: Path) -> 
     cfg = sim_config("orchestrator.overlap_bookkeeping=false", "sim.get_metrics=0.05", "sim.reduce_metrics=0.03")
     result = run_checked(make_program(cfg, tmp_path))
     s = trace_spans(result)
-    for n in range(cfg.run.steps - 1):
+    for n in range(1, cfg.run.steps):  # steps are numbered from 1
         assert find(s, "train_step", n + 1, microbatch=0).start >= find(s, "get_metrics", n).end
         assert find(s, "reduce_metrics", n).args["thread"] == threading.main_thread().name
     gaps = [r.metrics["boundary_gap_sec"] for r in result.results[1:]]

@@ -77,7 +77,7 @@ def test_chaos_run_completes_with_its_books_balanced(seed: int, tmp_path: Path) 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == STEPS, (faults, attempts)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(STEPS))  # every step once
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once
     ledger = summary["ledger"]
     assert ledger["groups_dispatched"] == ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]
     trajs = pd.read_parquet(run_dir / "trajectories")

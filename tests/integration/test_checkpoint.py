@@ -62,7 +62,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not (run_dir / CHECKPOINTS / "step-000007").exists():  # two checkpoints in
+        while not (run_dir / CHECKPOINTS / "step-000008").exists():  # two checkpoints in
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.01)
@@ -75,18 +75,19 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
 
     resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
     assert resumed.returncode == 0, resumed.stderr
-    assert "from step" in resumed.stdout
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert summary["steps_completed"] == STEPS
-    assert 8 <= summary["resumed_from_step"] < STEPS
+    done = summary["resumed_from_step"]
+    assert 8 <= done < STEPS
+    assert f"resuming after step {done} (next: step {done + 1} of {STEPS})" in resumed.stdout
     # every step once, in order
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # steps are numbered from 1
     # every trained prompt once; the prompts handed out are a prefix of the stream: none lost
     trajs = pd.read_parquet(run_dir / "trajectories")
-    assert sorted(set(trajs["step"])) == list(range(STEPS))
+    assert sorted(set(trajs["step"])) == list(range(1, STEPS + 1))
     _assert_each_step_logged_once(run_dir, trajs, rows)
     trained = trajs[trajs["status"] == "ok"]
     steps_of: dict[str, set[int]] = defaultdict(set)
@@ -106,7 +107,7 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     assert (run_dir / "trace.part-0.json").exists()
     # checkpoints: the newest two, complete, nothing half-written left
     kept = complete_checkpoints(run_dir / CHECKPOINTS)
-    assert [p.name for p in kept] == ["step-000027", "step-000029"]
+    assert [p.name for p in kept] == ["step-000028", "step-000030"]
     assert not [p for p in (run_dir / CHECKPOINTS).iterdir() if p.name.startswith(".")]
 
 
@@ -120,9 +121,9 @@ def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> 
     # ... and raising run.steps continues it from the final checkpoint
     longer = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2", "run.steps=6")
     result = run_checked(build_program(longer, run_dir=tmp_path / "r", resume=True))
-    assert [r.step for r in result.results] == [4, 5]
+    assert [r.step for r in result.results] == [5, 6]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert result.summary["steps_completed"] == 6
 
 
@@ -139,7 +140,7 @@ def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     # a checkpoint whose trainer state is gone: named before anything in the run directory changes
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2"]]
     assert relayrl("train", *sets, timeout=60).returncode == 0
-    (tmp_path / "r" / CHECKPOINTS / "step-000001" / "sim_trainer.json").unlink()
+    (tmp_path / "r" / CHECKPOINTS / "step-000002" / "sim_trainer.json").unlink()
     proc = relayrl("train", "--resume", str(tmp_path / "r"), "--set=run.steps=3", timeout=60)
     assert proc.returncode == 2 and "trainer state file(s) missing: sim_trainer.json" in proc.stderr
     assert (tmp_path / "r" / "trace.json").exists() and not (tmp_path / "r" / "trace.part-0.json").exists()
@@ -173,16 +174,16 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
     fast = sim_config(*sets, "sim.generate_per_request=0.001", "sim.train_step=0.05")
     slow = sim_config(*sets, "sim.generate_per_request=0.05", "sim.train_step=0.01")
     run_dir = tmp_path / "r"
-    # a crash in on_step_end(N) comes before checkpoint N: the resumes start at steps 3 and 4
-    for crash_at, resume, cfg in ((3, False, fast), (4, True, slow)):
+    # a crash in on_step_end(N) comes before checkpoint N: the resumes go on after steps 3 and 4
+    for crash_at, resume, cfg in ((4, False, fast), (5, True, slow)):
         with pytest.raises(Stopped):
             asyncio.run(build_program(cfg, [StopAt(crash_at)], run_dir=run_dir, resume=resume).run())
-    state = json.loads((run_dir / CHECKPOINTS / "step-000003" / "state.json").read_text())
+    state = json.loads((run_dir / CHECKPOINTS / "step-000004" / "state.json").read_text())
     assert len(state["in_flight"]) > 3  # replays that were still waiting are carried on
     result = run_checked(build_program(fast, run_dir=run_dir, resume=True))
     assert result.summary["steps_completed"] == 10
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(10))
+    assert [r["step"] for r in rows] == list(range(1, 11))
     trajs = pd.read_parquet(run_dir / "trajectories")
     _assert_each_step_logged_once(run_dir, trajs, rows)
     assert trajs.groupby("group_id")["prompt_id"].nunique().max() == 1  # an id names one group
@@ -197,23 +198,23 @@ def test_repeated_crashes_lose_no_prompt_and_reuse_no_group_id(tmp_path: Path) -
 
 
 def test_a_resumed_runs_trajectory_log_has_each_step_once(tmp_path: Path) -> None:
-    """A run that fails at the end of step 6 closes its trajectory file (steps 4-6, past its
-    newest checkpoint, of step 3); the resume cuts the log back to step 3 and logs steps 4-9
+    """A run that fails at the end of step 7 closes its trajectory file (steps 5-7, past its
+    newest checkpoint, of step 4); the resume cuts the log back to step 4 and logs steps 5-10
     again: each step once, in files rolled at each checkpoint (so a kill never loses a step a
     checkpoint claims)."""
     sets = [f"run.output_dir={tmp_path}", "run.name=r", "run.steps=10", "orchestrator.checkpoint_every=4"]
     cfg = sim_config(*sets)
     run_dir = tmp_path / "r"
     with pytest.raises(Stopped):
-        asyncio.run(build_program(cfg, [StopAt(6)], run_dir=run_dir).run())
-    assert [f.path.name for f in log_files(run_dir)] == ["steps-000000-000003.parquet", "steps-000004-000006.parquet"]
+        asyncio.run(build_program(cfg, [StopAt(7)], run_dir=run_dir).run())
+    assert [f.path.name for f in log_files(run_dir)] == ["steps-000001-000004.parquet", "steps-000005-000007.parquet"]
     result = run_checked(build_program(cfg, run_dir=run_dir, resume=True))
     assert result.summary["resumed_from_step"] == 4
-    names = ["steps-000000-000003.parquet", "steps-000004-000007.parquet", "steps-000008-000009.parquet"]
+    names = ["steps-000001-000004.parquet", "steps-000005-000008.parquet", "steps-000009-000010.parquet"]
     assert [f.path.name for f in log_files(run_dir)] == names
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trajs = pd.read_parquet(run_dir / "trajectories")
-    assert sorted(set(trajs["step"])) == list(range(10))
+    assert sorted(set(trajs["step"])) == list(range(1, 11))
     _assert_each_step_logged_once(run_dir, trajs, rows)
 
 
@@ -329,10 +330,10 @@ def test_local_run_resumes_with_its_trainer_state_and_evals(tmp_path: Path) -> N
     ]
     first = load_config(None, [*base, "run.steps=2"])
     run_checked(build_program(first, run_dir=tmp_path / "run"), timeout=120)
-    assert (tmp_path / "run" / CHECKPOINTS / "step-000001" / "trainer.pt").is_file()
+    assert (tmp_path / "run" / CHECKPOINTS / "step-000002" / "trainer.pt").is_file()
     longer = load_config(None, [*base, "run.steps=4"])
     result = run_checked(build_program(longer, run_dir=tmp_path / "run", resume=True), timeout=120)
-    assert [r.step for r in result.results] == [2, 3]
+    assert [r.step for r in result.results] == [3, 4]
     assert [r.policy_version for r in result.results] == [3, 4]  # went on from version 2
     evals = [json.loads(line)["version"] for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     assert evals == [0, 2, 4]
@@ -347,7 +348,7 @@ def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "t"
     proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not (run_dir / CHECKPOINTS / "step-000003").exists():
+    while not (run_dir / CHECKPOINTS / "step-000004").exists():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
@@ -360,3 +361,85 @@ def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
     resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == STEPS
+
+
+def test_default_settings_checkpoint_at_the_cadence_and_the_end_and_resume_after_a_stop(tmp_path: Path) -> None:
+    """With the default orchestrator.checkpoint_every (50) and keep_checkpoints (2), a 105-step
+    run stopped at the end of step 103 has the checkpoints of steps 50 and 100; its resume goes on
+    after step 100 and writes the final checkpoint after step 105, pruning step 50's. Steps are numbered from 1 in every
+    file: metrics.jsonl, the trajectory log and the checkpoint directories agree."""
+    defaults = load_config(None, [])
+    assert (defaults.orchestrator.checkpoint_every, defaults.orchestrator.keep_checkpoints) == (50, 2)
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "run.steps=105", "eval.enabled=false")
+    run_dir = tmp_path / "r"
+    with pytest.raises(Stopped):
+        asyncio.run(build_program(cfg, [StopAt(103)], run_dir=run_dir).run())
+    assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000050", "step-000100"]
+    state = json.loads((run_dir / CHECKPOINTS / "step-000100" / "state.json").read_text())
+    assert (state["format"], state["step"]) == (2, 100)
+    result = run_checked(build_program(cfg, run_dir=run_dir, resume=True))
+    assert result.summary["resumed_from_step"] == 100 and result.summary["steps_completed"] == 105
+    assert [r.step for r in result.results][:1] == [101]
+    assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000100", "step-000105"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 106))
+    assert [r["policy_version"] for r in rows] == list(range(1, 106))  # step N's commit makes version N
+    trajs = pd.read_parquet(run_dir / "trajectories")
+    assert sorted(set(trajs["step"])) == list(range(1, 106))
+    assert log_files(run_dir)[0].path.name.startswith("steps-000001-")
+    assert log_files(run_dir)[-1].path.name.endswith("-000105.parquet")
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path: Path) -> None:
+    cfg = sim_config(
+        f"run.output_dir={tmp_path}", "run.name=r", "run.steps=7", "orchestrator.checkpoint_every=2", "orchestrator.keep_checkpoints=3"
+    )
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    # after steps 2, 4, 6 and the last (7): the newest three
+    assert [p.name for p in complete_checkpoints(tmp_path / "r" / CHECKPOINTS)] == ["step-000004", "step-000006", "step-000007"]
+    assert sorted(p.name for p in (tmp_path / "r" / CHECKPOINTS).iterdir()) == ["step-000004", "step-000006", "step-000007"]
+
+
+def test_checkpoint_every_0_writes_none(tmp_path: Path) -> None:
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=0")
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    assert complete_checkpoints(tmp_path / "r" / CHECKPOINTS) == []
+
+
+def test_a_checkpoint_numbered_from_0_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint written before steps were numbered from 1 (state.json without `format`, with
+    `next_step`) is refused, never resumed shifted by one step."""
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2")
+    run_checked(build_program(cfg, run_dir=tmp_path / "r"))
+    path = tmp_path / "r" / CHECKPOINTS / "step-000004" / "state.json"
+    old = json.loads(path.read_text())
+    del old["format"]
+    old["next_step"] = old.pop("step")
+    path.write_text(json.dumps(old))
+    longer = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2", "run.steps=6")
+    with pytest.raises(CheckpointError) as err:
+        build_program(longer, run_dir=tmp_path / "r", resume=True)
+    assert str(err.value) == (
+        f"{path}: checkpoint format 1, this relayrl reads format 2 (steps numbered from 1); "
+        "resume it with the relayrl version that wrote it, or start the run afresh"
+    )
+
+
+def test_console_and_resume_message_agree_with_the_files(tmp_path: Path) -> None:
+    """`relayrl train` prints step N/total as step N's files are named; a run that stopped after
+    step 4 resumes saying so, and its next step is 5, as in metrics.jsonl."""
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=4", "orchestrator.checkpoint_every=2"]]
+    first = relayrl("train", *sets, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert [line.split()[1] for line in first.stdout.splitlines() if line.startswith("step ")] == ["1/4", "2/4", "3/4", "4/4"]
+    run_dir = tmp_path / "r"
+    assert complete_checkpoints(run_dir / CHECKPOINTS)[-1].name == "step-000004"
+    resumed = relayrl("train", "--resume", str(run_dir), "--set=run.steps=6", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "relayrl: resuming after step 4 (next: step 5 of 6)" in resumed.stdout
+    assert [line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("step ")] == ["5/6", "6/6"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000004", "step-000006"]
+    changes = [json.loads(line) for line in (run_dir / "config_changes.jsonl").read_text().splitlines()]
+    assert changes == [{"from_step": 5, "key": "run.steps", "old": 4, "new": 6}]

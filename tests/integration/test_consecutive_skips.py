@@ -120,7 +120,7 @@ def test_a_run_whose_every_step_is_non_finite_fails_after_the_eleventh(tmp_path:
     with pytest.raises(NonFiniteStepError, match=r"^step 10: 11 steps in a row .* train.max_consecutive_skips = 10"):
         asyncio.run(asyncio.wait_for(program.run(), 300))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(10))  # steps 0-9 committed, skipped
+    assert [r["step"] for r in rows] == list(range(1, 11))  # steps 1-10 committed, skipped
     assert all(r["train/skipped_nonfinite"] == 1.0 for r in rows) and rows[-1]["train/nonfinite_steps"] == 10.0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "train.max_consecutive_skips" in summary["error"]

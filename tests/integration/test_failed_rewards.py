@@ -163,7 +163,7 @@ def test_the_loss_normaliser_counts_only_the_scored_trajectories(tmp_path: Path)
     """token_mean divides by the step's completion tokens, the seq_mean aggregations by its
     sequences: both are the scored trajectories', and no failed trajectory is packed."""
     _, trainer, rows = _run(tmp_path)
-    for step in (0, 1):
+    for step in (1, 2):
         ok = [r for r in rows if r["step"] == step and r["status"] == "ok"]
         every = [r for r in rows if r["step"] == step]
         batches = [b for b in trainer.batches if b.step == step]

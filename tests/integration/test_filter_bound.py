@@ -48,7 +48,7 @@ def test_the_watch_warns_once_then_fails_naming_the_step_the_reasons_and_the_key
         assert not caught  # 8 = half the bound: not yet
         _filter(ledger, 8)
         assert [str(w.message) for w in caught] == [
-            "step 0: 9 groups filtered in a row (zero_variance 5, all_failed 4), none kept; "
+            "step 1: 9 groups filtered in a row (zero_variance 5, all_failed 4), none kept; "
             "the run fails when more than 16 are filtered in a row (orchestrator.max_filtered_per_step)"
         ]
         assert caught[0].category is NoGroupKeptWarning and issubclass(NoGroupKeptWarning, RuntimeWarning)
@@ -58,7 +58,7 @@ def test_the_watch_warns_once_then_fails_naming_the_step_the_reasons_and_the_key
     with pytest.raises(FilterBoundError) as info:
         _filter(ledger, 16)
     assert str(info.value) == (
-        "step 0: 17 groups filtered in a row (zero_variance 13, all_failed 4) and none kept to train: "
+        "step 1: 17 groups filtered in a row (zero_variance 13, all_failed 4) and none kept to train: "
         "with dynamic sampling every group of this task ties (algorithm.dynamic_sampling; a constant reward?); "
         "every reward call or environment episode of these groups failed "
         "(summary.json's reward_failures, the error column of trajectories/); "
@@ -86,13 +86,13 @@ def test_a_kept_group_restarts_the_count_whatever_the_commits() -> None:
                 _filter(ledger, gid)
                 gid += 1
             ledger.kept()
-    assert ledger.watch is not None and ledger.watch.step == 0
+    assert ledger.watch is not None and ledger.watch.step == 1  # steps are numbered from 1
     ledger.drain_filtered()  # a commit: the messages name the next step
-    with pytest.warns(NoGroupKeptWarning, match=r"^step 1: 4 groups filtered in a row \(stale 4\), none kept;"):
+    with pytest.warns(NoGroupKeptWarning, match=r"^step 2: 4 groups filtered in a row \(stale 4\), none kept;"):
         for _ in range(6):
             _filter(ledger, gid, FilterReason.STALE)
             gid += 1
-    with pytest.raises(FilterBoundError, match=r"^step 1: 7 groups filtered in a row \(stale 7\) and none kept to train: .*"):
+    with pytest.raises(FilterBoundError, match=r"^step 2: 7 groups filtered in a row \(stale 7\) and none kept to train: .*"):
         _filter(ledger, gid, FilterReason.STALE)
 
 
@@ -131,12 +131,12 @@ def test_a_run_in_which_no_group_can_train_fails_in_one_line_after_the_bound(tmp
     reward, reason = CASES[case]
     cfg = sim_config("algorithm.dynamic_sampling=true", "orchestrator.max_filtered_per_step=30")  # 4 groups a step
     program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[reward])  # type: ignore[list-item]  # deliberately not a float
-    with pytest.warns(NoGroupKeptWarning, match=rf"^step 0: 16 groups filtered in a row \({reason} 16\), none kept;"):
+    with pytest.warns(NoGroupKeptWarning, match=rf"^step 1: 16 groups filtered in a row \({reason} 16\), none kept;"):
         with pytest.raises(FilterBoundError) as info:
             asyncio.run(asyncio.wait_for(program.run(), 60))  # (the stall watchdog would wait 1800 s)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"step 0: 31 groups filtered in a row ({reason} 31) and none kept to train: ")
+    assert message.startswith(f"step 1: 31 groups filtered in a row ({reason} 31) and none kept to train: ")
     assert message.endswith("raise orchestrator.max_filtered_per_step (now 30) or check the reward")
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
@@ -166,9 +166,9 @@ def test_the_cli_exits_1_with_one_line_naming_the_step_and_the_reasons(tmp_path:
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert errors == [line for line in res.stderr.splitlines() if "Error" in line or line.startswith("error")]  # no traceback
     (error,) = errors
-    assert error.startswith("error: step 0: 201 groups filtered in a row (zero_variance 201) and none kept to train: ")
+    assert error.startswith("error: step 1: 201 groups filtered in a row (zero_variance 201) and none kept to train: ")
     assert error.endswith("raise orchestrator.max_filtered_per_step (now 200) or check the reward")  # 20 × 8 groups a step < 200
-    assert "NoGroupKeptWarning: step 0: 101 groups filtered in a row (zero_variance 101), none kept" in res.stderr  # warned first
+    assert "NoGroupKeptWarning: step 1: 101 groups filtered in a row (zero_variance 101), none kept" in res.stderr  # warned first
     assert res.stderr.index("NoGroupKeptWarning") < res.stderr.index("error:")
     (run,) = (tmp_path / "runs").iterdir()
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"

@@ -43,11 +43,11 @@ def test_a_one_prompt_dataset_under_dynamic_sampling_commits_its_steps(tmp_path:
     started = time.perf_counter()
     result = run_checked(build_program(load_config(None, sets), run_dir=tmp_path / "run"), timeout=90)
     print(f"seed {seed}: 3 steps committed in {time.perf_counter() - started:.1f} s, {result.ledger.groups_dispatched} groups dispatched")
-    assert [r.step for r in result.results] == [0, 1, 2]
+    assert [r.step for r in result.results] == [1, 2, 3]
     rows = read_trajectories(tmp_path / "run").to_pylist()
     trained = [r for r in rows if r["status"] == "ok"]
     assert len(trained) == 3 * 2
-    for step in range(3):
+    for step in range(1, 4):
         texts = [r["completion"] for r in trained if r["step"] == step]
         assert len(set(texts)) == 2  # a kept group does not tie
 

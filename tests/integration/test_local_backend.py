@@ -43,7 +43,7 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 def test_short_local_run_trains_and_reports(short_run: tuple[Path, object]) -> None:
     run_dir, result = short_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for key in (
         "train/loss",
         "train/grad_norm",
@@ -270,13 +270,13 @@ def test_a_torch_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: 
 
     run_checked(build_program(load_config(None, sets), run_dir=tmp_path / "whole"), timeout=120)
     whole = rows(tmp_path / "whole")
-    for crash in (1, 3):
+    for crash in (2, 4):
         run_dir = tmp_path / f"crash{crash}"
         with pytest.raises(Stopped, match=f"stopped at step {crash}"):
             asyncio.run(build_program(load_config(None, sets), [StopAt(crash)], run_dir=run_dir).run())
         run_checked(build_program(load_config(None, sets), run_dir=run_dir, resume=True), timeout=120)
         resumed = rows(run_dir)
-        assert [r["step"] for r in resumed] == [r["step"] for r in whole] == list(range(5))
+        assert [r["step"] for r in resumed] == [r["step"] for r in whole] == list(range(1, 6))
         for a, b in zip(whole, resumed, strict=True):
             for key in ("reward_mean", "reward_std", "tokens", "train/completion_tokens", "num_trajectories"):
                 assert a[key] == b[key], (crash, a["step"], key, a[key], b[key])

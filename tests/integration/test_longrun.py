@@ -53,19 +53,19 @@ class _TrackedObjects(Callback):
 
 
 def test_a_long_run_keeps_a_bounded_number_of_objects(tmp_path: Path) -> None:
-    probe = _TrackedObjects(100, 299)
+    probe = _TrackedObjects(101, 300)
     program = make_program(sim_config(*LONG), tmp_path, [probe])
     result = run_checked(program, timeout=120)
     # Each step used to leave ~15 tracked objects behind (trace events and their args, the step's
     # record and result with their dicts and lists): ~3,000 over 200 steps. Bounded now.
-    growth = probe.counts[299] - probe.counts[100]
+    growth = probe.counts[300] - probe.counts[101]
     assert growth < 600, f"{growth} more gc-tracked objects after 200 more steps"
     # What the run itself holds: no trace event once flushed, the last record, the first and last result.
     assert program.tracer.retained == 0
-    assert len(result.records) == 1 and result.records[0].step == 299
+    assert len(result.records) == 1 and result.records[0].step == 300
     results = program.bookkeeper.results
     assert isinstance(results, StepResults) and results.first is not None and results.last is not None
-    assert (results.first.step, results.last.step, len(results)) == (0, 299, 300)
+    assert (results.first.step, results.last.step, len(results)) == (1, 300, 300)
 
 
 def test_what_a_long_run_no_longer_keeps_is_read_back_from_its_files(tmp_path: Path) -> None:
@@ -74,10 +74,10 @@ def test_what_a_long_run_no_longer_keeps_is_read_back_from_its_files(tmp_path: P
     run_dir = tmp_path / "run"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(result.results) == 300 == len(rows)
-    assert [r.step for r in result.results] == list(range(300))
+    assert [r.step for r in result.results] == list(range(1, 301))
     assert [r.metrics for r in result.results] == rows
-    assert result.results[150].metrics == rows[150] and result.results[-2].step == 298
-    assert [r.step for r in result.results[10:13]] == [10, 11, 12]
+    assert result.results[150].metrics == rows[150] and result.results[-2].step == 299
+    assert [r.step for r in result.results[10:13]] == [11, 12, 13]
     # The summary's trace figures are those of trace.json, read back once at the end of the run.
     events = load_trace(run_dir / "trace.json")
     assert result.tracer.events == events
@@ -94,7 +94,7 @@ def test_what_a_long_run_no_longer_keeps_is_read_back_from_its_files(tmp_path: P
 def test_an_in_memory_run_keeps_its_events_and_results(tmp_path: Path) -> None:
     program = build_program(sim_config("run.steps=5"), run_dir=None)
     result = asyncio.run(asyncio.wait_for(program.run(), 60))
-    assert len(result.results) == 5 and [r.step for r in result.results] == list(range(5))
+    assert len(result.results) == 5 and [r.step for r in result.results] == list(range(1, 6))
     assert program.tracer.retained == len(result.tracer.events) > 5 * 4  # nowhere else to keep them
     assert sum(1 for s in timeline.spans(result.tracer.events) if s.name == "optim_step") == 5
     assert result.summary["trainer_busy_fraction"] > 0  # type: ignore[operator]
@@ -149,7 +149,7 @@ def test_soak_bench_reports_every_figure() -> None:
     for key in ("threads", "fds", "tasks"):
         start, end = figures[f"{key}_start"], figures[f"{key}_end"]
         assert isinstance(start, int) and isinstance(end, int) and start > 0 and end > 0, (key, start, end)
-    assert [s["step"] for s in figures["samples"]] == [0, 20, 100, 199]  # type: ignore[attr-defined]
+    assert [s["step"] for s in figures["samples"]] == [1, 21, 101, 200]  # type: ignore[attr-defined]
 
 
 def test_soak_bench_json_output() -> None:

@@ -248,7 +248,7 @@ def test_sim_run_with_arithmetic_feedback(tmp_path: Path) -> None:
         assert t.policy_version == min(turn.policy_version for turn in t.turns)
         assert t.reward == pytest.approx(sum(turn.reward for turn in t.turns))
         assert len(t.turns) == 1 or not t.turns[0].solved
-        assert record.step - t.policy_version <= cfg.rollout.max_staleness
+        assert record.step - 1 - t.policy_version <= cfg.rollout.max_staleness  # step N trains from version N - 1
     spans = trace_spans(result)
     env_steps = [s for s in spans if s.lane == "env" and s.name == "env_step"]
     assert env_steps and {s.args["turn"] for s in env_steps} >= {1, 2}
@@ -407,7 +407,7 @@ def test_a_multiturn_run_resumed_after_a_crash_matches_the_uninterrupted_one(tmp
     whole = run_checked(make_program(sim_config(*sets), tmp_path / "whole"))
     crashed_dir = tmp_path / "crashed"
     with pytest.raises(Stopped):
-        asyncio.run(make_program(sim_config(*sets), crashed_dir, [StopAt(1)]).run())
+        asyncio.run(make_program(sim_config(*sets), crashed_dir, [StopAt(2)]).run())
     resumed = run_checked(build_program(sim_config(*sets), run_dir=crashed_dir / "run", resume=True))
     keys = ("reward_mean", "turns_mean", "solved_rate", "first_turn_solved_rate", "policy_tokens_mean")
 
@@ -415,7 +415,7 @@ def test_a_multiturn_run_resumed_after_a_crash_matches_the_uninterrupted_one(tmp
         return [{k: row[k] for k in ("step", *keys)} for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
     assert resumed.run_dir is not None and whole.run_dir is not None
-    assert [r["step"] for r in rows(resumed.run_dir)] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows(resumed.run_dir)] == [1, 2, 3, 4]
     assert rows(resumed.run_dir) == rows(whole.run_dir)
 
 
@@ -433,7 +433,7 @@ def test_a_prompt_with_no_room_for_an_action_is_filtered_at_dispatch_not_sampled
     sets += ["orchestrator.release_memory=false"]
     with pytest.warns(PromptTooLongWarning, match="rollout.max_total_tokens less one"):
         result = run_checked(build_program(load_config(None, sets), run_dir=tmp_path / "run"), timeout=120)
-    assert [r.step for r in result.results] == [0, 1, 2]
+    assert [r.step for r in result.results] == [1, 2, 3]
     assert cast(dict[str, int], result.ledger.as_dict()["groups_filtered"]).get("too_long", 0) >= 1
     assert result.summary["samplers_retired"] == []  # no replica was blamed
 

@@ -32,7 +32,13 @@ def test_run_writes_run_directory_with_required_metrics(tmp_path: Path) -> None:
     for name in ("config.toml", "metrics.jsonl", "trace.json", "summary.json", "trajectories"):
         assert (run / name).exists(), name
     rows = _lines(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # steps are numbered from 1 wherever a user sees one: step N's commit makes version N, and the
+    # default settings checkpoint after the last step, as checkpoints/step-N
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert sorted({t["step"] for t in _trajectories(run)}) == [1, 2, 3, 4]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000004"]
+    assert [f.name for f in (run / "trajectories").iterdir()] == ["steps-000001-000004.parquet"]
     required = {
         "step",
         "policy_version",
@@ -207,7 +213,7 @@ def test_configured_sinks_receive_metrics_and_a_failing_sink_does_not_stop_the_r
     [experiment] = [e for e in client.search_experiments() if e.name == "relayrl"]
     [mlrun] = client.search_runs([experiment.experiment_id])
     history = client.get_metric_history(mlrun.info.run_id, "reward_mean")
-    assert [m.step for m in history] == [0, 1, 2, 3]
+    assert [m.step for m in history] == [1, 2, 3, 4]
     assert [m.value for m in history] == pytest.approx([r.metrics["reward_mean"] for r in result.results])
 
 

@@ -47,8 +47,8 @@ class FirstLoadHangs(SimSampler):
 
 
 def _stopped_run(tmp_path: Path, *sets: str) -> Any:
-    """A run with two replicas, stopped at the end of step 4 (before that step's checkpoint: the
-    newest is step 3's, next step 4); returns its config."""
+    """A run with two replicas, stopped at the end of step 5 (steps are numbered from 1; the
+    newest checkpoint is step 4's, next step 5); returns its config."""
     cfg = sim_config(
         "rollout.num_samplers=2",
         "rollout.weight_load_timeout_s=0.3",
@@ -57,14 +57,14 @@ def _stopped_run(tmp_path: Path, *sets: str) -> Any:
         *sets,
     )
     with pytest.raises(Stopped):
-        asyncio.run(asyncio.wait_for(make_program(cfg, tmp_path, [StopAt(4)]).run(), 60))
+        asyncio.run(asyncio.wait_for(make_program(cfg, tmp_path, [StopAt(5)]).run(), 60))
     return cfg
 
 
 def test_a_sampler_that_hangs_in_its_first_load_after_a_resume_is_failed_over_within_the_timeout(tmp_path: Path) -> None:
     cfg = _stopped_run(tmp_path)
     program = build_program(cfg, run_dir=tmp_path / "run", resume=True)
-    assert program.start_step == 4
+    assert program.start_step == 4  # steps 1-4 done
     hangs = FirstLoadHangs(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=0)
     program.backend.samplers[0] = hangs
     with pytest.warns(SamplerRetiredWarning, match="replica 0 retired after load_weights"):

@@ -232,18 +232,18 @@ def test_a_resumed_reasoning_gym_run_scores_its_replayed_prompts(tmp_path: Path,
             "orchestrator.checkpoint_every=2",
         ],
     )
-    # stopped in on_step_end(2), after the checkpoint of step 1
+    # stopped in on_step_end(3), after the checkpoint of step 2
     with pytest.raises(Stopped):
-        asyncio.run(asyncio.wait_for(build_program(cfg, [StopAt(2)], run_dir=tmp_path / "r").run(), 60))
+        asyncio.run(asyncio.wait_for(build_program(cfg, [StopAt(3)], run_dir=tmp_path / "r").run(), 60))
     (checkpoint,) = (tmp_path / "r" / "checkpoints").glob("step-*")
     in_flight = json.loads((checkpoint / "state.json").read_text())["in_flight"]
-    assert in_flight and all(METADATA_KEY in d["prompt"]["metadata"] for d in in_flight)  # max_staleness 1: step 2's groups
+    assert in_flight and all(METADATA_KEY in d["prompt"]["metadata"] for d in in_flight)  # max_staleness 1: step 3's groups
     result = run_checked(build_program(cfg, run_dir=tmp_path / "r", resume=True))
-    assert [r.step for r in result.results] == [2, 3]
+    assert [r.step for r in result.results] == [3, 4]
     rows = read_trajectories(tmp_path / "r").to_pylist()
     assert len(rows) == 4 * 64 and all(r["status"] == "ok" for r in rows)
     replayed = {d["prompt"]["prompt_id"] for d in in_flight}
-    assert replayed <= {r["prompt_id"] for r in rows if r["step"] >= 2}
+    assert replayed <= {r["prompt_id"] for r in rows if r["step"] >= 3}
 
 
 def test_a_bad_dataset_name_exits_2_naming_task_dataset(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def test_report_of_a_finished_run(finished: Path, tmp_path: Path) -> None:
     assert figures["accuracy_before"][1] == "–"  # the sim backend has no held-out evaluation
     # The last metrics row is shown as it is in metrics.jsonl.
     assert {k: json.loads(v) for k, (v, _) in tables.last.items()} == metrics[-1]
-    assert tables.last["step"][1] == "5"
+    assert tables.last["step"][1] == "6"
 
 
 def test_timeline_shows_the_last_steps_with_bookkeeping_over_training(finished: Path) -> None:
@@ -149,10 +149,10 @@ def test_timeline_shows_the_last_steps_with_bookkeeping_over_training(finished: 
 
     all_spans = timeline.spans(load_trace(finished / "trace.json"))
     start, end, shown = timeline_window(all_spans)
-    assert shown == [2, 3, 4, 5]
+    assert shown == [3, 4, 5, 6]
     # In that window, bookkeeping of step N runs while N+1 trains: the Gantt has something to show.
     training = [s for s in all_spans if s.name == "train_step" and start <= s.start <= end]
-    book = [s for s in all_spans if s.lane == "bookkeeping" and start <= s.start <= end and s.step < 5]
+    book = [s for s in all_spans if s.lane == "bookkeeping" and start <= s.start <= end and s.step < 6]
     assert book and any(b.start < t.end and t.start < b.end for b in book for t in training)
 
     run_dir = finished  # render in place once more to look at the pixels
@@ -193,7 +193,7 @@ def test_report_of_a_run_still_going(finished: Path, tmp_path: Path) -> None:
     text = "\n".join(lines[:-2])  # as while running: no run_end event, no closing bracket
     trace.write_text(text)
     with open(run_dir / "metrics.jsonl", "a") as fh:
-        fh.write('{"step":6,"policy_version":7,"step_time_sec":0.3,"reward_me')  # a line being written
+        fh.write('{"step":7,"policy_version":7,"step_time_sec":0.3,"reward_me')  # a line being written
     with _live(run_dir):
         out = write_report(run_dir)
     tables = _parse(out)
@@ -208,7 +208,7 @@ def test_report_of_a_run_still_going(finished: Path, tmp_path: Path) -> None:
     assert len(gaps) == 5 and json.loads(figures["boundary_gap_median_s"][0]) == statistics.median(gaps)
     # Computed from the open trace, the busy fraction is the finished run's one.
     assert json.loads(figures["trainer_busy_fraction"][0]) == pytest.approx(full_summary["trainer_busy_fraction"])
-    assert tables.last["step"][1] == "5"
+    assert tables.last["step"][1] == "6"
 
     # Killed in the middle of writing an event: still renders, from the events before it.
     trace.write_text(text[: len(text) - 40])
@@ -285,12 +285,12 @@ def test_held_out_accuracy_from_evals_jsonl(finished: Path, tmp_path: Path) -> N
 def test_trajectories_come_from_the_parquet_log(finished: Path, tmp_path: Path) -> None:
     run_dir = _copy(finished, tmp_path / "pq")
     data = load_run(run_dir)
-    assert data.trajectory_source == "trajectories/ (1 file, steps 0–5)"
+    assert data.trajectory_source == "trajectories/ (1 file, steps 1–6)"
     assert data.trajectories is not None and len(data.trajectories) == 6 * 16
     # a writer's hidden open file (steps being written, no footer yet) is not read
-    (run_dir / "trajectories" / ".steps-000006-open.parquet.tmp").write_bytes(b"half")
+    (run_dir / "trajectories" / ".steps-000007-open.parquet.tmp").write_bytes(b"half")
     html_path = write_report(run_dir)
-    assert "96 trained trajectories from trajectories/ (1 file, steps 0–5)" in html_path.read_text()
+    assert "96 trained trajectories from trajectories/ (1 file, steps 1–6)" in html_path.read_text()
     _assert_pngs(run_dir, ["staleness"], _parse(html_path))
 
 

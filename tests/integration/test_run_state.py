@@ -23,14 +23,14 @@ def _prompts() -> itertools.count[Prompt]:  # type: ignore[type-var]
     return (Prompt(f"p{i}", f"{i}+0=", str(i)) for i in itertools.count())  # type: ignore[return-value]
 
 
-def test_a_fresh_state_starts_at_step_zero_and_takes_step_zeros_reward_mean_once() -> None:
+def test_a_fresh_state_starts_with_no_step_done_and_takes_step_ones_reward_mean_once() -> None:
     state = RunState.fresh(iter(_prompts()))
     assert (state.start_step, state.resumed, state.evals, state.reward_mean_first) == (0, False, [], None)
     assert next(state.prompts).index == 0
-    state.on_step_end(1, StepResult(1, 2, {"reward_mean": 0.9}))  # not step 0: ignored
+    state.on_step_end(2, StepResult(2, 2, {"reward_mean": 0.9}))  # not step 1 (the first): ignored
     assert state.reward_mean_first is None
-    state.on_step_end(0, StepResult(0, 1, {"reward_mean": 0.25}))
-    state.on_step_end(0, StepResult(0, 1, {"reward_mean": 0.75}))  # set once
+    state.on_step_end(1, StepResult(1, 1, {"reward_mean": 0.25}))
+    state.on_step_end(1, StepResult(1, 1, {"reward_mean": 0.75}))  # set once
     assert state.reward_mean_first == 0.25
 
 
@@ -40,7 +40,7 @@ def test_a_restored_state_continues_the_checkpoint(tmp_path: Path) -> None:
     point = load_resume_point(tmp_path / "run")
     state = RunState.restored(iter(_prompts()), point)
     assert state.resumed and state.point is point
-    assert state.start_step == point.next_step == 3
+    assert state.start_step == point.step == 3  # steps 1-3 done
     assert state.ledger.checkpoint() == point.ledger  # the settled ledger, as checkpointed
     assert state.reward_mean_first == point.reward_mean_first is not None
     assert state.elapsed() >= point.elapsed_s > 0.0

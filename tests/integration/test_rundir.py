@@ -174,7 +174,7 @@ def test_resume_refuses_a_change_it_cannot_apply_and_records_one_it_can(tmp_path
     res = relayrl("train", "--resume", str(run_dir), "--set", "run.steps=12", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (run_dir / "config_changes.jsonl").read_text().splitlines()]
-    assert rows == [{"from_step": 10, "key": "run.steps", "old": 10, "new": 12}]
+    assert rows == [{"from_step": 11, "key": "run.steps", "old": 10, "new": 12}]  # steps 1-10 done: 11 is the first with 12
     assert "steps = 12" in (run_dir / "config.toml").read_text()
 
 
@@ -199,16 +199,16 @@ def test_a_truncated_metrics_file_is_repaired_from_the_checkpoint_or_refused(tmp
     run_dir = _killed_run(tmp_path, "torn")
     metrics = run_dir / "metrics.jsonl"
     whole = metrics.read_bytes()
-    metrics.write_bytes(whole[:-30])  # step 9's row torn: checkpoint step-9 carries it
+    metrics.write_bytes(whole[:-30])  # step 10's row torn: checkpoint step-10 carries it
     res = relayrl("train", "--resume", str(run_dir), "--set", "run.steps=12", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == list(range(12))
+    assert steps == list(range(1, 13))
     lines = metrics.read_text().splitlines()
-    del lines[1]  # step 1: older than any checkpoint kept
+    del lines[1]  # step 2: older than any checkpoint kept
     metrics.write_text("\n".join(lines) + "\n")
     res = relayrl("train", "--resume", str(run_dir), "--set", "run.steps=14", cwd=tmp_path)
-    assert res.returncode == 2 and "step(s) 1 are missing or torn" in one_error_line(res)
+    assert res.returncode == 2 and "step(s) 2 are missing or torn" in one_error_line(res)
     assert len(metrics.read_text().splitlines()) == 11  # refused: nothing rewritten
 
 
@@ -223,7 +223,7 @@ def test_a_file_size_limit_ends_the_run_with_one_line_naming_the_file_and_the_ch
     assert len(lines) == 2, res.stderr
     assert lines[0].startswith("error: ") and "File too large (errno 27, EFBIG)" in lines[0]
     assert "runs/full/" in lines[0]  # the file is named
-    assert lines[1].startswith("stopped; continue from step-")
+    assert lines[1].startswith("stopped; continue after step ")
     run_dir = tmp_path / "runs" / "full"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "File too large" in summary["error"]

@@ -318,10 +318,10 @@ def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: 
 
     sets = ['telemetry.sinks=["tensorboard", "wandb", "mlflow"]', "orchestrator.checkpoint_every=2"]
     run_dir = tmp_path / "run"
-    with pytest.raises(Stopped, match="stopped at step 4"):
-        asyncio.run(build_program(sim_config(*sets, "run.steps=6"), [StopAt(4)], run_dir=run_dir).run())
+    with pytest.raises(Stopped, match="stopped at step 5"):
+        asyncio.run(build_program(sim_config(*sets, "run.steps=6"), [StopAt(5)], run_dir=run_dir).run())
     asyncio.run(build_program(sim_config(*sets, "run.steps=6"), run_dir=run_dir, resume=True).run())
-    steps = list(range(6))
+    steps = list(range(1, 7))
     assert [r["step"] for r in _read_jsonl(run_dir / "metrics.jsonl")] == steps
 
     tb_steps = []

@@ -78,7 +78,7 @@ def test_sim_run_on_ray_completes_balances_and_passes_the_checker(cluster: RayCl
     for before, after in zip(inside, inside[1:]):
         if after.step == before.step:
             assert after.args["call_start"] < before.args["call_end"]  # type: ignore[operator]
-    assert {s.step for s in all_spans if s.lane == "actor:trainer" and s.name == "optim_step"} == set(range(cfg.run.steps))
+    assert {s.step for s in all_spans if s.lane == "actor:trainer" and s.name == "optim_step"} == set(range(1, cfg.run.steps + 1))
     for replica in (0, 1):
         assert any(s.lane == f"actor:sampler/{replica}" and s.name == "generate" for s in all_spans)
         assert any(s.lane == f"actor:sampler/{replica}" and s.name == "load_weights" for s in all_spans)

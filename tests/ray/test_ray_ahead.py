@@ -96,7 +96,7 @@ def test_next_first_microbatch_is_queued_behind_optim_step_and_the_run_is_unchan
     assert ahead_result.ledger.as_dict() == plain_result.ledger.as_dict()
     versions = [r.metrics.get("policy_version") for r in ahead_result.results]
     assert versions == [r.metrics.get("policy_version") for r in plain_result.results] == list(range(1, steps + 1))
-    assert [r.step for r in ahead_result.results] == list(range(steps))
+    assert [r.step for r in ahead_result.results] == list(range(1, steps + 1))
 
 
 def test_check_trace_flags_a_queued_microbatch_the_actor_ran_before_the_update(cluster: RayCluster, tmp_path: Path) -> None:

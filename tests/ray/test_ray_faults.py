@@ -242,10 +242,10 @@ SIM_RECIPE = Path(__file__).resolve().parents[2] / "src" / "relayrl" / "recipes"
 @pytest.mark.slow
 def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_on_ray(cluster: RayCluster, tmp_path: Path) -> None:
     """The trainer actor's process is killed (SIGKILL) as the orchestrator starts writing the
-    third checkpoint (steps 1 and 3 are written, step 5's is under way): the run fails within 30 s
-    naming the trainer actor, the newest complete checkpoint (step 3, next step 4) loads with
+    third checkpoint (steps 2 and 4 are written, step 6's is under way): the run fails within 30 s
+    naming the trainer actor, the newest complete checkpoint (step 4, next step 5) loads with
     relayrl's own reader and holds the trainer state of version 4, and the real CLI
-    `relayrl train --resume RUN_DIR --ray`, in a subprocess, completes the run from step 4.
+    `relayrl train --resume RUN_DIR --ray`, in a subprocess, completes the run from step 5.
 
     The killed run runs in this process, which is already connected to the module's cluster, so it
     joins it (`ray.address=auto` reuses that connection, as the other tests here do); the resume
@@ -266,7 +266,7 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     async def save_state_then_kill(directory: Path) -> None:
         saved.append(directory)
         if len(saved) == 3:  # the third checkpoint: the first two are complete by now
-            assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step-000001", "step-000003"]
+            assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step-000002", "step-000004"]
             os.kill(pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
         await save_state(directory)
@@ -282,9 +282,9 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     # (b) the newest complete checkpoint is intact: relayrl's reader loads it, the trainer state in it
     # is the version it claims; the one being written when the trainer died is not complete
     point = load_resume_point(run_dir)
-    assert point.directory == checkpoint_dir(run_dir, 3) and point.next_step == 4 and point.backend == "sim"
-    assert asyncio.run(SimTrainer(cfg.sim).load_state(point.directory)) == point.next_step
-    assert not checkpoint_dir(run_dir, 5).exists()
+    assert point.directory == checkpoint_dir(run_dir, 4) and point.step == 4 and point.backend == "sim"
+    assert asyncio.run(SimTrainer(cfg.sim).load_state(point.directory)) == point.step
+    assert not checkpoint_dir(run_dir, 6).exists()
 
     # (c) the real CLI resumes it on Ray, joining the module's cluster, and completes the run
     resumed = relayrl(
@@ -300,13 +300,13 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"joined Ray cluster at {cluster.address} " in resumed.stdout, resumed.stdout[-2000:]
-    assert f"from step {point.next_step} " in resumed.stdout, resumed.stdout[-2000:]
+    assert f"resuming after step {point.step} (next: step {point.step + 1} of {steps})" in resumed.stdout, resumed.stdout[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert summary["resumed_from_step"] == point.next_step
+    assert summary["resumed_from_step"] == point.step
     assert summary["steps_completed"] == steps
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps))  # every step once, in order
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once, in order
     ledger = summary["ledger"]
     assert ledger["groups_trained"] == steps * cfg.rollout.groups_per_step  # each group trained once
     settled = ledger["groups_trained"] + sum(ledger["groups_filtered"].values()) + ledger["groups_unused"]
@@ -315,7 +315,7 @@ def test_a_killed_trainer_actor_leaves_a_checkpoint_from_which_the_cli_resumes_o
     assert report.ok, report.violations
     assert report.completed
     assert (run_dir / "trace.part-0.json").exists()  # the killed run's trace is kept beside it
-    assert complete_checkpoints(run_dir / "checkpoints")[-1] == checkpoint_dir(run_dir, steps - 1)
+    assert complete_checkpoints(run_dir / "checkpoints")[-1] == checkpoint_dir(run_dir, steps)  # the last step's
 
 
 def _ray_processes_of(root: int) -> set[int]:

@@ -129,15 +129,15 @@ def test_resume_changes_reads_the_marks() -> None:
     before = load_config(None, ["run.steps=10"])
     after = load_config(None, ["run.steps=12", "sim.generate_base=0.5", "orchestrator.checkpoint_every=3"])
     assert resume_changes(before, after, 10) == [
-        {"from_step": 10, "key": "run.steps", "old": 10, "new": 12},
-        {"from_step": 10, "key": "orchestrator.checkpoint_every", "old": 0, "new": 3},
-        {"from_step": 10, "key": "sim.generate_base", "old": 0.0, "new": 0.5},
+        {"from_step": 11, "key": "run.steps", "old": 10, "new": 12},
+        {"from_step": 11, "key": "orchestrator.checkpoint_every", "old": 50, "new": 3},
+        {"from_step": 11, "key": "sim.generate_base", "old": 0.0, "new": 0.5},
     ]
     assert resume_changes(before, before, 10) == []
     fixed = load_config(None, ["run.steps=12", "rollout.num_generations=4", "sim.length_sigma=2.0"])
     with pytest.raises(ConfigError) as err:
         resume_changes(before, fixed, 10)
     assert str(err.value) == (
-        "--resume cannot change rollout.num_generations (8 → 4): steps 0–9 were trained with the recorded value; "
+        "--resume cannot change rollout.num_generations (8 → 4): steps 1–10 were trained with the recorded value; "
         "start a new run to change it"
     )

@@ -118,10 +118,10 @@ def test_a_stale_group_dropped_by_the_train_loop_returns_its_credit() -> None:
         assert await window.acquire(1) == 1  # the stale one
         ledger.dispatch([Drawn(0, Prompt("p0", "t", "1")), Drawn(1, Prompt("p1", "t", "1"))], 1)
         queue: asyncio.Queue[Group] = asyncio.Queue()
-        queue.put_nowait(stale)  # sampled by version 0: too old for step 1 with max_staleness 0
+        queue.put_nowait(stale)  # sampled by version 0: too old for step 2 (trained from version 1) with max_staleness 0
         queue.put_nowait(fresh)
         taker = GroupTaker(queue, ledger, window, Tracer(None, {}), groups_per_step=1, max_staleness=0)
-        groups, _ = await taker.take(1)
+        groups, _ = await taker.take(2)
         assert window.available() == before
         return groups
 

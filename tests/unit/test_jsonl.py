@@ -14,19 +14,19 @@ from relayrl.analysis.report import read_jsonl
 from relayrl.rundir.checkpoint import CheckpointError, ResumePoint, rewind_run_dir
 from relayrl.rundir.jsonl import JsonlError, JsonlWriter, append_rows, read_rows, rewrite_rows
 
-ROWS = [{"step": s, "reward_mean": s / 10, "note": "a\u2028b"} for s in range(3)]
+ROWS = [{"step": s, "reward_mean": s / 10, "note": "a\u2028b"} for s in range(1, 4)]  # steps are numbered from 1
 WHOLE = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS).encode()
 TORN = {
-    "mid-json": WHOLE + b'{"step": 3, "rew',
-    "mid-character": WHOLE + '{"step": 3, "note": "\u2028'.encode()[:-1],
-    "trailing blank lines": WHOLE + b'{"step": 3\n\n  \n',
+    "mid-json": WHOLE + b'{"step": 4, "rew',
+    "mid-character": WHOLE + '{"step": 4, "note": "\u2028'.encode()[:-1],
+    "trailing blank lines": WHOLE + b'{"step": 4\n\n  \n',
 }
 
 
-def _point(directory: Path, next_step: int) -> ResumePoint:
+def _point(directory: Path, step: int) -> ResumePoint:
     return ResumePoint(
         directory=directory,
-        next_step=next_step,
+        step=step,
         backend="sim",
         prompts_drawn=0,
         in_flight=[],
@@ -50,8 +50,8 @@ def test_rewind_and_report_drop_the_same_torn_last_line(tmp_path: Path, tail: st
     assert (reported, bad) == (ROWS, 0)
     assert read_rows(tmp_path / "report-copy.jsonl", strict=True) == (ROWS, 0)
 
-    point = _point(tmp_path / "ckpt", next_step=3)
-    rewind_run_dir(run_dir, point)  # keeps every step < 3: exactly the rows the report reads
+    point = _point(tmp_path / "ckpt", step=3)
+    rewind_run_dir(run_dir, point)  # keeps steps 1-3: exactly the rows the report reads
     assert read_jsonl(run_dir / "metrics.jsonl") == (reported, 0)
     assert (run_dir / "metrics.jsonl").read_bytes().endswith(b"}\n")  # the torn line is gone
     assert point.evals == read_jsonl(run_dir / "evals.jsonl")[0] == [{"version": 0, "accuracy": 0.5}]
@@ -64,7 +64,7 @@ def test_other_damage_is_counted_by_the_report_and_refused_by_the_rewind(tmp_pat
     (run_dir / "metrics.jsonl").write_bytes(b"\n".join([lines[0], b"{not json", *lines[1:]]))
     assert read_jsonl(run_dir / "metrics.jsonl") == (ROWS, 1)
     with pytest.raises(CheckpointError, match=r"metrics\.jsonl:2: not a JSON line; cannot rewind"):
-        rewind_run_dir(run_dir, _point(tmp_path / "ckpt", next_step=3))
+        rewind_run_dir(run_dir, _point(tmp_path / "ckpt", step=3))
     for damage, message in [(b"[1, 2]", "not a JSON object"), (b"\xff\xfe", r"not UTF-8 text \(byte 0\)"), (b"", "blank line")]:
         path = tmp_path / "damaged.jsonl"
         path.write_bytes(b"\n".join([lines[0], damage, lines[1], b""]))
@@ -83,5 +83,5 @@ def test_writers_write_whole_compact_lines(tmp_path: Path) -> None:
     assert path.read_text(encoding="utf-8").count("\n") == 3
     assert read_rows(path, strict=True) == (ROWS, 0)
     rewrite_rows(path, ROWS[:1])
-    assert path.read_text(encoding="utf-8") == '{"step":0,"reward_mean":0.0,"note":"a\\u2028b"}\n'
+    assert path.read_text(encoding="utf-8") == '{"step":1,"reward_mean":0.1,"note":"a\\u2028b"}\n'
     assert not (tmp_path / "rows.jsonl.tmp").exists()

@@ -15,7 +15,7 @@ Rules checked (N and N+1 consecutive committed steps; "mb0" = train_step microba
              bookkeeping spans for every committed step
   rule 5     a completed run committed every step it started (no step hung at its boundary)
   rule 6     on_step_end runs in step order, after the step's commit and its metric reduction
-  staleness  every train_step's step − min_version ≤ max_staleness
+  staleness  every train_step's step − 1 − min_version ≤ max_staleness (step N trains from version N − 1)
   checkpoint checkpoint(N) starts after optim(N) ends and after step N's metrics and trajectories
              were logged, and ends before optim(N+1) starts (it holds the optimizer state of N)
   actors     (Ray) every span timed inside an actor lies within the orchestrator's call of it
@@ -88,10 +88,10 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
         if s.step - 1 in optim and s.start < optim[s.step - 1].end - EPS:
             v.append(f"structure: {_fmt(s)} starts before {_fmt(optim[s.step - 1])} ends")
         version = s.args.get("min_version")
-        if isinstance(version, int) and s.step - version > max_staleness:
+        if isinstance(version, int) and s.step - 1 - version > max_staleness:  # step N trains from version N - 1
             v.append(
                 f"staleness: train_step(step {s.step}, microbatch {s.args.get('microbatch')}) trains a trajectory of version "
-                f"{version}: staleness {s.step - version} > max_staleness {max_staleness}"
+                f"{version}: staleness {s.step - 1 - version} > max_staleness {max_staleness}"
             )
     _check_actor_structure(events, all_spans, v)
     syncs = [s for s in all_spans if s.name == "weight_sync"]

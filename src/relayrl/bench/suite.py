@@ -73,6 +73,7 @@ def boundary_config(overlap: bool, steps: int, time_scale: float, extra: list[st
         "train.rows_per_microbatch=3",
         "train.share_prompt=false",  # the seed profile's micro-batch count
         f"orchestrator.overlap_bookkeeping={'true' if overlap else 'false'}",
+        "orchestrator.checkpoint_every=0",  # not what it measures
     ]
     return load_config(None, overrides + (extra or []))
 
@@ -119,6 +120,7 @@ def control_plane_config(steps: int, extra: list[str] | None = None) -> Config:
         "rollout.prompts_per_request=16",
         "train.row_tokens=4096",
         "train.rows_per_microbatch=2",
+        "orchestrator.checkpoint_every=0",  # not what it measures
     ]
     return load_config(None, overrides + (extra or []))
 
@@ -243,7 +245,7 @@ class SoakSampler(Callback):
         self.samples: list[SoakSample] = []
 
     def on_step_begin(self, step: int) -> None:
-        if step % self.every == 0 or step in self.extra:
+        if (step - 1) % self.every == 0 or step in self.extra:  # steps 1, 1 + every, ...
             self.samples.append(SoakSample(step, _rss_bytes(), _thread_count(), _fd_count(), len(asyncio.all_tasks())))
 
 
@@ -259,8 +261,8 @@ def _span_durations(trace: Path, name: str) -> dict[int, float]:
 def _window_ratio(values: dict[int, float], warmup: int, total: int) -> tuple[float, float, float]:
     """(median of the first 10% of steps after `warmup`, median of the last 10%, last / first)."""
     width = max(1, (total - warmup) // 10)
-    first = [values[s] for s in range(warmup, warmup + width) if s in values]
-    last = [values[s] for s in range(total - width, total) if s in values]
+    first = [values[s] for s in range(warmup + 1, warmup + 1 + width) if s in values]  # steps are numbered from 1
+    last = [values[s] for s in range(total - width + 1, total + 1) if s in values]
     if not first or not last:
         return float("nan"), float("nan"), float("nan")
     a, b = statistics.median(first), statistics.median(last)
@@ -282,7 +284,7 @@ def run_soak(steps: int = 2000, time_scale: float = SOAK_TIME_SCALE, extra: list
     if steps < 20:
         raise ConfigError(f"bench soak needs at least 20 steps, got {steps}")
     warmup = min(SOAK_SAMPLE_EVERY, steps // 10)  # caches, lazily started threads, the first freeze
-    sampler = SoakSampler(extra=(warmup, steps - 1))
+    sampler = SoakSampler(extra=(warmup + 1, steps))  # at the start of the first step after the warm-up, and of the last
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-") as tmp:
         run_dir = Path(tmp) / "soak"
         program = build_program(soak_config(steps, time_scale, extra), [sampler], run_dir=run_dir)
@@ -291,7 +293,7 @@ def run_soak(steps: int = 2000, time_scale: float = SOAK_TIME_SCALE, extra: list
         step_times = {r.step: float(r.metrics.get("step_time_sec") or 0.0) for r in result.results}  # metrics.jsonl
     step_first, step_last, step_ratio = _window_ratio(step_times, warmup, steps)
     rel_first, rel_last, rel_ratio = _window_ratio(release, warmup, steps)
-    start = next(s for s in sampler.samples if s.step == warmup)
+    start = next(s for s in sampler.samples if s.step == warmup + 1)
     end = sampler.samples[-1]
     return {
         "rss_drift_fraction": (end.rss_bytes - start.rss_bytes) / start.rss_bytes,

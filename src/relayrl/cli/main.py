@@ -95,8 +95,13 @@ def train(
         _fail(_one_line(exc))
     except Exception as exc:  # a bug while building the run: one line, traceback kept, exit 1
         _unexpected(exc, _build_traceback(run_dir, exc, resume is not None))
-    start = f"from step {program.start_step} " if program.start_step else ""
-    out.print(f"relayrl: {cfg.run.steps} steps {start}on the {cfg.run.backend} backend → {run_dir}")
+    done = program.start_step  # steps are numbered from 1: a resume goes on after step `done`
+    if done:
+        out.print(
+            f"relayrl: resuming after step {done} (next: step {done + 1} of {cfg.run.steps}) on the {cfg.run.backend} backend → {run_dir}"
+        )
+    else:
+        out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
     try:
         result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
     except UserError as exc:  # a bad checkpoint found while restoring it
@@ -224,7 +229,9 @@ def _resume_hint(run_dir: Path, cfg: Config) -> str:
 
     newest = complete_checkpoints(run_dir / CHECKPOINTS)
     if newest:
-        return f"; continue from {newest[-1].name} with: relayrl train --resume {run_dir}"
+        return (
+            f"; continue after step {int(newest[-1].name.removeprefix('step-'))} ({newest[-1].name}) with: relayrl train --resume {run_dir}"
+        )
     if cfg.orchestrator.checkpoint_every:
         return " before its first checkpoint"
     return " (no checkpoints: orchestrator.checkpoint_every is 0)"

@@ -62,8 +62,8 @@ class EvalSchedule:
             await self.evaluate(weights)
 
     def on_commit(self, step: int, jobs: DeferredJobs) -> None:
-        done, every = step + 1, self._every
-        if self._evaluator is not None and every and done % every == 0 and done < self._steps:
+        every = self._every  # steps are numbered from 1: `step` steps are done
+        if self._evaluator is not None and every and step % every == 0 and step < self._steps:
             jobs.schedule(f"eval:{step}", self.evaluate_latest, start_after=commit(step), finish_before=RUN_END)
 
     async def at_end(self) -> None:

@@ -154,12 +154,12 @@ def resume_run(
             raise CheckpointError(
                 f"{point.directory}: written by the {point.backend!r} backend, cannot resume on {cfg.run.backend!r} (run.backend)"
             )
-        if point.next_step >= cfg.run.steps:
+        if point.step >= cfg.run.steps:
             raise CheckpointError(
-                f"{point.directory}: the run already trained {point.next_step} steps of run.steps={cfg.run.steps}; "
+                f"{point.directory}: the run already trained {point.step} steps of run.steps={cfg.run.steps}; "
                 "raise run.steps (--set run.steps=N) to train further"
             )
-        changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.next_step)
+        changes = resume_changes(load_config(run_dir / "config.toml"), cfg, point.step)
         checked = _check(cfg, reward_fns, environment)
         threads = OrchestratorThreads()
         if backend is None:
@@ -208,8 +208,9 @@ def _flat(cfg: Config) -> dict[str, object]:
     return {f"{section}.{key}": value for section, values in cfg.model_dump().items() for key, value in values.items()}
 
 
-def resume_changes(before: Config, after: Config, next_step: int) -> list[dict[str, object]]:
-    """The keys `after` changes from the run's recorded config, each as a row to record; a
+def resume_changes(before: Config, after: Config, done: int) -> list[dict[str, object]]:
+    """The keys `after` changes from the run's recorded config after step `done`, each as a row
+    to record (`from_step`: the first step trained with the new value, done + 1); a
     ConfigError names the first change a resumed run cannot take: a key without the RESUMABLE
     mark (config/schema.py)."""
     old, new = _flat(before), _flat(after)
@@ -220,8 +221,8 @@ def resume_changes(before: Config, after: Config, next_step: int) -> list[dict[s
             continue
         if key not in resumable:
             raise ConfigError(
-                f"--resume cannot change {key} ({old.get(key)!r} → {new[key]!r}): steps 0–{next_step - 1} "
+                f"--resume cannot change {key} ({old.get(key)!r} → {new[key]!r}): steps 1–{done} "
                 "were trained with the recorded value; start a new run to change it"
             )
-        rows.append({"from_step": next_step, "key": key, "old": old.get(key), "new": new[key]})
+        rows.append({"from_step": done + 1, "key": key, "old": old.get(key), "new": new[key]})
     return rows

@@ -3,7 +3,8 @@ restoring a resume point before a resumed run starts. (The checkpoint's format, 
 and the rewind of the run directory are rundir/checkpoint.py's.)
 
 A checkpoint is due at the commit of every `orchestrator.checkpoint_every`-th step and of the
-last step (never without a run directory). Its state is taken at that commit (`on_commit`) and
+last step (never without a run directory, nor with `checkpoint_every = 0`); steps are numbered
+from 1, so step N's checkpoint is `checkpoints/step-N/`, holding version N. Its state is taken at that commit (`on_commit`) and
 written only once that step's metrics and trajectories are (`after_bookkeeping`), together with
 the metrics.jsonl rows logged since the previous checkpoint (`LoggedSteps`).
 
@@ -77,14 +78,14 @@ class LoggedSteps(Callback):
 
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
-    every: int  # orchestrator.checkpoint_every (0: never)
+    every: int  # orchestrator.checkpoint_every (0: never, not even after the last step)
     steps: int  # run.steps: the last step's commit always checkpoints
     keep: int  # orchestrator.keep_checkpoints
 
 
 class Checkpointer:
     """Takes a checkpoint's state at a due commit and writes it after that step's logs. What it
-    records beyond the trainer's state (prompt cursor, ledger, evaluations, elapsed time, step 0's
+    records beyond the trainer's state (prompt cursor, ledger, evaluations, elapsed time, step 1's
     reward mean) it reads off the run's `RunState`."""
 
     def __init__(
@@ -111,14 +112,13 @@ class Checkpointer:
         self._state = state
         self._pending: dict[int, dict[str, object]] = {}  # due, state taken, not yet written
 
-    def due(self, done: int) -> bool:
-        """Whether the commit that completes `done` steps takes a checkpoint."""
-        return bool(self._every) and (done % self._every == 0 or done == self._steps)
+    def due(self, step: int) -> bool:
+        """Whether the commit of `step` (numbered from 1: `step` steps done) takes a checkpoint."""
+        return bool(self._every) and (step % self._every == 0 or step == self._steps)
 
     def on_commit(self, record: StepRecord) -> None:
-        done = record.step + 1
-        if self.due(done):
-            self._pending[record.step] = self.state(done)  # the state at this commit
+        if self.due(record.step):
+            self._pending[record.step] = self.state(record.step)  # the state at this commit
 
     async def after_bookkeeping(self, record: StepRecord) -> None:
         # written once the step's metrics and trajectories are: a checkpoint never
@@ -127,10 +127,10 @@ class Checkpointer:
         if state is not None:
             await self.write(record.step, state)
 
-    def state(self, next_step: int) -> dict[str, object]:
+    def state(self, step: int) -> dict[str, object]:
         state = self._state
         return checkpoint_state(
-            next_step=next_step,
+            step=step,
             backend=self._backend_name,
             source=state.prompts,
             in_flight=state.ledger.in_flight(),
@@ -142,7 +142,7 @@ class Checkpointer:
     async def write(self, step: int, state: dict[str, object]) -> None:
         assert self._run_dir is not None
         start = self._tracer.now()
-        # step 0's result exists by now, and so do the rows of every step up to this one
+        # step 1's result exists by now, and so do the rows of every step up to this one
         state = {**state, "reward_mean_first": self._state.reward_mean_first, "metrics_rows": self._logged.take(step)}
         final = checkpoint_dir(self._run_dir, step)
         staging = staging_dir(final)
@@ -167,6 +167,6 @@ async def restore(point: ResumePoint, *, trainer: Trainer, publisher: WeightPubl
         version = await trainer.load_state(point.directory)
     except Exception as exc:
         raise CheckpointError(f"{point.directory}: cannot restore the trainer state ({type(exc).__name__}: {exc})") from exc
-    if version != point.next_step:
-        raise CheckpointError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.next_step}")
+    if version != point.step:
+        raise CheckpointError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.step}")
     return await publisher.publish_newest()

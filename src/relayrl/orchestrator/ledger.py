@@ -74,13 +74,13 @@ class FilterWatch:
 
     bound: int
     warn_after: int
-    step: int = 0
+    step: int = 1  # steps are numbered from 1
     streak: Counter[str] = field(default_factory=Counter)  # filtered since the last kept group, by reason
     total: int = 0  # = the streak's total
     warned: bool = False
 
     @classmethod
-    def of(cls, groups_per_step: int, max_filtered_per_step: int, start_step: int = 0) -> FilterWatch:
+    def of(cls, groups_per_step: int, max_filtered_per_step: int, start_step: int = 1) -> FilterWatch:
         """The run's watch: `max_filtered_per_step` 0 = 20 × groups_per_step, at least 200 (a
         small step at a high tie rate is not failed, or warned about, by chance). It warns half
         way to the bound."""

@@ -98,7 +98,7 @@ def assemble(
     # call, ended with the run) or on the loop; the held-out evaluator judges through it too
     scorer = Scorer(rewards, settings, threads)
     # a run whose groups are all filtered fails instead of spinning (orchestrator.max_filtered_per_step)
-    state.ledger.watch = FilterWatch.of(cfg.rollout.groups_per_step, cfg.orchestrator.max_filtered_per_step, state.start_step)
+    state.ledger.watch = FilterWatch.of(cfg.rollout.groups_per_step, cfg.orchestrator.max_filtered_per_step, state.start_step + 1)
     logged = LoggedSteps(cfg.orchestrator.checkpoint_every if run_dir is not None else 0, state.ledger.as_dict())
     run_info: dict[str, object] = {
         "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
@@ -107,7 +107,7 @@ def assemble(
         "steps": cfg.run.steps,
         "backend": cfg.run.backend,
         "loop_thread": threading.current_thread().name,
-        "first_step": state.start_step,
+        "first_step": state.start_step + 1,  # the first step this process trains (numbered from 1)
     }
     tracer = Tracer(run_dir / "trace.json" if run_dir else None, run_info)
     backend.attach_tracer(tracer)
@@ -154,14 +154,14 @@ def assemble(
         log_trajectories=cfg.orchestrator.log_trajectories,
         release=cfg.orchestrator.release_memory,
         trim=cfg.orchestrator.malloc_trim,
-        checkpoint_after=lambda step: checkpointer.due(step + 1),  # a checkpoint follows this step's logs
+        checkpoint_after=checkpointer.due,  # a checkpoint follows this step's logs
         sinks=build_sinks(
             run_dir,
             cfg.telemetry.sinks,
             cfg.run.name,
             cfg.model_dump(),
             project=cfg.telemetry.project,
-            resume_step=state.start_step if state.resumed else None,  # each sink's record restarts at the checkpoint
+            resume_step=state.start_step + 1 if state.resumed else None,  # each sink's record restarts at the checkpoint
         )
         if run_dir is not None
         else None,

@@ -174,7 +174,7 @@ class Program:
         try:
             if self.state.point is not None:
                 weights = await restore(self.state.point, trainer=self.trainer, publisher=publisher)
-                await self.eval_schedule.owed_on_resume(self.state.point.next_step, weights)
+                await self.eval_schedule.owed_on_resume(self.state.point.step, weights)
             else:
                 await self.eval_schedule.at_start()
             async with asyncio.TaskGroup() as tg:

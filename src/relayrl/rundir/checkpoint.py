@@ -1,17 +1,18 @@
 """Checkpoints: what a run writes every K steps so that it can resume after a crash or a kill -9.
 
-`checkpoints/step-NNNNNN/` holds, for the moment step N committed: the trainer's state
-(`Trainer.save_state`: weights of version N+1, optimizer, LR schedule) and `state.json` — the
-next step, how many prompts the task stream has handed out, the prompts of the groups still in
-flight (dispatched, not yet trained or filtered), the settled ledger, the held-out evaluations,
-the wall time so far and the metrics.jsonl rows written since the previous checkpoint. A
+Steps are numbered from 1 (step N's commit makes policy version N). `checkpoints/step-NNNNNN/`
+holds, for the moment step N committed: the trainer's state (`Trainer.save_state`: weights of
+version N, optimizer, LR schedule) and `state.json` — its format (`FORMAT`), the step N, how
+many prompts the task stream has handed out, the prompts of the groups still in flight
+(dispatched, not yet trained or filtered), the settled ledger, the held-out evaluations, the
+wall time so far and the metrics.jsonl rows written since the previous checkpoint. A
 checkpoint is written into a hidden temporary directory and renamed into place only when
 complete, so a kill at any moment leaves either the whole checkpoint or none.
 
 Resuming (`relayrl train --resume RUN_DIR`) rewinds the run directory to the newest complete
 checkpoint — metrics, evaluations and trajectory rows of later steps are removed (a metrics
 row of an earlier step that was lost is restored from the checkpoint, or the resume is
-refused), the old trace is kept as `trace.part-K.json` — and the run goes on from its next step: the in-flight prompts are
+refused), the old trace is kept as `trace.part-K.json` — and the run goes on from step N + 1: the in-flight prompts are
 dispatched again first, then the stream continues where it was. Invariant: every prompt the
 stream handed out before the checkpoint is trained, filtered or in flight exactly once in the
 resumed run; no step is trained twice in the final record.
@@ -35,6 +36,9 @@ from relayrl.types import Drawn, Prompt
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
 _PREFIX = "step-"
+# state.json's format: 2 = steps numbered from 1 (`step`: the last step committed). Format 1 (no
+# `format` key: `next_step`, steps numbered from 0) is refused, never read shifted by one.
+FORMAT = 2
 
 
 class CheckpointError(UserError):
@@ -44,7 +48,7 @@ class CheckpointError(UserError):
 @dataclass(slots=True)
 class ResumePoint:
     directory: Path
-    next_step: int  # the first step the resumed run trains (= the policy version it starts from)
+    step: int  # the last step committed (= the policy version it holds); the resumed run trains step + 1 on
     backend: str
     prompts_drawn: int  # prompts the task stream had handed out
     in_flight: list[Drawn]  # dispatched but not settled: dispatched again, first, with their stream indices
@@ -89,7 +93,7 @@ def staging_dir(final: Path) -> Path:
 
 def checkpoint_state(
     *,
-    next_step: int,
+    step: int,
     backend: str,
     source: PromptSource,
     in_flight: list[Drawn],
@@ -100,7 +104,8 @@ def checkpoint_state(
     """The state.json fields known at a commit. `in_flight`: the ledger's unsettled prompts; the
     source's undispatched replays follow."""
     return {
-        "next_step": next_step,
+        "format": FORMAT,
+        "step": step,
         "backend": backend,
         "prompts_drawn": source.drawn,
         "in_flight": [{"index": d.index, "prompt": asdict(d.prompt)} for d in in_flight + source.pending()],
@@ -140,19 +145,23 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
     found = complete_checkpoints(run_dir / CHECKPOINTS)
     if not found:
         raise CheckpointError(
-            f"{run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS} "
-            "(checkpoints are written when orchestrator.checkpoint_every > 0)"
+            f"{run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS} (none is written when orchestrator.checkpoint_every = 0)"
         )
     directory = found[-1]
     path = directory / STATE_FILE
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{path}: checkpoint format {raw.get('format', 1)!r}, this relayrl reads format {FORMAT} (steps numbered from 1); "
+                "resume it with the relayrl version that wrote it, or start the run afresh"
+            )
         missing = [name for name in raw["trainer_files"] if not (directory / name).is_file()]
         if missing:
             raise CheckpointError(f"{directory}: trainer state file(s) missing: {', '.join(missing)}")
         return ResumePoint(
             directory=directory,
-            next_step=int(raw["next_step"]),
+            step=int(raw["step"]),
             backend=str(raw["backend"]),
             prompts_drawn=int(raw["prompts_drawn"]),
             in_flight=[_drawn(item, k) for k, item in enumerate(raw["in_flight"])],
@@ -178,22 +187,22 @@ def _drawn(item: dict[str, object], k: int) -> Drawn:
 
 def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
     """Drop what the run wrote after the checkpoint: metrics rows and trajectory rows of steps
-    ≥ next_step (a torn last line is dropped; a trajectory file holding steps on both sides is
+    after `point.step` (a torn last line is dropped; a trajectory file holding steps on both sides is
     rewritten without the later ones: rundir/trajfiles.py), evaluations of later versions, the
     old summary; keep the old trace as `trace.part-K.json`. Each file is replaced atomically. `point.evals`
-    becomes every evaluation of a version ≤ next_step (those that landed after the checkpoint
+    becomes every evaluation of a version ≤ point.step (those that landed after the checkpoint
     was taken included). Idempotent: a kill during the rewind leaves it to be done again."""
     _rewind_metrics(run_dir / "metrics.jsonl", point)
     evals = run_dir / "evals.jsonl"
     by_version = {int(e["version"]): e for e in point.evals}  # type: ignore[call-overload]
     if evals.exists():
         for row in _read_rows(evals):
-            if int(row["version"]) <= point.next_step:  # type: ignore[call-overload]
+            if int(row["version"]) <= point.step:  # type: ignore[call-overload]
                 by_version.setdefault(int(row["version"]), row)  # type: ignore[call-overload]
     point.evals = [by_version[v] for v in sorted(by_version)]
     rewrite_rows(evals, point.evals)
     (run_dir / "summary.json").unlink(missing_ok=True)
-    trajfiles.truncate(run_dir, point.next_step)
+    trajfiles.truncate(run_dir, point.step + 1)
     trace = run_dir / "trace.json"
     if trace.exists():
         part = 0
@@ -203,12 +212,12 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
 
 
 def _rewind_metrics(path: Path, point: ResumePoint) -> None:
-    """metrics.jsonl keeps one row for each step before `point.next_step`, in step order. A row
+    """metrics.jsonl keeps one row for each step 1 … `point.step`, in step order. A row
     that was lost or torn after it was written (a truncated file) is restored from the rows the
     checkpoint carries; a loss the checkpoint cannot repair is refused, never dropped silently."""
     rows = {int(row["step"]): row for row in (_read_rows(path) if path.exists() else [])}  # type: ignore[call-overload]
-    rows = {step: row for step, row in rows.items() if step < point.next_step}
-    missing = [step for step in range(point.next_step) if step not in rows]
+    rows = {step: row for step, row in rows.items() if 1 <= step <= point.step}
+    missing = [step for step in range(1, point.step + 1) if step not in rows]
     saved = {int(row["step"]): row for row in point.metrics_rows}  # type: ignore[call-overload]
     lost = [step for step in missing if step not in saved]
     if lost:

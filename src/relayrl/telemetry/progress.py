@@ -24,7 +24,7 @@ def _fmt(value: object, spec: str) -> str:
 class ProgressPrinter(Callback):
     def __init__(self, total_steps: int, console: Console | None = None, live: bool | None = None) -> None:
         self._total = total_steps
-        self._first: int | None = None  # the first step this process runs (> 0 when resumed)
+        self._first: int | None = None  # the first step this process runs (numbered from 1; > 1 when resumed)
         self._console = console or Console(highlight=False, soft_wrap=True)
         self._start = time.perf_counter()
         self._accuracy: float | None = None
@@ -42,13 +42,13 @@ class ProgressPrinter(Callback):
                 console=self._console,
                 transient=False,
             )
-            self._task = self._progress.add_task("", total=self._total, completed=self._first or 0)
+            self._task = self._progress.add_task("", total=self._total, completed=(self._first or 1) - 1)
             self._progress.start()
         return self._progress
 
     def _line(self, done: int, m: dict[str, float | int | None]) -> str:
         elapsed = time.perf_counter() - self._start
-        eta = elapsed / max(1, done - (self._first or 0)) * (self._total - done)
+        eta = elapsed / max(1, done - (self._first or 1) + 1) * (self._total - done)
         step_time = m.get("step_time_sec")
         train_time = m.get("train_time")
         busy = train_time / step_time if isinstance(step_time, float) and isinstance(train_time, float) and step_time > 0 else None
@@ -66,7 +66,7 @@ class ProgressPrinter(Callback):
             self._start = time.perf_counter()
 
     def on_step_end(self, step: int, result: StepResult) -> None:
-        done = step + 1
+        done = step  # steps are numbered from 1: step N's end means N done
         line = self._line(done, result.metrics)
         if self._live:
             bar = self._bar()

@@ -416,7 +416,7 @@ class RayTrainer(Trainer):
                 f"{type(cause).__name__}: {cause}"
             ) from exc
         if sent.method == "optim_step":
-            sent.span_args["step"] = timed.value - 1  # the step whose commit made this version
+            sent.span_args["step"] = timed.value  # the step whose commit made this version (steps are numbered from 1)
         self.spans.record(sent.method, sent.start, timed, **sent.span_args)
         return timed.value
 

@@ -1,8 +1,10 @@
 """The train loop: groups → packed micro-batches → train_step … optim_step, and the step boundary.
 
-Per step N: take `groups_per_step` groups (filtering too-stale ones), plan the packing, pack each
-micro-batch in the packing thread while the previous one trains, then commit. The end-of-step
-work of N (metrics fetch, reduction, logging, callbacks, memory release) is deferred:
+Steps are numbered from 1: step N trains from policy version N − 1 and its commit makes version
+N (the number every file, message and trace event uses). Per step N: take `groups_per_step`
+groups (filtering too-stale ones), plan the packing, pack each micro-batch in the packing thread
+while the previous one trains, then commit. The end-of-step work of N (metrics fetch, reduction,
+logging, callbacks, memory release) is deferred:
 
 - fetch(N):        starts at commit(N),           finishes before optim_step(N+1)   (rules 1, 2)
 - bookkeeping(N):  starts at first_train(N+1)     finishes before optim_step(N+1)   (rules 3, 4)
@@ -72,7 +74,7 @@ class GroupTaker:
         self._held: list[Group] = []  # admitted for the step being taken, not yet handed over
 
     def _admit(self, group: Group, step: int) -> None:
-        if step - group.min_version > self._max_staleness:
+        if step - 1 - group.min_version > self._max_staleness:  # step N trains from version N - 1
             self._ledger.filtered(group, FilterReason.STALE, self._window)
         else:
             self._held.append(group)
@@ -148,7 +150,7 @@ class TrainLoop:
     def __init__(
         self,
         *,
-        start_step: int = 0,
+        start_step: int = 0,  # steps committed before (a resume's checkpoint): the first step trained is start_step + 1
         steps: int,
         trainer: Trainer,
         collator: Collator,
@@ -244,8 +246,8 @@ class TrainLoop:
         expected = record.policy_version - 1
         if "step" in metrics and int(metrics["step"]) != expected:
             raise RuntimeError(
-                f"get_metrics for step {record.step} returned the metrics of trainer step "
-                f"{int(metrics['step'])}, not {expected}: the metrics slot was overwritten"
+                f"get_metrics for step {record.step} returned the metrics of the trainer's update "
+                f"{int(metrics['step']) + 1}, not {expected + 1}: the metrics slot was overwritten"
             )
         record.trainer_metrics = metrics
         record.metrics_fetch_time = end - start
@@ -282,7 +284,7 @@ class TrainLoop:
         queued: MicroBatch | None = None  # this step's first micro-batch, queued behind the last optim_step
         last_commit: float | None = None
         step_start = tracer.now()
-        for step in range(self._start_step, self._steps):
+        for step in range(self._start_step + 1, self._steps + 1):  # steps are numbered from 1
             if pending is None:
                 groups, waited = await self._taker.take(step)
                 prepared = self._prepare(step, groups, waited)
@@ -298,7 +300,7 @@ class TrainLoop:
                 record.packing_time += pack_seconds
                 if index + 1 < count:
                     pack_task = self._start_pack(step, index + 1, prepared.trajectories, prepared.plan)
-                elif self._overlap and step + 1 < self._steps:  # rule 9: N+1 as soon as its groups are there
+                elif self._overlap and step < self._steps:  # rule 9: N+1 as soon as its groups are there
                     pending = self._tg.create_task(self._take_and_prepare(step + 1), name=f"prepare:{step + 1}")
                 start = tracer.now()
                 ahead = index == 0 and queued is not None  # sent behind optim_step(step - 1): issued here, not sent again
