@@ -434,9 +434,9 @@ def test_runs_text_keeps_whole_values() -> None:
 def test_the_report_shows_the_best_and_worst_completion_of_sampled_steps(finished: Path, tmp_path: Path) -> None:
     run_dir = _copy(finished, tmp_path / "samples")
     data = load_run(run_dir)
-    assert [(x.step, x.which) for x in data.samples] == [(step, which) for step in range(6) for which in ("best", "worst")]
+    assert [(x.step, x.which) for x in data.samples] == [(step, which) for step in range(1, 7) for which in ("best", "worst")]
     assert data.trajectories is not None
-    for step in range(6):
+    for step in range(1, 7):
         rewards = [r["reward"] for r in data.trajectories if r["step"] == step and r["status"] == "ok"]
         best, worst = (x for x in data.samples if x.step == step)
         assert (best.reward, worst.reward) == (max(rewards), min(rewards))  # type: ignore[type-var]
@@ -459,7 +459,7 @@ def test_samples_are_cut_and_escaped_and_steps_evenly_spaced() -> None:
 def _bare_run(run_dir: Path, multiturn: bool) -> Path:
     (run_dir).mkdir(parents=True)
     turns = {"turns_mean": 2.5, "first_turn_solved_rate": 0.25} if multiturn else {}
-    rows = [{"step": i, "reward_mean": 0.1 * i, "step_time_sec": 1.0, "train_time": 0.5, **turns} for i in range(3)]
+    rows = [{"step": i, "reward_mean": 0.1 * i, "step_time_sec": 1.0, "train_time": 0.5, **turns} for i in range(1, 4)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     multi = {"first_turn_accuracy": 0.2, "mean_turns": 2.4} if multiturn else {}
     evals = [{"version": v, "accuracy": 0.3, "reward_mean": 0.5, **multi} for v in (0, 3)]
