@@ -17,11 +17,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray._private import state  # noqa: E402
+
+from relayrl.backends.ray.build import check_resources  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
-from relayrl.config.schema import load_config  # noqa: E402
+from relayrl.config.schema import ConfigError, load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
-from support.cli import child_env, relayrl_argv  # noqa: E402
+from support.cli import child_env, relayrl, relayrl_argv  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 
@@ -95,3 +100,50 @@ def test_sigint_at_any_moment_of_a_ray_start_leaves_no_process_of_the_run(delay:
     said = (tmp_path / "out.txt").read_text()
     assert code == 130, said[-2000:]
     assert _processes_with(marker) == [], said[-2000:]
+
+
+def test_resources_the_cluster_lacks_are_named_in_one_line() -> None:
+    total = {"CPU": 2.0, "memory": 1e9, "object_store_memory": 1e8, "node:10.0.0.1": 1.0}
+    trainer = ("the trainer actor", "ray.trainer_resources", {"GPU": 1.0}, 1)
+    samplers = ("each sampler actor", "ray.sampler_resources", {"CPU": 1.0}, 2)
+    with pytest.raises(ConfigError) as missing:
+        check_resources([trainer, samplers], total, [total])
+    assert str(missing.value) == (
+        "ray.trainer_resources={GPU=1}: the trainer actor asks for GPU=1 but the Ray cluster has no GPU (it has {CPU=2})"
+    )
+    with pytest.raises(ConfigError) as together:
+        check_resources([("the trainer actor", "ray.trainer_resources", {"CPU": 1.0}, 1), samplers], total, [total])
+    assert "ask for CPU=3 in all" in str(together.value) and "ray.sampler_resources (CPU=1) × 2" in str(together.value)
+    two_nodes = [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0}]
+    with pytest.raises(ConfigError, match="no node of the Ray cluster has all that the trainer actor asks for"):
+        check_resources([("the trainer actor", "ray.trainer_resources", {"CPU": 2.0, "GPU": 1.0}, 1)], {"CPU": 2.0, "GPU": 1.0}, two_nodes)
+    check_resources([samplers, ("the trainer actor", "ray.trainer_resources", {}, 1)], total, [total])  # fits: no error
+
+
+def test_a_gpu_the_cluster_lacks_is_refused_before_any_actor_waits(cluster: RayCluster, tmp_path: Path) -> None:
+    """On the module's cluster (2 CPUs, no GPU): `relayrl train` joining it with
+    ray.trainer_resources={GPU=1} exits 2 with one line naming the key and what the cluster has,
+    instead of waiting for ever; no actor of the run is left."""
+    recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
+    args = ["train", str(recipe), "--ray", "--set", f"ray.address={cluster.address}", "--set", f"run.output_dir={tmp_path}"]
+    res = relayrl(*args, "--set", "ray.trainer_resources={GPU=1}", cwd=tmp_path, env={"COLUMNS": "200"}, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        "error: ray.trainer_resources={GPU=1}: the trainer actor asks for GPU=1 but the Ray cluster has no GPU (it has {CPU=2})"
+    ]
+    alive = [a for a in state.actors().values() if a.get("State") == "ALIVE"]
+    assert not [a for a in alive if str(a.get("ActorClassName", "")).endswith(("_TrainerActor", "_SamplerActor"))], alive
+
+
+def test_ray_start_up_says_what_it_does(cluster: RayCluster, tmp_path: Path) -> None:
+    """The console says each start-up stage as it happens: the cluster joined, the actors
+    starting, each one ready, all ready; then the run."""
+    recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
+    args = ["train", str(recipe), "--ray", "--set", f"ray.address={cluster.address}", "--set", f"run.output_dir={tmp_path}"]
+    res = relayrl(*args, "--set", "run.steps=2", "--set", "rollout.num_samplers=2", cwd=tmp_path, env={"COLUMNS": "200"}, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("relayrl: ")]
+    said = [line.split(" ")[1:3] for line in lines]
+    assert said[:3] == [["joining", "the"], ["joined", "Ray"], ["starting", "3"]], lines
+    assert sorted(line.split(" ")[1:3] for line in lines[3:6]) == [["sampler", "0"], ["sampler", "1"], ["trainer", "actor"]], lines
+    assert lines[6].startswith("relayrl: Ray actors ready in ") and lines[7].startswith("relayrl: 2 steps on the sim backend"), lines

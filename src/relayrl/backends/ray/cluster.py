@@ -16,6 +16,7 @@ included.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -147,6 +148,7 @@ def connect(cfg: RayConfig) -> RayCluster:
                 include_dashboard=False,
                 namespace=cfg.namespace,
                 log_to_driver=False,
+                logging_level=logging.WARNING,  # its "Started a local Ray instance" line: said by `say` instead
                 _temp_dir=temp_dir,
             )
         except BaseException:
@@ -159,7 +161,7 @@ def connect(cfg: RayConfig) -> RayCluster:
             os.environ.pop(MARKER_ENV, None)  # processes this one starts later are not the cluster's
     else:
         say(f"joining the Ray cluster at {cfg.address}")
-        ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
+        ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False, logging_level=logging.WARNING)
     seconds = time.perf_counter() - started
     address = str(ray.get_runtime_context().gcs_address)
     what = "joined" if cfg.address else "started a local"
