@@ -19,12 +19,14 @@ ray = pytest.importorskip("ray")
 
 from ray._private import state  # noqa: E402
 
+from relayrl.analysis import timeline  # noqa: E402
 from relayrl.backends.ray.build import check_resources  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
-from relayrl.config.schema import ConfigError, load_config  # noqa: E402
+from relayrl.config.schema import ConfigError  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from support.cli import child_env, relayrl, relayrl_argv  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
+from support.simutil import sim_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,28 +38,32 @@ def test_per_step_busy_on_ray_is_the_summarys_trainer_busy(cluster: RayCluster, 
     """metrics.jsonl's train_time / step_time_sec (what the progress line, the sinks and the
     report's step-time chart show) agrees with summary.json's trainer_busy_fraction: both come
     from the trainer actor's spans, not from the driver's calls, which return before the work."""
-    cfg = load_config(
-        None,
-        [
-            "run.backend=local",
-            "run.steps=6",
-            "eval.enabled=false",
-            "orchestrator.release_memory=false",
-            "ray.enabled=true",
-            "ray.address=auto",
-        ],
+    # the trainer's time is simulated (sleeps in the actor), so the figures hold on a loaded machine
+    cfg = sim_config(
+        "run.steps=8",
+        "ray.enabled=true",
+        "ray.address=auto",
+        "sim.generate_per_request=0.002",
+        "sim.train_step=0.03",
+        "sim.optim_step=0.002",
     )
     program = build_program(cfg, run_dir=tmp_path / "run")
-    asyncio.run(asyncio.wait_for(program.run(), 240))
+    result = asyncio.run(asyncio.wait_for(program.run(), 240))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert summary["status"] == "completed" and len(rows) == 6
-    # the first step's time includes filling the pipeline, which the summary's window (first
+    assert summary["status"] == "completed" and len(rows) == 8
+    # per-step busy averaged over the steps, weighted by their time (as the step-time chart shows
+    # it); the first step's time includes filling the pipeline, which the summary's window (first
     # train_step start → last optim_step end) leaves out
     busy = [r["train_time"] / r["step_time_sec"] for r in rows[1:]]
-    mean = sum(busy) / len(busy)
-    assert abs(mean - summary["trainer_busy_fraction"]) <= 0.05, (busy, summary["trainer_busy_fraction"])
+    mean = sum(r["train_time"] for r in rows[1:]) / sum(r["step_time_sec"] for r in rows[1:])
+    assert abs(mean - summary["trainer_busy_fraction"]) <= 0.05, (mean, busy, summary["trainer_busy_fraction"])
     assert all(0.0 < b <= 1.0 for b in busy), busy
+    # each step's train_time is the sum of that step's train_step spans in the trainer actor's lane
+    spans = timeline.spans(result.tracer.events)
+    for row in rows:
+        inside = [s.dur for s in spans if s.lane == timeline.ACTOR_TRAINER and s.name == "train_step" and s.step == row["step"]]
+        assert inside and row["train_time"] == pytest.approx(sum(inside), abs=1e-5 * len(inside)), (row["step"], row["train_time"], inside)
 
 
 def _processes_with(marker: str) -> list[str]:
