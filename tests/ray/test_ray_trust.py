@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import time
@@ -25,7 +24,7 @@ from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.config.schema import ConfigError  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from support.cli import child_env, relayrl, relayrl_argv  # noqa: E402
-from support.rayutil import local_cluster  # noqa: E402
+from support.rayutil import local_cluster, processes_with  # noqa: E402
 from support.simutil import sim_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,24 +65,6 @@ def test_per_step_busy_on_ray_is_the_summarys_trainer_busy(cluster: RayCluster, 
         assert inside and row["train_time"] == pytest.approx(sum(inside), abs=1e-5 * len(inside)), (row["step"], row["train_time"], inside)
 
 
-def _processes_with(marker: str) -> list[str]:
-    """The live processes whose environment carries `marker` (NAME=value), as "pid cmdline"."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path("/proc", entry, "environ").read_bytes()
-            cmdline = Path("/proc", entry, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            program = cmdline.split(b"\0")[0].decode(errors="replace")
-            found.append(f"{entry} {program}")
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.5, 2.0, 5.0, 10.0])
 def test_sigint_at_any_moment_of_a_ray_start_leaves_no_process_of_the_run(delay: float, tmp_path: Path) -> None:
@@ -105,7 +86,7 @@ def test_sigint_at_any_moment_of_a_ray_start_leaves_no_process_of_the_run(delay:
                 child.wait()
     said = (tmp_path / "out.txt").read_text()
     assert code == 130, said[-2000:]
-    assert _processes_with(marker) == [], said[-2000:]
+    assert processes_with(marker) == [], said[-2000:]
 
 
 def test_resources_the_cluster_lacks_are_named_in_one_line() -> None:
