@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,28 +27,13 @@ from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from relayrl.types import TrainBatch  # noqa: E402
 from support.cli import relayrl  # noqa: E402
-from support.rayutil import local_cluster  # noqa: E402
+from support.rayutil import local_cluster, processes_with  # noqa: E402
 from support.simutil import run_checked, settled_groups, sim_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 cluster = pytest.fixture(scope="module")(local_cluster)
-
-
-def _ray_processes() -> int:
-    """Processes of a Ray cluster on this machine (raylet, GCS server)."""
-    n = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"raylet" in cmdline or b"gcs_server" in cmdline:
-            n += 1
-    return n
 
 
 @pytest.mark.slow
@@ -161,13 +146,14 @@ def _probe_then_close(sampler: RaySampler, versions: list[int | None]) -> Callab
 
 @pytest.mark.slow
 def test_a_run_that_starts_its_own_cluster_leaves_no_ray_process(cluster: RayCluster, tmp_path: Path) -> None:
-    before = _ray_processes()
+    marker = f"RELAYRL_TEST_RUN={uuid.uuid4().hex}"  # inherited by every process the run starts
+    name, value = marker.split("=")
     recipe = ROOT / "src" / "relayrl" / "recipes" / "sim.toml"
     args = ["train", str(recipe), "--ray", "--set", "ray.num_cpus=1", "--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}"]
-    res = relayrl(*args, cwd=tmp_path, env={"COLUMNS": "160"}, timeout=180)
+    res = relayrl(*args, cwd=tmp_path, env={"COLUMNS": "160", name: value}, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "started a local Ray cluster" in res.stdout
-    assert _ray_processes() == before
+    assert processes_with(marker) == []  # not the raylet, the GCS server, nor the raylet's agents and workers
 
 
 @dataclass

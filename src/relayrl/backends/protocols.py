@@ -136,6 +136,13 @@ class Trainer(Protocol):
         """Forward + backward on one collated micro-batch, accumulating gradients."""
         ...
 
+    def step_train_time(self, step: int) -> float | None:
+        """Seconds `step`'s train_step calls ran where they ran (summed), once its `optim_step`
+        returned; None (the default): the caller's timing of each `train_step` call is the
+        trainer's own (an in-process trainer). A trainer whose `train_step` returns before the
+        work ends (the Ray trainer sends it ahead) answers from its own spans."""
+        return None
+
     async def optim_step(self) -> int:
         """Apply the accumulated update; returns the new policy version. Overwrites the metrics
         slot that `get_metrics` reads."""

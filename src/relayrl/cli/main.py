@@ -76,6 +76,7 @@ def train(
         if resume is not None:
             if config is not None:
                 _fail("give either a recipe or --resume RUN_DIR (a resumed run uses RUN_DIR/config.toml)")
+            _resumable_or_fail(resume)
             cfg = load_config(resume / "config.toml", overrides)
         else:
             cfg = load_config(config or default_recipe(), overrides)
@@ -134,6 +135,15 @@ def train(
         f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
         f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
     )
+
+
+def _resumable_or_fail(run_dir: Path) -> None:
+    """A --resume of a directory that does not exist, or of a run stopped before it wrote its
+    config (e.g. Ctrl-C while Ray started): one line saying there is nothing to resume, exit 2."""
+    if not run_dir.is_dir():
+        _fail(f"nothing to resume: run directory {run_dir} does not exist")
+    if not (run_dir / "config.toml").is_file():
+        _fail(f"nothing to resume: the run in {run_dir} stopped before its first step (no config.toml); start it again without --resume")
 
 
 def _one_line(exc: BaseException) -> str:

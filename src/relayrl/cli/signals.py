@@ -9,7 +9,9 @@ thread left).
 
 Invariant: a signal is answered within `grace_s` seconds whatever the run is doing: if the run has
 not wound down by then (a callback stuck on the loop, a hung worker call), or a second signal
-arrives, the process exits at once with the signal's exit code (130 / 143). Checkpoints are
+arrives, the process exits at once with the signal's exit code (130 / 143). Exiting at once
+(`relayrl.exits.hard_exit`) first ends the processes a part registered (a local Ray cluster the
+run started, at any moment of its start-up): no process of the run outlives it. Checkpoints are
 complete or absent, so nothing a resume needs is lost; the run directory's lock goes with the
 process. (A single C call that holds the GIL, such as one huge garbage collection, delays even
 this: config/sizing.py refuses runs that would build such heaps.)
@@ -18,13 +20,14 @@ this: config/sizing.py refuses runs that would build such heaps.)
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
+
+from relayrl.exits import hard_exit
 
 if TYPE_CHECKING:
     from relayrl.orchestrator.program import Program, RunResult
@@ -46,7 +49,7 @@ def _code(signum: int) -> int:
 
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
     print("interrupted", file=sys.stderr, flush=True)
-    os._exit(_code(signum))
+    hard_exit(_code(signum))
 
 
 def exit_on_signals() -> None:
@@ -67,7 +70,7 @@ async def run_until_stopped(program: Program, grace_s: float, resume_hint: Calla
 
     def exit_now(reason: str, code: int) -> None:
         print(f"stopped ({reason}; no summary written){resume_hint()}", file=sys.stderr, flush=True)
-        os._exit(code)
+        hard_exit(code)
 
     def deadline(code: int) -> None:
         if not done.wait(grace_s):

@@ -85,6 +85,9 @@ class BoundedTrainer(Trainer):
     async def optim_step(self) -> int:
         return await self._bound(self.inner.optim_step(), "optim_step")
 
+    def step_train_time(self, step: int) -> float | None:
+        return self.inner.step_train_time(step)
+
     @property
     def queue_ahead(self) -> bool:
         return self.inner.queue_ahead

@@ -380,6 +380,7 @@ class RayTrainer(Trainer):
         self._closed = False
         self._turn = 0  # training calls sent so far (the actor runs them in this order)
         self._sent: list[_Sent] = []
+        self._trained: dict[int, float] = {}  # step -> seconds its train_step calls ran in the actor (their spans)
 
     @property
     def queue_ahead(self) -> bool:
@@ -417,6 +418,9 @@ class RayTrainer(Trainer):
             ) from exc
         if sent.method == "optim_step":
             sent.span_args["step"] = timed.value  # the step whose commit made this version (steps are numbered from 1)
+        elif sent.method == "train_step":
+            step = int(sent.span_args["step"])  # type: ignore[call-overload]
+            self._trained[step] = self._trained.get(step, 0.0) + (timed.end - timed.start)
         self.spans.record(sent.method, sent.start, timed, **sent.span_args)
         return timed.value
 
@@ -439,6 +443,15 @@ class RayTrainer(Trainer):
         sent = dataclasses.replace(batch, payload=encode(batch.payload))
         self._sent.append(await self._send("train_step", sent, step=batch.step, microbatch=batch.index))
         await self._drain(keep=TRAIN_AHEAD)
+
+    def step_train_time(self, step: int) -> float | None:
+        """The summed duration of `step`'s train_step spans in the actor (the `actor:trainer` lane's,
+        which the summary's trainer busy fraction reads): every one has returned once `optim_step`
+        drained them. Forgets this step and those before it."""
+        seconds = self._trained.pop(step, 0.0)
+        for earlier in [s for s in self._trained if s < step]:
+            del self._trained[earlier]
+        return seconds
 
     async def optim_step(self) -> int:
         await self._drain()

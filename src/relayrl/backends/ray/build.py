@@ -8,6 +8,18 @@ and the kind's driver-side pieces: the prompt and text encoders, the collator (m
 collated here and sent to the trainer actor), the held-out evaluation's greedy engine (loading
 weights that arrive by object-store reference) and the sim's simulated host work.
 
+Start-up says what it does on the console (`cluster.say`): the cluster started or joined, the
+actors starting, each actor ready (its worker built: the local kind loads the model there), the
+evaluation's engine loading here.
+
+Resources: before any actor starts, what the actors ask for (`ray.trainer_resources`, and
+`ray.sampler_resources` once per replica) is compared with what the cluster has in all
+(`ray.cluster_resources()`) and on its largest node; a request it cannot satisfy is refused in
+one line naming the key, the actor and what the cluster has (a ConfigError, exit 2), instead of
+waiting for ever. (An autoscaling cluster is judged by the nodes it has now.) Actors that still
+do not start (resources held by others, a node lost) fail the build after READY_TIMEOUT_S,
+naming them, what they ask for and what the cluster has free.
+
 Invariant: the cluster is closed with the backend (`Backend.cleanup`), and at once if building
 fails; a started cluster is shut down, a joined one is left running.
 """
@@ -15,13 +27,15 @@ fails; a started cluster is shut down, a joined one is left running.
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Sampler
-from relayrl.backends.ray.cluster import RayCluster, connect
+from relayrl.backends.ray.cluster import RayCluster, connect, say
 from relayrl.backends.registry import Compute
-from relayrl.config.schema import Config
+from relayrl.config.schema import Config, ConfigError
 
 READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster lacks) fail the build
 
@@ -58,6 +72,65 @@ def spread(replicas: int, resources: dict[str, float]) -> list[dict[str, Any]]:
     return [{"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True)} for i in range(replicas)]
 
 
+def _amount(value: float) -> str:
+    return f"{value:g}"
+
+
+def _table(resources: Mapping[str, float]) -> str:
+    """Resources as a recipe writes them: {CPU=1, GPU=1}."""
+    return "{" + ", ".join(f"{name}={_amount(amount)}" for name, amount in sorted(resources.items())) + "}"
+
+
+def _asking(resources: Mapping[str, float]) -> str:
+    return f" {_table(resources)}" if resources else ""
+
+
+def _schedulable(resources: Mapping[str, float]) -> dict[str, float]:
+    """A cluster's or node's resources that actors ask for (not its memory nor its `node:` labels)."""
+    return {
+        name: float(amount)
+        for name, amount in resources.items()
+        if not name.startswith("node:") and name not in ("memory", "object_store_memory") and not name.startswith("accelerator_type:")
+    }
+
+
+def _has(resources: Mapping[str, float]) -> str:
+    return _table(resources) if resources else "none of them"
+
+
+def check_resources(
+    asks: Sequence[tuple[str, str, Mapping[str, float], int]], total: Mapping[str, float], nodes: Sequence[Mapping[str, float]]
+) -> None:
+    """Refuse (ConfigError) what the cluster cannot satisfy. `asks`: per kind of actor (its
+    name, its config key, the resources one asks for, how many start); `total`: the cluster's
+    resources (`ray.cluster_resources()`); `nodes`: each alive node's. An actor whose request
+    fits on no single node, or all of them together asking more than the cluster has, is refused
+    naming the key, the actor, the resource and what the cluster has."""
+    have = _schedulable(total)
+    for actor, key, resources, _ in asks:
+        for name, amount in sorted(resources.items()):
+            if amount > have.get(name, 0.0):
+                has = f"{name}={_amount(have[name])}" if name in have else f"no {name}"
+                raise ConfigError(
+                    f"{key}={_table(resources)}: {actor} asks for {name}={_amount(amount)} but the Ray cluster has {has} "
+                    f"(it has {_has(have)})"
+                )
+        if resources and nodes and not any(all(node.get(n, 0.0) >= a for n, a in resources.items()) for node in nodes):
+            raise ConfigError(
+                f"{key}={_table(resources)}: no node of the Ray cluster has all that {actor} asks for "
+                f"(its nodes have {'; '.join(_has(_schedulable(node)) for node in nodes)})"
+            )
+    for name in sorted({n for _, _, resources, _ in asks for n in resources}):
+        parts = [(key, resources[name], count) for _, key, resources, count in asks if resources.get(name, 0.0) > 0]
+        need = sum(amount * count for _, amount, count in parts)
+        if need > have.get(name, 0.0) + 1e-9:
+            said = " and ".join(f"{key} ({name}={_amount(amount)}) × {count}" for key, amount, count in parts)
+            raise ConfigError(
+                f"the Ray actors ask for {name}={_amount(need)} in all ({said}) but the Ray cluster has "
+                f"{name}={_amount(have.get(name, 0.0))}: lower them, or run fewer sampler replicas (rollout.num_samplers)"
+            )
+
+
 def place_on_ray(cfg: Config, compute: Compute, evaluate: bool) -> Backend:
     """A `Backend` whose samplers and trainer are Ray actors built by `compute`'s factories;
     `evaluate`: build the greedy engine (in this process) for the held-out evaluation."""
@@ -76,24 +149,37 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
 
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor, attach_tracer
 
+    replicas = len(compute.samplers)
+    check_resources(
+        [
+            ("the trainer actor", "ray.trainer_resources", cfg.ray.trainer_resources, 1),
+            ("each sampler actor", "ray.sampler_resources", cfg.ray.sampler_resources, replicas),
+        ],
+        ray.cluster_resources(),
+        [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")],
+    )
     sampler_opts = actor_options(cfg.ray.sampler_resources)
     trainer_opts = actor_options(cfg.ray.trainer_resources)
+    started = time.perf_counter()
+    say(
+        f"starting {1 + replicas} Ray actors: the trainer{_asking(cfg.ray.trainer_resources)} and {replicas} sampler "
+        f"replica{'s' if replicas != 1 else ''}{_asking(cfg.ray.sampler_resources)}; each builds its worker (loads its model)"
+    )
     trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)
     actors.append(trainer_actor)
     sampler_actors = []
-    for factory, placement in zip(compute.samplers, spread(len(compute.samplers), cfg.ray.sampler_resources), strict=True):
+    for factory, placement in zip(compute.samplers, spread(replicas, cfg.ray.sampler_resources), strict=True):
         actor = SamplerActor.options(**sampler_opts, **placement).remote(factory)
         actors.append(actor)
         sampler_actors.append(actor)
-    ready = [a.ready.remote() for a in actors]
-    done, pending = ray.wait(ready, num_returns=len(ready), timeout=READY_TIMEOUT_S)
-    if pending:
-        raise RuntimeError(
-            f"{len(pending)} of {len(ready)} Ray actors did not start within {READY_TIMEOUT_S:.0f}s: the cluster may lack the "
-            f"resources they ask for (ray.sampler_resources={cfg.ray.sampler_resources}, ray.trainer_resources={cfg.ray.trainer_resources})"
-        )
-    ray.get(done)  # an actor whose constructor failed raises here
-    greedy = ResolvingEngine(compute.greedy_engine()) if evaluate and compute.greedy_engine is not None else None
+    names = ["trainer", *(f"sampler {i}" for i in range(replicas))]
+    asks = [cfg.ray.trainer_resources, *([cfg.ray.sampler_resources] * replicas)]
+    _await_ready(actors, names, asks, started)
+    say(f"Ray actors ready in {time.perf_counter() - started:.1f}s")
+    greedy = None
+    if evaluate and compute.greedy_engine is not None:
+        say("loading the held-out evaluation's engine in this process")
+        greedy = ResolvingEngine(compute.greedy_engine())
     trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead)
     ray_samplers = [RaySampler(a, i) for i, a in enumerate(sampler_actors)]
     samplers: list[Sampler] = list(ray_samplers)
@@ -107,6 +193,29 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
     )
 
 
+def _await_ready(actors: Sequence[Any], names: Sequence[str], asks: Sequence[Mapping[str, float]], started: float) -> None:
+    """Wait until every actor's constructor ran, saying each one that is ready; an actor whose
+    constructor failed raises its error; those not ready within READY_TIMEOUT_S fail the build
+    naming them, what they ask for and what the cluster has free."""
+    import ray
+
+    waiting = {actor.ready.remote(): i for i, actor in enumerate(actors)}
+    deadline = started + READY_TIMEOUT_S
+    while waiting:
+        done, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
+        if not done:
+            late = sorted(waiting.values())
+            what = ", ".join(f"{names[i]} {_table(asks[i])}" for i in late)
+            raise RuntimeError(
+                f"Ray actors did not start within {READY_TIMEOUT_S:.0f}s: {what} (the resources they ask for, "
+                f"ray.trainer_resources / ray.sampler_resources); the cluster has {_has(_schedulable(ray.available_resources()))} free"
+            )
+        for ref in done:
+            i = waiting.pop(ref)
+            ray.get(ref)  # an actor whose constructor failed raises here
+            say(f"{names[i]} actor ready ({time.perf_counter() - started:.1f}s)")
+
+
 def _kill(actors: list[Any]) -> None:
     import ray
 
@@ -117,4 +226,4 @@ def _kill(actors: list[Any]) -> None:
             pass
 
 
-__all__ = ["actor_options", "place_on_ray"]
+__all__ = ["actor_options", "check_resources", "place_on_ray"]

@@ -4,20 +4,76 @@ Invariant: a run shuts down only a cluster it started (`ray.address = ""`), and 
 its temporary directory; a cluster it joined (`ray.address = "auto"` or "host:port") is left
 running. A process already connected to Ray (a notebook, a test) may run with an address: the
 run then uses that connection and leaves it open. Ray's usage reporting, auth token and dashboard are off for a cluster the run starts.
+
+No process of a cluster the run started outlives it: every process the cluster starts (GCS
+server, raylet, and the raylet's agents and workers, which run in process groups of their own)
+inherits a marker in its environment (`MARKER_ENV`, unique per cluster), and the run ends every
+process carrying it: after `ray.shutdown` when it closes the cluster, and from a hook
+(`relayrl.exits`) when the process exits at once on a signal, at any moment of `ray.init`
+included.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import shutil
+import signal
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from relayrl.config.schema import RayConfig
+from relayrl.exits import on_hard_exit
 
 # set before ray.init: no usage-stats reporting, no auth token written under the home directory
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+MARKER_ENV = "RELAYRL_RAY_CLUSTER"  # in the environment of every process of a cluster the run started
+END_BOUND_S = 5.0  # ending a cluster's processes gives up after this long
+
+
+def marked_processes(token: str) -> list[int]:
+    """The processes (other than this one) whose environment carries `MARKER_ENV=token` (Linux
+    /proc; none elsewhere). A process that already died (a zombie) has no environment left."""
+    needle = f"{MARKER_ENV}={token}".encode()
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            environ = Path("/proc", entry, "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def end_processes(token: str, bound_s: float = END_BOUND_S) -> int:
+    """SIGKILL every process carrying `token` until none is left (a process being spawned while
+    the others die is found by the next scan), for at most `bound_s`; returns how many were killed."""
+    deadline = time.monotonic() + bound_s
+    killed: set[int] = set()
+    while True:
+        pids = marked_processes(token)
+        if not pids or time.monotonic() >= deadline:
+            return len(killed)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except OSError:  # already gone
+                pass
+        time.sleep(0.01)
 
 
 @dataclass(slots=True)
@@ -30,10 +86,13 @@ class RayCluster:
     start_seconds: float  # how long starting (or joining) took
     temp_dir: str | None = None
     disconnect: bool = True
+    token: str | None = None  # MARKER_ENV's value in the processes of a cluster this run started
+    _unregister: Callable[[], None] | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
-        """Disconnect; shut down the cluster and remove its temp dir if this run started it. Idempotent."""
+        """Disconnect; shut down the cluster, end every process left of it and remove its temp dir
+        if this run started it. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -44,8 +103,18 @@ class RayCluster:
         try:
             ray.shutdown()  # a started cluster stops with its driver; a joined one keeps running
         finally:
-            if self.temp_dir is not None:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
+            _end_started(self.token, self.temp_dir, self._unregister)
+
+
+def _end_started(token: str | None, temp_dir: str | None, unregister: Callable[[], None] | None) -> None:
+    """End a started cluster's remaining processes (its agents may outlive the raylet), remove its
+    temp dir and drop its exit hook."""
+    if token is not None:
+        end_processes(token)
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    if unregister is not None:
+        unregister()
 
 
 def connect(cfg: RayConfig) -> RayCluster:
@@ -62,11 +131,16 @@ def connect(cfg: RayConfig) -> RayCluster:
         address = str(ray.get_runtime_context().gcs_address)
         return RayCluster(address=address, owned=False, start_seconds=time.perf_counter() - started, disconnect=False)
     temp_dir: str | None = None
-    if cfg.address:
-        ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
-    else:
+    token: str | None = None
+    unregister: Callable[[], None] | None = None
+    if not cfg.address:
         # Ray's socket paths must stay short (AF_UNIX limit): a short prefix under the system temp dir
         temp_dir = tempfile.mkdtemp(prefix="rr-ray-")
+        token = uuid.uuid4().hex
+        # a signal from here on (relayrl.cli.signals exits at once) still ends the cluster's processes
+        unregister = on_hard_exit(functools.partial(_end_started, token, temp_dir, None))
+        say(f"starting a local Ray cluster ({f'ray.num_cpus={cfg.num_cpus}' if cfg.num_cpus else 'all CPUs'})")
+        os.environ[MARKER_ENV] = token  # inherited by the GCS server and the raylet, and by what the raylet starts
         try:
             ray.init(
                 num_cpus=cfg.num_cpus or None,
@@ -74,14 +148,29 @@ def connect(cfg: RayConfig) -> RayCluster:
                 include_dashboard=False,
                 namespace=cfg.namespace,
                 log_to_driver=False,
+                logging_level=logging.WARNING,  # its "Started a local Ray instance" line: said by `say` instead
                 _temp_dir=temp_dir,
             )
         except BaseException:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            try:
+                ray.shutdown()
+            finally:
+                _end_started(token, temp_dir, unregister)
             raise
+        finally:
+            os.environ.pop(MARKER_ENV, None)  # processes this one starts later are not the cluster's
+    else:
+        say(f"joining the Ray cluster at {cfg.address}")
+        ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False, logging_level=logging.WARNING)
     seconds = time.perf_counter() - started
     address = str(ray.get_runtime_context().gcs_address)
     what = "joined" if cfg.address else "started a local"
-    print(f"relayrl: {what} Ray cluster at {address} in {seconds:.1f}s")
-    return RayCluster(address=address, owned=not cfg.address, start_seconds=seconds, temp_dir=temp_dir)
+    say(f"{what} Ray cluster at {address} in {seconds:.1f}s")
+    if token is None:
+        return RayCluster(address=address, owned=False, start_seconds=seconds)
+    return RayCluster(address=address, owned=True, start_seconds=seconds, temp_dir=temp_dir, token=token, _unregister=unregister)
+
+
+def say(message: str) -> None:
+    """One line of start-up progress on the console (stdout, where the run's progress goes)."""
+    print(f"relayrl: {message}", flush=True)

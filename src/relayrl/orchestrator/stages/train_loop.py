@@ -341,6 +341,9 @@ class TrainLoop:
             tracer.complete("trainer", "optim_step", start, end, step=step)
             record.policy_version = version
             record.step_time_sec = end - step_start
+            timed = self._trainer.step_train_time(step)  # a remote trainer's own spans (its calls return early)
+            if timed is not None:
+                record.train_time = timed
             record.commit_time = end
             step_start = last_commit = end
             for group in prepared.groups:
