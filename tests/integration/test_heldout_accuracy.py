@@ -128,9 +128,8 @@ def test_a_run_with_a_partial_credit_reward_reports_accuracy_and_mean_reward_apa
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 9)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "heldout.jsonl").write_text("".join(json.dumps({"prompt": p.text, "answer": p.answer}) + "\n" for p in PROMPTS))
-    cfg = sim_config(
-        "task.kind=jsonl", f"task.path={tmp_path / 'train.jsonl'}", f"task.heldout_path={tmp_path / 'heldout.jsonl'}", "run.steps=2"
-    )
+    task = ["task.kind=jsonl", f"task.path={tmp_path / 'train.jsonl'}", f"task.heldout_path={tmp_path / 'heldout.jsonl'}", "run.steps=2"]
+    cfg = sim_config(*task)
     result = run_checked(build_program(cfg, run_dir=tmp_path / "run", reward_fns=[partial_credit]))
     evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     assert [(e["version"], e["accuracy"], e["reward_mean"]) for e in evals] == [(0, 0.2, 0.6), (2, 0.2, 0.6)]
@@ -141,3 +140,8 @@ def test_a_run_with_a_partial_credit_reward_reports_accuracy_and_mean_reward_apa
         0.6,
         0.6,
     )
+    # task.reward_clip clips the rewards (1.0 -> 0.5), never the task's own check
+    clipped = run_checked(
+        build_program(sim_config(*task, "task.reward_clip=0.5"), run_dir=tmp_path / "clipped", reward_fns=[partial_credit])
+    )
+    assert (clipped.summary["accuracy_before"], clipped.summary["heldout_reward_mean_before"]) == (0.2, 0.5)

@@ -14,6 +14,7 @@ the one `RunState`.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,7 +120,8 @@ def assemble(
         episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, threads, tracer)
     # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
     # run evaluates), rewarded through the run's scorer, judged correct by the task's own check
-    # (a scorer of its own, which starts no process), greedy episodes for multi-turn tasks
+    # (a scorer of its own, which starts no process and never clips: a check's 1.0 must stay 1.0
+    # whatever task.reward_clip), greedy episodes for multi-turn tasks
     evaluator = (
         HeldoutEvaluator(
             backend.greedy,
@@ -129,7 +131,7 @@ def assemble(
             cfg.eval.max_new_tokens,
             scorer=scorer,
             episodes=episodes,
-            correctness=Scorer([correctness_check(cfg.task.kind)], settings, threads),
+            correctness=Scorer([correctness_check(cfg.task.kind)], dataclasses.replace(settings, clip=0.0, worker_log=None), threads),
         )
         if backend.greedy is not None and heldout
         else None
