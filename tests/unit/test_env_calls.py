@@ -147,3 +147,30 @@ def test_too_many_stuck_sync_calls_raise_naming_the_call(release: threading.Even
     with pytest.raises(TooManyStuckCalls) as info:
         asyncio.run(env_calls.run([_call(stuck, "step 2")]))
     assert info.value.where == "step 2" and info.value.running == 2
+
+
+def test_batches_of_plain_calls_take_turns_so_sync_code_never_runs_on_two_threads_at_once() -> None:
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+
+    def step(_: object) -> object:
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        threading.Event().wait(0.02)
+        with lock:
+            inside -= 1
+        return "ok"
+
+    env_calls = EnvCalls(5.0)
+
+    async def main() -> list[list[tuple[object, float]]]:
+        # three batches at once: two sampler replicas and the held-out evaluation
+        return await asyncio.gather(*(env_calls.run([_call(step), _call(step)]) for _ in range(3)))
+
+    results = asyncio.run(main())
+    assert [[value for value, _ in batch] for batch in results] == [["ok", "ok"]] * 3
+    assert most == 1
+

@@ -4,7 +4,9 @@
 - Coroutine functions are awaited on the event loop, all calls of a batch at once, each in its
   own task; one past the bound is cancelled and waited for at most `CANCEL_GRACE_S` (one that
   ignores cancelling is left to end on its own, referenced until then).
-- Plain functions run one after another in an environment call thread ("relayrl-env-call"),
+- Plain functions run one after another in an environment call thread ("relayrl-env-call"), one
+  batch at a time (the batches of several sampler replicas and of the held-out evaluation take
+  turns, so an environment's sync code never runs on two threads at once, abandoned calls aside),
   which the event loop watches without polling (it sleeps until the deadline of the call in
   progress): a call still running at its deadline gets the `timeout` outcome, its thread is
   abandoned (a Python thread cannot be stopped: it runs on until the call returns, then exits
@@ -96,6 +98,9 @@ class _Runner:
         k = self.current
         try:
             while k < len(order):
+                with lock:
+                    if self.abandoned:
+                        return  # the caller stopped between two calls: start no further one
                 method, arg, _ = calls[order[k]]
                 began = perf()
                 value: object
@@ -167,6 +172,7 @@ class EnvCalls:
         self.timeout_s = timeout_s
         self.max_abandoned = max_abandoned
         self._abandoned: list[threading.Thread] = []
+        self._plain_turn = asyncio.Lock()  # one batch of plain calls at a time (see the module)
 
     def abandoned(self) -> list[threading.Thread]:
         """The abandoned threads still running."""
@@ -215,10 +221,11 @@ class EnvCalls:
         """`calls[i]` for each i of `order`, one after another, in environment call threads."""
         loop = asyncio.get_running_loop()
         start = 0
-        while start < len(order):
-            runner = _Runner(calls, order, out, start, loop)
-            runner.thread.start()
-            start = await self._watch(runner, calls, order, out)
+        async with self._plain_turn:
+            while start < len(order):
+                runner = _Runner(calls, order, out, start, loop)
+                runner.thread.start()
+                start = await self._watch(runner, calls, order, out)
 
     async def _watch(self, runner: _Runner, calls: Sequence[Call], order: list[int], out: list[tuple[object, float]]) -> int:
         """Wait for `runner` to finish its calls (→ len(order)) or for its call in progress to
