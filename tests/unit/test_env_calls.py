@@ -173,4 +173,3 @@ def test_batches_of_plain_calls_take_turns_so_sync_code_never_runs_on_two_thread
     results = asyncio.run(main())
     assert [[value for value, _ in batch] for batch in results] == [["ok", "ok"]] * 3
     assert most == 1
-
