@@ -64,7 +64,7 @@ def check_device_spec(spec: str) -> str:
     """`spec` stripped and lower-cased when it is a device spec (DEVICE_SPEC); else ValueError."""
     value = spec.strip().lower()
     if not DEVICE_SPEC.fullmatch(value):
-        raise ValueError(f"must be 'cpu', 'cuda', 'cuda:N' (N a device index) or 'auto'")
+        raise ValueError("must be 'cpu', 'cuda', 'cuda:N' (N a device index) or 'auto'")
     return value
 
 
@@ -321,14 +321,15 @@ class RolloutConfig(_Section):
     it fails its episode (counted; see strict_environment). An async call is cancelled; a sync
     one cannot be interrupted, so its thread is abandoned, and the run fails when more than 4 are
     still running."""
-    device: str = Field("cpu", json_schema_extra=RESUMABLE)
+    device: str = "cpu"
     """Where the local samplers and the held-out evaluation's engine compute: "cpu", "cuda" (the
     current CUDA device), "cuda:N" or "auto" (cuda when this process sees a CUDA device, else
     cpu). A device this machine lacks exits 2 naming the key. On Ray each sampler actor asks for
     one GPU when its device is CUDA (unless ray.sampler_resources names GPU) and computes on the
     GPU Ray gives it (cuda:N is read as cuda); the evaluation's engine, in the driver, uses the
     device when this machine has it, else the CPU. Sampled tokens differ between devices (their
-    random streams differ), not their distribution."""
+    random streams differ), not their distribution: a --resume keeps the device, as exact
+resume needs."""
     strict_environment: bool = Field(False, json_schema_extra=RESUMABLE)
     """Multi-turn episodes: an environment call that raises, returns a non-finite reward or runs
     past env_step_timeout_s fails the run at once instead of its episode (counted like a failed
@@ -421,12 +422,13 @@ class TrainConfig(_Section):
     call_timeout_s: float = Field(1800.0, ge=0.0)
     """A trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
     does not return within this many seconds fails the run naming the call; 0 = no bound."""
-    device: str = Field("cpu", json_schema_extra=RESUMABLE)
+    device: str = "cpu"
     """Where the local trainer computes: "cpu", "cuda" (the current CUDA device), "cuda:N" or
     "auto" (cuda when this process sees a CUDA device, else cpu). A device this machine lacks
     exits 2 naming the key. Micro-batches are collated on the CPU and moved to it once each. On
     Ray the trainer actor asks for one GPU when its device is CUDA (unless ray.trainer_resources
-    names GPU) and computes on the GPU Ray gives it (cuda:N is read as cuda)."""
+    names GPU) and computes on the GPU Ray gives it (cuda:N is read as cuda). A --resume keeps
+the device."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""

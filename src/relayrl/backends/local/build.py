@@ -43,6 +43,7 @@ from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
 _CPU = torch.device("cpu")
 
+
 def model_dir(cfg: Config) -> Path:
     if cfg.model.path:
         return Path(cfg.model.path)
