@@ -55,6 +55,24 @@ class ConfigError(UserError):
     """A bad configuration value; the message names the key and, where known, the file."""
 
 
+#: train.device / rollout.device: "cpu", "cuda", "cuda:N" or "auto" (resolved by
+#: relayrl.backends.local.devices, which imports torch; this module does not).
+DEVICE_SPEC = re.compile(r"cpu|cuda|cuda:\d+|auto")
+
+
+def check_device_spec(spec: str) -> str:
+    """`spec` stripped and lower-cased when it is a device spec (DEVICE_SPEC); else ValueError."""
+    value = spec.strip().lower()
+    if not DEVICE_SPEC.fullmatch(value):
+        raise ValueError("must be 'cpu', 'cuda', 'cuda:N' (N a device index) or 'auto'")
+    return value
+
+
+def is_cuda_spec(spec: str) -> bool:
+    """A device spec that names CUDA ("cuda" or "cuda:N"; not "auto")."""
+    return spec == "cuda" or spec.startswith("cuda:")
+
+
 class _Section(BaseModel):
     # every float must be finite: an inf or nan cost, rate or bound is always a mistake (an inf
     # sim cost sleeps forever, an inf learning rate trains nonsense)
@@ -303,10 +321,24 @@ class RolloutConfig(_Section):
     it fails its episode (counted; see strict_environment). An async call is cancelled; a sync
     one cannot be interrupted, so its thread is abandoned, and the run fails when more than 4 are
     still running."""
+    device: str = "cpu"
+    """Where the local samplers and the held-out evaluation's engine compute: "cpu", "cuda" (the
+    current CUDA device), "cuda:N" or "auto" (cuda when this process sees a CUDA device, else
+    cpu). A device this machine lacks exits 2 naming the key. On Ray each sampler actor asks for
+    one GPU when its device is CUDA (unless ray.sampler_resources names GPU) and computes on the
+    GPU Ray gives it (cuda:N is read as cuda); the evaluation's engine, in the driver, uses the
+    device when this machine has it, else the CPU. Sampled tokens differ between devices (their
+    random streams differ), not their distribution: a --resume keeps the device, as exact
+resume needs."""
     strict_environment: bool = Field(False, json_schema_extra=RESUMABLE)
     """Multi-turn episodes: an environment call that raises, returns a non-finite reward or runs
     past env_step_timeout_s fails the run at once instead of its episode (counted like a failed
     reward, left out of its group's baseline). A wrong type returned always fails the run."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_spec(cls, spec: str) -> str:
+        return check_device_spec(spec)
 
 
 class AlgorithmConfig(_Section):
@@ -390,9 +422,21 @@ class TrainConfig(_Section):
     call_timeout_s: float = Field(1800.0, ge=0.0)
     """A trainer call (train_step, optim_step, get_metrics, export_weights, save/load_state) that
     does not return within this many seconds fails the run naming the call; 0 = no bound."""
+    device: str = "cpu"
+    """Where the local trainer computes: "cpu", "cuda" (the current CUDA device), "cuda:N" or
+    "auto" (cuda when this process sees a CUDA device, else cpu). A device this machine lacks
+    exits 2 naming the key. Micro-batches are collated on the CPU and moved to it once each. On
+    Ray the trainer actor asks for one GPU when its device is CUDA (unless ray.trainer_resources
+    names GPU) and computes on the GPU Ray gives it (cuda:N is read as cuda). A --resume keeps
+the device."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_spec(cls, spec: str) -> str:
+        return check_device_spec(spec)
 
 
 class ModelConfig(_Section):
@@ -410,8 +454,10 @@ class ModelConfig(_Section):
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     gguf_file: str | None = None
     """A GGUF file inside `path`."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """The weights' dtype."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """The weights' dtype; "auto" = bfloat16 when every device the process computes on
+    (train.device and rollout.device in one process, an actor's own device on Ray) is a CUDA
+    device that supports it, else float32 (so float32 on the CPU)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """The attention implementation (transformers' attn_implementation)."""
 

@@ -96,7 +96,8 @@ def load_model_and_tokenizer(
     """Load a causal LM and its tokenizer from a local directory with ``from_pretrained``.
 
     ``gguf_file`` names a GGUF file inside ``path`` (needs the ``gguf`` package). The model is
-    returned in eval mode on the CPU, with dropout off (``disable_dropout``). A tokenizer without a
+    returned in eval mode on the CPU in ``dtype`` (its users move it to their device: see
+    ``relayrl.backends.local.devices``), with dropout off (``disable_dropout``). A tokenizer without a
     pad token gets its EOS as pad.
     """
     model_dir = Path(path)
@@ -141,7 +142,8 @@ def greedy_completions(
     max_new_tokens: int,
     batch_size: int = 128,
 ) -> list[str]:
-    """Greedy completions of ``texts`` (batched, left-padded), each cut at its first EOS."""
+    """Greedy completions of ``texts`` (batched, left-padded), each cut at its first EOS; the
+    inputs are moved to the model's device."""
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     if eos_id is None or pad_id is None:
@@ -157,8 +159,8 @@ def greedy_completions(
             enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
             # PreTrainedModel is a GenerationMixin; nn.Module.__getattr__ hides that from type checkers
             generated = cast(GenerationMixin, model).generate(
-                input_ids=enc["input_ids"],
-                attention_mask=enc["attention_mask"],
+                input_ids=enc["input_ids"].to(model.device),
+                attention_mask=enc["attention_mask"].to(model.device),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 eos_token_id=eos_id,

@@ -7,6 +7,13 @@ from it). A worker factory called in the driver's process builds its worker from
 model, as copies (the trainer trains the loaded model itself, so the host calls it last); sent to
 another process (a Ray actor) a factory loads the model there.
 
+Devices (`relayrl.backends.local.devices`): in one process the driver resolves train.device and
+rollout.device before loading anything (a device the machine lacks exits 2 there), loads the
+model on the CPU in `model.dtype`, and each worker moves its own copy to its device once; the
+held-out engine computes on rollout.device. On Ray each actor resolves its own device (the GPU Ray
+gave it) and loads the model there; the driver's engine uses rollout.device if this machine has
+it, else the CPU.
+
 Invariant: every worker gets its own model copy and its own tokenizer copy (fast tokenizers are
 not safe to share across threads); weights then move only through `Weights` payloads.
 """
@@ -26,6 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import TorchCollator
+from relayrl.backends.local.devices import driver_device, process_device, resolve_device, resolve_dtype
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
@@ -33,7 +41,7 @@ from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CPU = torch.device("cpu")
 
 
 def model_dir(cfg: Config) -> Path:
@@ -116,10 +124,11 @@ def split_threads(budget: int, trainer: int, sampler: int, num_samplers: int) ->
     return share, share
 
 
-def load_base(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The configured model and tokenizer, loaded (every worker copies or loads its own)."""
+def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The configured model and tokenizer, loaded on the CPU in `dtype` (`model.dtype` resolved;
+    every worker copies or loads its own)."""
     transformers.utils.logging.disable_progress_bar()
-    model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=DTYPES[cfg.model.dtype], gguf_file=cfg.model.gguf_file)
+    model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=dtype, gguf_file=cfg.model.gguf_file)
     if cfg.model.attn_implementation != "sdpa":
         model.set_attn_implementation(cfg.model.attn_implementation)
     return model, tokenizer
@@ -135,10 +144,17 @@ def sampling_params(cfg: Config) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
 
 
-def make_sampler(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, replica: int, threads: int) -> LocalSampler:
-    """Sampler replica `replica` on a frozen copy of `model` and its own tokenizer copy."""
+def make_sampler(
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    replica: int,
+    threads: int,
+    device: torch.device = _CPU,
+) -> LocalSampler:
+    """Sampler replica `replica` on a frozen copy of `model` on `device`, and its own tokenizer copy."""
     return LocalSampler(
-        _frozen_copy(model),
+        _frozen_copy(model, device),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=replica,
@@ -149,8 +165,9 @@ def make_sampler(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedToken
     )
 
 
-def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrainer:
-    """The trainer, training `model` itself (plus a frozen reference copy when kl_beta > 0)."""
+def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer:
+    """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
+    there when kl_beta > 0)."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
@@ -175,19 +192,21 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int) -> LocalTrai
         temperature=r.temperature,
         torch_threads=threads,
     )
-    ref = _frozen_copy(model) if a.kl_beta > 0 else None
-    return LocalTrainer(model, settings, ref_model=ref)
+    ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
+    return LocalTrainer(model, settings, ref_model=ref, device=device)
 
 
 def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
     return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
 
 
-def make_greedy_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int) -> LocalSampler:
-    """The held-out evaluation's engine: a sampler on its own frozen model copy, numbered after
-    the rollout replicas."""
+def make_greedy_engine(
+    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int, device: torch.device = _CPU
+) -> LocalSampler:
+    """The held-out evaluation's engine: a sampler on its own frozen model copy on `device`,
+    numbered after the rollout replicas."""
     return LocalSampler(
-        _frozen_copy(model),
+        _frozen_copy(model, device),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=cfg.rollout.num_samplers,
@@ -205,40 +224,76 @@ _Base = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
 
 class _Factory:
-    """A picklable worker factory carrying the driver's loaded model while it stays in the driver's
-    process; pickled (for another process) it carries only the config, and loads the model there."""
+    """A picklable worker factory carrying the driver's loaded model and the worker's resolved
+    device while it stays in the driver's process; pickled (for another process) it carries only
+    the config, and resolves its device (`key` of the config) and loads the model there."""
 
-    def __init__(self, cfg: Config, args: tuple[int, ...], base: _Base | None = None) -> None:
+    key = ""  # the config key of the worker's device
+
+    def __init__(self, cfg: Config, args: tuple[int, ...], base: _Base | None = None, device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.args = args
         self._base = base
+        self._device = device
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.cfg, self.args))
 
+    def spec(self) -> str:
+        section, _, name = self.key.partition(".")
+        return str(getattr(getattr(self.cfg, section), name))
+
+    def device(self) -> torch.device:
+        """The worker's device: the driver's resolution, or this process's (see the module)."""
+        if self._device is None:
+            self._device = _CPU if self._base is not None else process_device(self.spec(), self.key, ray=self.cfg.ray.enabled)
+        return self._device
+
     def base(self) -> _Base:
-        return self._base if self._base is not None else load_base(self.cfg)
+        """The driver's loaded model and tokenizer, or loaded here in the dtype for `device()`."""
+        if self._base is not None:
+            return self._base
+        return load_base(self.cfg, resolve_dtype(self.cfg.model.dtype, [self.device()]))
+
+    def placed(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
+        """(model, tokenizer, device) of the worker; the device is resolved before the model loads."""
+        device = self.device()
+        model, tokenizer = self.base()
+        return model, tokenizer, device
 
 
 class SamplerFactory(_Factory):
-    """Sampler replica `args[0]` with `args[1]` torch threads."""
+    """Sampler replica `args[0]` with `args[1]` torch threads, on rollout.device."""
+
+    key = "rollout.device"
 
     def __call__(self) -> LocalSampler:
-        model, tokenizer = self.base()
+        model, tokenizer, device = self.placed()
         replica, threads = self.args
-        return make_sampler(self.cfg, model, tokenizer, replica, threads)
+        return make_sampler(self.cfg, model, tokenizer, replica, threads, device)
 
 
 class TrainerFactory(_Factory):
-    """The trainer with `args[0]` torch threads; it trains the model it is given itself."""
+    """The trainer with `args[0]` torch threads, on train.device; it trains the model it is given
+    itself."""
+
+    key = "train.device"
 
     def __call__(self) -> LocalTrainer:
-        model, _ = self.base()
-        return make_trainer(self.cfg, model, self.args[0])
+        model, _, device = self.placed()
+        return make_trainer(self.cfg, model, self.args[0], device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:
-    model, tokenizer = load_base(cfg)  # the driver's copy: encoders, collator, prompt bound, greedy engine
+    if cfg.ray.enabled:  # the workers' devices are resolved in their actors
+        train_device = rollout_device = None
+        greedy_device = driver_device(cfg.rollout.device, "rollout.device")
+        dtype = resolve_dtype(cfg.model.dtype, [greedy_device])
+    else:  # before anything loads: a device this machine lacks exits 2 at once
+        train_device = resolve_device(cfg.train.device, "train.device")
+        rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
+        dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
+    model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
     trainer_threads, sampler_threads = worker_threads(cfg)
     base = (model, tokenizer)
     return Compute(
@@ -247,9 +302,9 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         encode_text=EncodeText(copy.deepcopy(tokenizer)),
         decode=Decode(copy.deepcopy(tokenizer)),
         max_prompt_tokens=max_prompt_tokens(cfg, model),
-        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads),
-        trainer=TrainerFactory(cfg, (trainer_threads,), base),
-        samplers=[SamplerFactory(cfg, (i, sampler_threads), base) for i in range(cfg.rollout.num_samplers)],
+        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device),
+        trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device),
+        samplers=[SamplerFactory(cfg, (i, sampler_threads), base, rollout_device) for i in range(cfg.rollout.num_samplers)],
     )
 
 
@@ -260,8 +315,9 @@ def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
     return max(0, int(context) - cfg.rollout.max_new_tokens) if isinstance(context, int) else None
 
 
-def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
-    clone = copy.deepcopy(model).eval()
+def _frozen_copy(model: PreTrainedModel, device: torch.device = _CPU) -> PreTrainedModel:
+    """A copy of `model` on `device`, in eval mode, without gradients."""
+    clone = torch.nn.Module.to(copy.deepcopy(model), device).eval()  # (transformers' own `to` types badly)
     for p in clone.parameters():
         p.requires_grad_(False)
     return clone

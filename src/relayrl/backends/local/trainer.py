@@ -16,6 +16,11 @@ importance weight (algorithms/losses.py says exactly what each computes and repo
 and the reference model have dropout off (`disable_dropout`): the trainer runs them in train
 mode, the samplers in eval mode, and on-policy their log-probs must agree (ratio 1).
 
+Devices: the policy (and reference) model live on the trainer's device (`device`; default: where
+the model already is); a micro-batch, collated on the CPU, is moved there once, whole, at the start
+of its `train_step`. Exported weights stay on that device (an in-process sampler copies them onto
+its own; the Ray transport brings them to the CPU); checkpoints load onto the CPU first.
+
 Invariants: exactly one optimizer update per `optim_step`, which overwrites the metrics slot with
 that step's figures and returns the new policy version (= number of updates so far) — or none,
 for a step whose loss or gradient is not finite (skipped, or the run fails under "fail"); more
@@ -96,13 +101,24 @@ class TrainerCompute:
     """The policy model, its optimizer and schedule, and the synchronous training compute. Not
     thread-safe except where marked: its host runs the other methods one at a time."""
 
-    def __init__(self, model: PreTrainedModel, settings: TrainerSettings, ref_model: PreTrainedModel | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        ref_model: PreTrainedModel | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         if settings.loss.kl_beta > 0 and ref_model is None:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model")
         if settings.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {settings.max_consecutive_skips}")
+        if device is not None:  # before the optimizer is made: its parameters are the ones on the device
+            torch.nn.Module.to(model, device)  # (transformers' own `to` types badly)
+            if ref_model is not None:
+                torch.nn.Module.to(ref_model, device)
         self.model = disable_dropout(model).train()  # train mode, but log-probs as the samplers' eval mode gives
         self.ref_model = disable_dropout(ref_model).eval() if ref_model is not None else None
+        self.device: torch.device = model.device
         self.settings = settings
         self.version = 0
         self._optimizer = torch.optim.AdamW(
@@ -166,6 +182,8 @@ class TrainerCompute:
         batch = tb.payload
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"micro-batch {tb.step}/{tb.index} was not collated by the TorchCollator")
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)  # once, every tensor of the micro-batch
         cfg = self.settings.loss
         logp, entropy = token_logprobs(self.model, batch, self.settings.temperature)
         ref = None
@@ -270,8 +288,14 @@ class LocalTrainer(Trainer):
     `get_metrics`, `export_weights` (after the first commit) and `save_state` call the compute's
     thread-safe methods outside that thread, so they never wait behind a train step."""
 
-    def __init__(self, model: PreTrainedModel, settings: TrainerSettings, ref_model: PreTrainedModel | None = None) -> None:
-        self.compute = TrainerCompute(model, settings, ref_model)
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        ref_model: PreTrainedModel | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.compute = TrainerCompute(model, settings, ref_model, device)
         threads = settings.torch_threads
         self._host = ThreadHost("trainer", initializer=functools.partial(torch.set_num_threads, threads) if threads else None)
 

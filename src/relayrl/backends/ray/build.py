@@ -20,6 +20,11 @@ waiting for ever. (An autoscaling cluster is judged by the nodes it has now.) Ac
 do not start (resources held by others, a node lost) fail the build after READY_TIMEOUT_S,
 naming them, what they ask for and what the cluster has free.
 
+GPUs: an actor whose device (train.device, rollout.device) is CUDA asks for one GPU, unless its
+`ray.*_resources` names GPU itself (`with_gpu`); "auto" asks for one when the cluster has any.
+Ray then sets the actor's CUDA_VISIBLE_DEVICES, and the actor resolves its device itself (the
+local kind: `relayrl.backends.local.devices`). The sim computes nowhere and asks for none.
+
 Invariant: the cluster is closed with the backend (`Backend.cleanup`), and at once if building
 fails; a started cluster is shut down, a joined one is left running.
 """
@@ -35,7 +40,7 @@ from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Sampler
 from relayrl.backends.ray.cluster import RayCluster, connect, say
 from relayrl.backends.registry import Compute
-from relayrl.config.schema import Config, ConfigError
+from relayrl.config.schema import Config, ConfigError, is_cuda_spec
 
 READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster lacks) fail the build
 
@@ -52,6 +57,16 @@ def actor_options(resources: dict[str, float]) -> dict[str, Any]:
     if custom:
         options["resources"] = custom
     return options
+
+
+def with_gpu(resources: dict[str, float], device: str, cluster_gpus: float) -> dict[str, float]:
+    """An actor's resources: `resources` (a `ray.*_resources` table) plus one GPU when its `device`
+    spec is CUDA, or "auto" on a cluster with a GPU; a table that names GPU is kept as it is."""
+    if "GPU" in resources:
+        return resources
+    if is_cuda_spec(device) or (device == "auto" and cluster_gpus > 0):
+        return {**resources, "GPU": 1.0}
+    return resources
 
 
 def spread(replicas: int, resources: dict[str, float]) -> list[dict[str, Any]]:
@@ -150,30 +165,41 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor, attach_tracer
 
     replicas = len(compute.samplers)
+    total = ray.cluster_resources()
+    trainer_res, trainer_key = cfg.ray.trainer_resources, "ray.trainer_resources"
+    sampler_res, sampler_key = cfg.ray.sampler_resources, "ray.sampler_resources"
+    if cfg.run.backend != "sim":  # the workers compute on their devices: CUDA ones ask for a GPU
+        gpus = float(total.get("GPU", 0.0))
+        trainer_res = with_gpu(trainer_res, cfg.train.device, gpus)
+        sampler_res = with_gpu(sampler_res, cfg.rollout.device, gpus)
+        if trainer_res is not cfg.ray.trainer_resources:
+            trainer_key += f" (with train.device = {cfg.train.device!r})"
+        if sampler_res is not cfg.ray.sampler_resources:
+            sampler_key += f" (with rollout.device = {cfg.rollout.device!r})"
     check_resources(
         [
-            ("the trainer actor", "ray.trainer_resources", cfg.ray.trainer_resources, 1),
-            ("each sampler actor", "ray.sampler_resources", cfg.ray.sampler_resources, replicas),
+            ("the trainer actor", trainer_key, trainer_res, 1),
+            ("each sampler actor", sampler_key, sampler_res, replicas),
         ],
-        ray.cluster_resources(),
+        total,
         [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")],
     )
-    sampler_opts = actor_options(cfg.ray.sampler_resources)
-    trainer_opts = actor_options(cfg.ray.trainer_resources)
+    sampler_opts = actor_options(sampler_res)
+    trainer_opts = actor_options(trainer_res)
     started = time.perf_counter()
     say(
-        f"starting {1 + replicas} Ray actors: the trainer{_asking(cfg.ray.trainer_resources)} and {replicas} sampler "
-        f"replica{'s' if replicas != 1 else ''}{_asking(cfg.ray.sampler_resources)}; each builds its worker (loads its model)"
+        f"starting {1 + replicas} Ray actors: the trainer{_asking(trainer_res)} and {replicas} sampler "
+        f"replica{'s' if replicas != 1 else ''}{_asking(sampler_res)}; each builds its worker (loads its model)"
     )
     trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)
     actors.append(trainer_actor)
     sampler_actors = []
-    for factory, placement in zip(compute.samplers, spread(replicas, cfg.ray.sampler_resources), strict=True):
+    for factory, placement in zip(compute.samplers, spread(replicas, sampler_res), strict=True):
         actor = SamplerActor.options(**sampler_opts, **placement).remote(factory)
         actors.append(actor)
         sampler_actors.append(actor)
     names = ["trainer", *(f"sampler {i}" for i in range(replicas))]
-    asks = [cfg.ray.trainer_resources, *([cfg.ray.sampler_resources] * replicas)]
+    asks = [trainer_res, *([sampler_res] * replicas)]
     _await_ready(actors, names, asks, started)
     say(f"Ray actors ready in {time.perf_counter() - started:.1f}s")
     greedy = None
@@ -226,4 +252,4 @@ def _kill(actors: list[Any]) -> None:
             pass
 
 
-__all__ = ["actor_options", "check_resources", "place_on_ray"]
+__all__ = ["actor_options", "check_resources", "place_on_ray", "with_gpu"]
