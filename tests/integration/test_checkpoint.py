@@ -131,12 +131,13 @@ def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> 
 def test_cli_resume_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     proc = relayrl("train", "--resume", str(tmp_path / "nothing"), timeout=60)
     assert proc.returncode == 2
-    assert "config file not found" in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [f"error: nothing to resume: run directory {tmp_path / 'nothing'} does not exist"]
     # a run without checkpoints
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2", "orchestrator.checkpoint_every=0"]]
     assert relayrl("train", *sets, timeout=60).returncode == 0
     proc = relayrl("train", "--resume", str(tmp_path / "r"), timeout=60)
-    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: nothing to resume: {tmp_path / 'r'} has no complete checkpoint")
     # a checkpoint whose trainer state is gone: named before anything in the run directory changes
     sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=r", "run.steps=2"]]
     assert relayrl("train", *sets, timeout=60).returncode == 0

@@ -145,7 +145,8 @@ def load_resume_point(run_dir: Path) -> ResumePoint:
     found = complete_checkpoints(run_dir / CHECKPOINTS)
     if not found:
         raise CheckpointError(
-            f"{run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS} (none is written when orchestrator.checkpoint_every = 0)"
+            f"nothing to resume: {run_dir} has no complete checkpoint under {run_dir / CHECKPOINTS}: the run stopped before its first "
+            "(one is written after every orchestrator.checkpoint_every-th step and after the last; none when it is 0)"
         )
     directory = found[-1]
     path = directory / STATE_FILE
