@@ -17,6 +17,7 @@ from relayrl.models.export import MARKER, MODEL_STATE, ExportError, export_run
 from relayrl.models.loading import greedy_completions, load_model_and_tokenizer, shipped_model_dir
 from relayrl.orchestrator.build import build_program
 from relayrl.rundir.checkpoint import checkpoint_dir
+from relayrl.rundir.lock import RunDirError
 from relayrl.tasks.build import build_task
 from support.cli import relayrl
 from support.simutil import run_checked, sim_config
@@ -121,6 +122,10 @@ def test_export_refuses_in_one_line(trained: Path, tmp_path: Path) -> None:
     (bare / "config.toml").write_text((trained / "config.toml").read_text())
     with pytest.raises(ExportError, match=r"no checkpoint to export under .*checkpoint_every = 0"):
         export_run(bare)
+    fresh = load_config(None, [*LOCAL, "run.steps=1", f"model.path={trained / 'model'}"])
+    with pytest.raises(RunDirError, match=r"model.path .* is inside the run directory .* which a fresh run clears"):
+        build_program(fresh, run_dir=trained)  # it would delete the model it trains from
+    assert (trained / "model" / "model.safetensors").is_file()
     refused = relayrl("export", str(trained), "--step", "7")
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "checkpoints there: steps 2, 3" in refused.stderr
