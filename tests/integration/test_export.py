@@ -5,6 +5,7 @@ exports are refused in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -13,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from relayrl.config.schema import load_config
-from relayrl.models.export import MARKER, MODEL_STATE, ExportError, export_run
+from relayrl.models.export import MARKER, MODEL_STATE, ExportError, ModelSaveFailed, export_run
 from relayrl.models.loading import greedy_completions, load_model_and_tokenizer, shipped_model_dir
 from relayrl.orchestrator.build import build_program
-from relayrl.rundir.checkpoint import checkpoint_dir
+from relayrl.rundir.checkpoint import checkpoint_dir, load_resume_point
 from relayrl.rundir.lock import RunDirError
 from relayrl.tasks.build import build_task
 from support.cli import relayrl
@@ -156,8 +157,18 @@ def test_train_continues_from_the_export_and_a_run_without_checkpoints_saves_its
     assert HF_FILES <= {p.name for p in (run_dir / "model").iterdir()}
 
 
-def test_save_model_false_writes_nothing(tmp_path: Path) -> None:
+def test_save_model_false_writes_nothing_and_a_model_dir_in_the_way_fails_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
     cfg = load_config(None, [*LOCAL, "run.steps=1", "run.save_model=false", "eval.enabled=false"])
-    result = run_checked(build_program(cfg, run_dir=tmp_path / "run"), timeout=120)
+    result = run_checked(build_program(cfg, run_dir=run_dir), timeout=120)
     assert result.model_dir is None
-    assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / MODEL_STATE).exists()
+    assert not (run_dir / "model").exists() and not (run_dir / MODEL_STATE).exists()
+    # extended with save_model on, while RUN_DIR/model/ holds someone's files: refused, kept, named
+    (run_dir / "model").mkdir()
+    (run_dir / "model" / "notes.txt").write_text("mine")
+    longer = load_config(None, [*LOCAL, "run.steps=2", "eval.enabled=false"])
+    with pytest.raises(ModelSaveFailed, match=r"run completed but its model could not be written to .*model: .*relayrl export"):
+        asyncio.run(asyncio.wait_for(build_program(longer, run_dir=run_dir, resume=True).run(), 120))
+    assert [p.name for p in (run_dir / "model").iterdir()] == ["notes.txt"]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert load_resume_point(run_dir).step == 2  # the run itself completed, with its final checkpoint

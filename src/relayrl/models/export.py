@@ -52,13 +52,13 @@ class ModelSaveFailed(RunFailed):
 
     resumable = False
 
-    def __init__(self, out: Path, cause: BaseException) -> None:
+    def __init__(self, out: Path, cause: BaseException, *, checkpointed: bool) -> None:
         reason = " ".join(str(cause).split()) if not isinstance(cause, OSError) or not cause.strerror else cause.strerror
         where = f" ({cause.filename})" if isinstance(cause, OSError) and cause.filename else ""
-        super().__init__(
-            f"the run completed but its model could not be written to {out}: {reason}{where}; "
-            f"write it from the last checkpoint with: relayrl export {out.parent}"
-        )
+        then = "the run has no checkpoint to export"
+        if checkpointed:
+            then = f"write it from the last checkpoint with: relayrl export {out.parent}"
+        super().__init__(f"the run completed but its model could not be written to {out}: {reason}{where}; {then}")
 
 
 @dataclass(frozen=True, slots=True)

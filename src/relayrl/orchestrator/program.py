@@ -8,7 +8,9 @@ It only supervises. What it delegates: building the run, fresh or restored, and 
 what the run carries across a resume (orchestrator/state.py's `RunState`), restoring a resume
 point and writing checkpoints (orchestrator/checkpointing.py), when the held-out evaluation runs
 (eval/schedule.py), the run directory's config.toml, evals.jsonl and summary.json and the summary
-itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
+itself (rundir/files.py), the per-step logs (telemetry/stepbook.py), the trained model a
+completed run writes with run.save_model (models/export.py: after summary.json, under the run
+directory's lock, not counted in the run's wall time).
 
 Invariant: the first error in any stage, deferred job or worker call cancels every other task
 and reaches the caller as itself (not wrapped); cancellation of the run leaves no task or
@@ -171,7 +173,7 @@ class Program:
         try:
             exported = await asyncio.to_thread(write_model, cfg, state, out, step=cfg.run.steps, run_dir=run_dir)
         except (UserError, OSError) as exc:
-            raise ModelSaveFailed(out, exc) from exc
+            raise ModelSaveFailed(out, exc, checkpointed=state.name != MODEL_STATE) from exc
         finally:
             if state.name == MODEL_STATE:
                 await asyncio.to_thread(shutil.rmtree, state, True)
