@@ -20,6 +20,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 RESUMABLE_BEFORE = [
     "run.steps",
     "run.overwrite",
+    "run.save_model",
     "task.reward_workers",
     "task.reward_timeout_s",
     "task.reward_concurrency",
@@ -120,7 +121,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
 
 def test_resumable_keys_are_the_former_prefixes_keys() -> None:
     assert sorted(resumable_keys()) == sorted(RESUMABLE_BEFORE)
-    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 53
+    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 54
 
 
 def test_resume_changes_reads_the_marks() -> None:

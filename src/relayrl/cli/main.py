@@ -1,4 +1,4 @@
-"""Command line: `relayrl train | check-trace | report | runs | bench ...`.
+"""Command line: `relayrl train | export | check-trace | report | runs | bench ...`.
 
 Invariant: the exit code and the one `error:` line follow the error's kind (relayrl/errors.py).
 Bad input (a `UserError`: config key, file, value, task data, reward or environment entry, model
@@ -135,6 +135,8 @@ def train(
         f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
         f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
     )
+    if result.model_dir is not None:
+        out.print(f"model: {result.model_dir} (a Hugging Face model directory: AutoModelForCausalLM.from_pretrained, or --set model.path=)")
 
 
 def _resumable_or_fail(run_dir: Path) -> None:
@@ -300,6 +302,33 @@ def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directori
     for row in rows:
         table.add_row(*row)
     out.print(table)
+
+
+@app.command("export")
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory of a local-backend run with checkpoints.")],
+    step: Annotated[int | None, typer.Option("--step", help="The checkpoint after step N (default: the newest).")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Output directory (default: RUN_DIR/model, or RUN_DIR/model-step-N for an older step).")
+    ] = None,
+) -> None:
+    """Write a checkpoint's policy as a Hugging Face model directory (config.json,
+    model.safetensors, tokenizer files, generation_config.json)."""
+    from relayrl.config.extras import LOCAL_BACKEND_MODULES, require
+    from relayrl.models.export import export_run, run_config
+
+    try:
+        cfg = run_config(run_dir)
+        if cfg.run.backend == "local":
+            for module in LOCAL_BACKEND_MODULES:
+                require(module, "local", "relayrl export")
+        exported = export_run(run_dir, step=step, out=out_dir)
+    except UserError as exc:  # no run, a sim run, no checkpoint, a missing step, an --out that is not an export, the model
+        _fail(_one_line(exc))
+    except OSError as exc:  # e.g. disk full while writing
+        _fail(_one_line(exc), 1)
+    note = " (loaded from GGUF, written as safetensors)" if exported.gguf else ""
+    out.print(f"wrote {exported.directory}: the policy after step {exported.step}, a Hugging Face model of {exported.source}{note}")
 
 
 def _bench(run: Callable[[], T], as_json: bool) -> T:

@@ -99,6 +99,11 @@ class RunConfig(_Section):
     ray.enabled)."""
     overwrite: bool = Field(True, json_schema_extra=RESUMABLE)
     """A fresh run replaces a non-empty run directory (relayrl's own only); false = refuse."""
+    save_model: bool = Field(True, json_schema_extra=RESUMABLE)
+    """When the run completes (local backend), write the trained policy as a Hugging Face model
+    directory to `RUN_DIR/model/` (config.json, model.safetensors, tokenizer files,
+    generation_config.json), from the last step's checkpoint; the same as `relayrl export RUN_DIR`.
+    false = write none (`relayrl export` can still write one from any checkpoint)."""
 
     @field_validator("name")
     @classmethod

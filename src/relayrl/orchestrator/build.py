@@ -110,6 +110,11 @@ def start_run(
     backend built before the run directory is locked, cleared (only with `run.overwrite`) and
     its config.toml written."""
     checked = _check(cfg, reward_fns, environment)
+    if run_dir is not None and cfg.model.path and Path(cfg.model.path).resolve().is_relative_to(run_dir.resolve()):
+        raise RunDirError(  # e.g. RUN_DIR/model/, a run's export: the fresh run would clear it
+            f"model.path {cfg.model.path} is inside the run directory {run_dir}, which a fresh run clears: "
+            "copy the model elsewhere or choose another run.name"
+        )
     threads = OrchestratorThreads()
     built = None  # a backend built here, released here if the program is not made
     lock = RunDirLock(run_dir) if run_dir is not None else None

@@ -8,7 +8,9 @@ It only supervises. What it delegates: building the run, fresh or restored, and 
 what the run carries across a resume (orchestrator/state.py's `RunState`), restoring a resume
 point and writing checkpoints (orchestrator/checkpointing.py), when the held-out evaluation runs
 (eval/schedule.py), the run directory's config.toml, evals.jsonl and summary.json and the summary
-itself (rundir/files.py), the per-step logs (telemetry/stepbook.py).
+itself (rundir/files.py), the per-step logs (telemetry/stepbook.py), the trained model a
+completed run writes with run.save_model (models/export.py: after summary.json, under the run
+directory's lock, not counted in the run's wall time).
 
 Invariant: the first error in any stage, deferred job or worker call cancels every other task
 and reaches the caller as itself (not wrapped); cancellation of the run leaves no task or
@@ -19,11 +21,14 @@ the outcome.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.bundle import Backend
+from relayrl.errors import UserError
+from relayrl.models.export import MODEL_DIR, MODEL_STATE, ModelSaveFailed, write_model
 from relayrl.orchestrator.checkpointing import restore
 from relayrl.orchestrator.deferred import DeferredJobs
 from relayrl.orchestrator.ledger import Ledger
@@ -40,6 +45,7 @@ from relayrl.orchestrator.taskgroups import first_error
 from relayrl.orchestrator.watchdog import StallWatchdog
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir import files as runfiles
+from relayrl.rundir.checkpoint import STATE_FILE, checkpoint_dir
 from relayrl.rundir.lock import RunDirLock
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
@@ -65,6 +71,7 @@ class RunResult:
     summary: dict[str, object]
     tracer: Tracer
     ledger: Ledger
+    model_dir: Path | None = None  # the Hugging Face model directory the completed run wrote (run.save_model)
 
 
 class Program:
@@ -94,6 +101,7 @@ class Program:
         self._logged = parts.logged
         self.replicas = ReplicaPool.of(parts.backend.samplers, parts.cfg.rollout.sampler_failover)
         self.loop: TrainLoop | None = None
+        self._model_state: Path | None = None  # the last step's trainer state, for run.save_model
 
     def _dispatch_bound(self, backend: Backend) -> int | None:
         """The most prompt tokens a group may have to be sampled: the model's context after
@@ -123,13 +131,57 @@ class Program:
                 self.threads.shutdown()
             finally:
                 self.scorer.close()  # after the scoring thread stopped: no reward process outlives the run
-            closing = self._finish(status, error)
+            saving = status == "completed" and self._model_state is not None
+            closing = self._finish(status, error, release=not saving)
+        if saving:  # after the run's figures: the model's export is not part of its wall time
+            try:
+                if not closing:
+                    self._result.model_dir = await self._save_model()
+            finally:
+                if self.lock is not None:
+                    self.lock.release()
         if closing:  # the run completed but its files could not be closed (e.g. disk full)
             raise closing[0]
         return self._result
 
-    def _finish(self, status: str, error: str) -> list[OSError]:
-        """Close the run's files, write summary.json (atomically) and release the run directory.
+    async def _final_state(self) -> Path | None:
+        """With run.save_model (local backend, a run directory): the directory holding the last
+        step's trainer state — its checkpoint, or (without checkpoints) a hidden one the trainer
+        writes now, after the last step (the trainer has nothing left to do)."""
+        cfg, run_dir = self.cfg, self.run_dir
+        if run_dir is None or not cfg.run.save_model or cfg.run.backend != "local":
+            return None
+        final = checkpoint_dir(run_dir, cfg.run.steps)
+        if (final / STATE_FILE).is_file():
+            return final
+        staging = run_dir / MODEL_STATE
+
+        def prepare() -> None:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+
+        await self.threads.run("bookkeeping", prepare)
+        await self.trainer.save_state(staging)
+        return staging
+
+    async def _save_model(self) -> Path:
+        """Write RUN_DIR/model/ from the last step's trainer state, in a worker thread; a failure
+        is a `ModelSaveFailed` (the run itself completed)."""
+        assert self.run_dir is not None and self._model_state is not None
+        run_dir, state, cfg = self.run_dir, self._model_state, self.cfg
+        out = run_dir / MODEL_DIR
+        try:
+            exported = await asyncio.to_thread(write_model, cfg, state, out, step=cfg.run.steps, run_dir=run_dir)
+        except (UserError, OSError) as exc:
+            raise ModelSaveFailed(out, exc, checkpointed=state.name != MODEL_STATE) from exc
+        finally:
+            if state.name == MODEL_STATE:
+                await asyncio.to_thread(shutil.rmtree, state, True)
+        return exported.directory
+
+    def _finish(self, status: str, error: str, *, release: bool = True) -> list[OSError]:
+        """Close the run's files, write summary.json (atomically) and release the run directory
+        (unless not `release`: the caller releases it after writing the model).
         Every step is tried even when one fails (a full disk must not leave the lock held or the
         trace open); the failures are returned, so they never hide the run's own error."""
         failures: list[OSError] = []
@@ -151,7 +203,7 @@ class Program:
         except OSError as exc:
             failures.append(exc)
         finally:
-            if self.lock is not None:
+            if self.lock is not None and release:
                 self.lock.release()
         return failures
 
@@ -272,6 +324,7 @@ class Program:
                 )
                 await tg.create_task(self.loop.run(), name="train-loop")
                 await self.eval_schedule.at_end()
+                self._model_state = await self._final_state()  # before the trainer closes
                 for task in background:
                     task.cancel()
         except BaseExceptionGroup as group:
