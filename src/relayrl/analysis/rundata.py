@@ -97,22 +97,34 @@ def even_picks(items: Sequence[int], count: int) -> list[int]:
 def read_samples(run_dir: Path, steps: int = SAMPLE_STEPS) -> list[Sample]:
     """For up to `steps` logged steps, evenly spaced: the step's best and worst reward completion
     among its scored trajectories (status ok), texts cut to SAMPLE_CHARS. Reads the trajectory
-    log's closed files, only the columns it needs; [] without a log."""
+    log's closed files: the step, status and reward columns, then the texts of the picked steps
+    only (a filter on `step`, so a long run's other row groups are not read); [] without a log."""
     files = trajlog.log_files(run_dir)
     if not files:
         return []
     import pyarrow.parquet as pq
 
+    def scored(rows: list[Row]) -> dict[int, list[Row]]:
+        by_step: dict[int, list[Row]] = {}
+        for r in rows:
+            step, reward = r.get("step"), finite(r.get("reward"))
+            if isinstance(step, int) and reward is not None and r.get("status") == "ok":
+                by_step.setdefault(step, []).append(r)
+        return by_step
+
+    light: list[Row] = []
+    for f in files:
+        light.extend(pq.read_table(f.path, columns=["step", "status", "reward"]).to_pylist())
+    picked = even_picks(sorted(scored(light)), steps)
     rows: list[Row] = []
     for f in files:
-        rows.extend(pq.read_table(f.path, columns=["step", "status", "reward", "prompt", "completion"]).to_pylist())
-    by_step: dict[int, list[Row]] = {}
-    for r in rows:
-        step, reward = r.get("step"), finite(r.get("reward"))
-        if isinstance(step, int) and reward is not None and r.get("status") == "ok":
-            by_step.setdefault(step, []).append(r)
+        wanted = [s for s in picked if f.first <= s <= f.last]
+        if wanted:
+            columns = ["step", "status", "reward", "prompt", "completion"]
+            rows.extend(pq.read_table(f.path, columns=columns, filters=[("step", "in", wanted)]).to_pylist())
+    by_step = scored(rows)
     out: list[Sample] = []
-    for step in even_picks(sorted(by_step), steps):
+    for step in picked:
         ranked = sorted(by_step[step], key=lambda r: finite(r.get("reward")) or 0.0)
         for which, r in (("best", ranked[-1]), ("worst", ranked[0])):
             out.append(Sample(step, which, finite(r.get("reward")) or 0.0, _cut(r.get("prompt")), _cut(r.get("completion"))))
