@@ -21,7 +21,13 @@ from relayrl.config.schema import ConfigError, load_config
 from relayrl.envs.base import EnvStep
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning
-from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner, EpisodeSettings
+from relayrl.orchestrator.stages.episodes import (
+    EnvironmentFailedWarning,
+    EnvironmentStepError,
+    EpisodePromptTooLong,
+    EpisodeRunner,
+    EpisodeSettings,
+)
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import OrchestratorThreads
 from relayrl.types import Completion, Group, Prompt, SampleRequest, Trajectory, TrajectoryStatus, Turn, TurnRequest, TurnResult
@@ -207,7 +213,10 @@ def test_an_environment_error_fails_its_episode_or_under_strict_the_run_naming_t
     settings = EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=2)
     threads = OrchestratorThreads()
     try:
-        groups = asyncio.run(_runner(Broken(), settings, threads).run(_requests(1, 2), Scripted()))
+        with pytest.warns(EnvironmentFailedWarning) as said:
+            groups = asyncio.run(_runner(Broken(), settings, threads).run(_requests(1, 2), Scripted()))
+        assert len(said) == 1  # the first failure is said once; both are counted
+        assert "environment 'test-env' failed in step (prompt 'p0', sample 0, turn 1): raised: KeyError" in str(said[0].message)
         for t in groups[0].trajectories:
             assert t.status is TrajectoryStatus.FAILED and len(t.turns) == 1
             where = f"step (prompt 'p0', sample {t.sample_index}, turn 1)"

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
@@ -57,6 +58,7 @@ from relayrl.types import Completion, Group, SampleRequest, Trajectory, Trajecto
 
 __all__ = [
     "ENV_FAILURE",
+    "EnvironmentFailedWarning",
     "EnvironmentStepError",
     "EpisodePromptTooLong",
     "EpisodeRunner",
@@ -78,6 +80,10 @@ def env_failure_reason(t: Trajectory) -> str | None:
     if t.status is not TrajectoryStatus.FAILED or t.error is None or not t.error.startswith(ENV_FAILURE + ": "):
         return None
     return t.error[len(ENV_FAILURE) + 2 :].split(":", 1)[0]
+
+
+class EnvironmentFailedWarning(RuntimeWarning):
+    """The first environment call of a run that failed its episode (said once; the rest are counted)."""
 
 
 class EnvironmentStepError(RunFailed, RuntimeError):
@@ -151,6 +157,7 @@ class EpisodeRunner:
         self._threads = threads
         self._tracer = tracer
         self._calls = EnvCalls(settings.step_timeout_s)
+        self._warned = False  # the first failed call is said on the console, once
         # characters the template adds around an observation (its `{observation}` field excluded)
         self._template_chars = len(settings.observation_template.format(observation=""))
         self._fields = len(settings.observation_template.format(observation="x")) - self._template_chars  # `{observation}`s
@@ -237,6 +244,15 @@ class EpisodeRunner:
             raise EnvironmentStepError(f"environment {self._name!r} failed in {where}: {reason}: {detail} ({strict})")
         e.failure = f"{ENV_FAILURE}: {reason}: {detail} (environment {self._name!r}, {where})"
         e.done = True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"environment {self._name!r} failed in {where}: {reason}: {detail}; the episode is failed and counted "
+                "(summary.json reward_failures['environment']), the run goes on; further failures are only counted "
+                "(rollout.strict_environment = true fails the run instead)",
+                EnvironmentFailedWarning,
+                stacklevel=2,
+            )
 
     async def _run_calls(self, calls: Sequence[Call]) -> list[tuple[object, float]]:
         try:
