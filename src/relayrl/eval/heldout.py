@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from relayrl.rewards.registry import RewardFunction, exact_match
 from relayrl.tasks.correctness import answer_match, is_correct
-from relayrl.types import Completion, EvalResult, Prompt, SampleRequest, Trajectory, TurnRequest, TurnResult, Weights
+from relayrl.types import Completion, EvalResult, Prompt, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult, Weights
 
 if TYPE_CHECKING:
     from relayrl.backends.protocols import GreedyEngine
@@ -93,7 +93,9 @@ class HeldoutEvaluator:
         requests = [SampleRequest(-1 - i, p, toks, 1) for i, (p, toks) in enumerate(zip(self._prompts, self._tokens, strict=True))]
         groups = await runner.run(requests, self._greedy_turn(version), env_lane="eval.env")
         episodes = [g.trajectories[0] for g in groups]
-        rewards = await self._rewards(episodes)
+        # an episode its environment failed gets reward 0, as a failed reward call does (never scored)
+        scored = [e for e in episodes if e.status is not TrajectoryStatus.FAILED]
+        rewards = await self._rewards(scored)
         n = len(episodes)
         return EvalResult(
             version,
