@@ -364,6 +364,31 @@ def test_sigterm_stops_cleanly_and_names_the_checkpoint(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == STEPS
 
 
+def test_a_signal_checkpoints_the_next_step_so_a_stop_before_the_cadence_resumes(tmp_path: Path) -> None:
+    """Ctrl-C before the first checkpoint of the cadence (every 50 steps) still leaves one: the
+    next step to commit is checkpointed, the stop names it, and the resume goes on after it."""
+    sets = [f"--set={s}" for s in [*SIM_RUN, f"run.output_dir={tmp_path}", "run.name=c", "orchestrator.checkpoint_every=50"]]
+    run_dir = tmp_path / "c"
+    proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    names = [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)]
+    assert len(names) == 1, names
+    step = int(names[0].removeprefix("step-"))
+    assert 3 <= step < STEPS
+    assert f"step-{step:06d}" in stderr and f"relayrl train --resume {run_dir}" in stderr
+    resumed = relayrl("train", "--resume", str(run_dir), timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming after step {step} " in resumed.stdout + resumed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == STEPS
+
+
 def test_default_settings_checkpoint_at_the_cadence_and_the_end_and_resume_after_a_stop(tmp_path: Path) -> None:
     """With the default orchestrator.checkpoint_every (50) and keep_checkpoints (2), a 105-step
     run stopped at the end of step 103 has the checkpoints of steps 50 and 100; its resume goes on

@@ -3,9 +3,11 @@
 Outside a run (parsing, imports, loading a model) a signal exits at once: there is nothing to
 wind down, and an interrupted import must not end in a traceback. During a run the handlers are
 plain `signal.signal` handlers, which the main thread runs at its next bytecode even while the
-event loop is busy (asyncio's own handlers wait for the loop); they only schedule the run's
-cancellation, which winds it down cleanly (summary "cancelled", trace closed, no task or worker
-thread left).
+event loop is busy (asyncio's own handlers wait for the loop); they only schedule the stop: the
+next step to commit is checkpointed (orchestrator/checkpointing.py `stop_at_next_commit`), then
+the run is cancelled, which winds it down cleanly (summary "cancelled", trace closed, no task or
+worker thread left). Without checkpoints, or when no step's checkpoint is written within half of
+`grace_s`, the run is cancelled at once and a resume starts from the newest checkpoint.
 
 Invariant: a signal is answered within `grace_s` seconds whatever the run is doing: if the run has
 not wound down by then (a callback stuck on the loop, a hung worker call), or a second signal
@@ -76,12 +78,27 @@ async def run_until_stopped(program: Program, grace_s: float, resume_hint: Calla
         if not done.wait(grace_s):
             exit_now(f"the run did not wind down within orchestrator.stop_grace_s={grace_s:g} s", code)
 
+    cancelled: list[bool] = []
+
+    def cancel_once() -> None:
+        if not cancelled:
+            cancelled.append(True)
+            task.cancel()
+
+    def begin_stop() -> None:
+        # checkpoint the next step to commit, then cancel; without checkpoints (or when no step
+        # commits within half the grace) cancel at once, as a kill would find the newest checkpoint
+        if program.checkpointer.stop_at_next_commit(cancel_once):
+            loop.call_later(grace_s / 2, cancel_once)
+        else:
+            cancel_once()
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
         code = _code(signum)
         if stopped:
             exit_now("second signal", code)
         stopped.append(code)
-        loop.call_soon_threadsafe(task.cancel)
+        loop.call_soon_threadsafe(begin_stop)
         threading.Thread(target=deadline, args=(code,), name="relayrl-stop-deadline", daemon=True).start()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in EXIT_CODES}

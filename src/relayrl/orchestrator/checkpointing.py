@@ -2,8 +2,9 @@
 restoring a resume point before a resumed run starts. (The checkpoint's format, the resume point
 and the rewind of the run directory are rundir/checkpoint.py's.)
 
-A checkpoint is due at the commit of every `orchestrator.checkpoint_every`-th step and of the
-last step (never without a run directory, nor with `checkpoint_every = 0`); steps are numbered
+A checkpoint is due at the commit of every `orchestrator.checkpoint_every`-th step, of the
+last step, and of the first step to commit after a stop was asked for (`stop_at_next_commit`: a
+signal, see cli/signals.py) — never without a run directory, nor with `checkpoint_every = 0`; steps are numbered
 from 1, so step N's checkpoint is `checkpoints/step-N/`, holding version N. Its state is taken at that commit (`on_commit`) and
 written only once that step's metrics and trajectories are (`after_bookkeeping`), together with
 the metrics.jsonl rows logged since the previous checkpoint (`LoggedSteps`).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +113,25 @@ class Checkpointer:
         self._logged = logged
         self._state = state
         self._pending: dict[int, dict[str, object]] = {}  # due, state taken, not yet written
+        self._on_stop: Callable[[], None] | None = None  # a stop was asked for: called once its checkpoint is written
+        self._stop_step: int | None = None  # the step whose commit came first after the stop was asked for
 
     def due(self, step: int) -> bool:
-        """Whether the commit of `step` (numbered from 1: `step` steps done) takes a checkpoint."""
-        return bool(self._every) and (step % self._every == 0 or step == self._steps)
+        """Whether the commit of `step` (numbered from 1: `step` steps done) takes a checkpoint.
+        Stable for a step once it committed (the bookkeeping thread asks again)."""
+        return bool(self._every) and (step % self._every == 0 or step == self._steps or step == self._stop_step)
+
+    def stop_at_next_commit(self, written: Callable[[], None]) -> bool:
+        """Checkpoint the next step to commit, then call `written` (on the loop) once that
+        checkpoint is complete; False (and nothing asked) when this run writes no checkpoints."""
+        if not self._every or self._on_stop is not None:
+            return False
+        self._on_stop = written
+        return True
 
     def on_commit(self, record: StepRecord) -> None:
+        if self._on_stop is not None and self._stop_step is None:
+            self._stop_step = record.step
         if self.due(record.step):
             self._pending[record.step] = self.state(record.step)  # the state at this commit
 
@@ -126,6 +141,8 @@ class Checkpointer:
         state = self._pending.pop(record.step, None)
         if state is not None:
             await self.write(record.step, state)
+        if record.step == self._stop_step and self._on_stop is not None:
+            self._on_stop()
 
     def state(self, step: int) -> dict[str, object]:
         state = self._state
