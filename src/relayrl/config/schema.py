@@ -498,9 +498,10 @@ class OrchestratorConfig(_Section):
     checkpoint_every: int = Field(50, ge=0, json_schema_extra=RESUMABLE)
     """Write checkpoints/step-N/ (the state after step N) after every K-th step and after the last
     one, and after the next step to commit when Ctrl-C / SIGTERM stops the run, so that `relayrl
-    train --resume RUN_DIR` can continue from the newest; 0 = never (not even after the last step). A checkpoint is written in the step's background bookkeeping: for the
-    default recipe's model it takes 20-50 ms and 9.3 MB on 2 CPU cores, under 0.1 s of one
-    step's time, so the default cadence costs well under 1% of a run."""
+    train --resume RUN_DIR` can continue from the newest; 0 = never (not even after the last
+    step). A checkpoint is written in the step's background bookkeeping: for the default
+    recipe's model it takes 20-50 ms and 9.3 MB on 2 CPU cores, under 0.1 s of one step's time,
+    so the default cadence costs well under 1% of a run."""
     keep_checkpoints: int = Field(2, ge=1, json_schema_extra=RESUMABLE)
     """The newest K checkpoints are kept (older ones are deleted as each new one is complete), so
     a run's checkpoints take at most K times one checkpoint's size on disk."""
