@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+from relayrl.backends.protocols import Sampler
 from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
@@ -249,8 +250,18 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         max_prompt_tokens=max_prompt_tokens(cfg, model),
         greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads),
         trainer=TrainerFactory(cfg, (trainer_threads,), base),
-        samplers=[SamplerFactory(cfg, (i, sampler_threads), base) for i in range(cfg.rollout.num_samplers)],
+        samplers=sampler_factories(cfg, base, sampler_threads),
     )
+
+
+def sampler_factories(cfg: Config, base: _Base, threads: int) -> list[Callable[[], Sampler]]:
+    """One factory per sampler replica, for the rollout engine `rollout.engine` names (the vLLM
+    engine's module is imported only when it is used)."""
+    if cfg.rollout.engine == "vllm":
+        from relayrl.backends.vllm.build import VllmSamplerFactory
+
+        return [VllmSamplerFactory(cfg, i) for i in range(cfg.rollout.num_samplers)]
+    return [SamplerFactory(cfg, (i, threads), base) for i in range(cfg.rollout.num_samplers)]
 
 
 def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
