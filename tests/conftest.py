@@ -30,7 +30,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 RAY_TESTS = Path(__file__).resolve().parent / "ray"
 VLLM_TESTS = Path(__file__).resolve().parent / "vllm"
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM, not the namespace package tests/vllm/ would make of this folder's `vllm` (it has no origin)
+_VLLM = importlib.util.find_spec("vllm")
+HAS_VLLM = _VLLM is not None and _VLLM.origin is not None
 SKIP_VLLM = pytest.mark.skip(reason="vllm is not installed: bash scripts/setup.sh --vllm")
 USES_TORCH = re.compile(
     r"^\s*(?:import|from) (?:torch|transformers)\b|importorskip\(\"(?:torch|transformers)\"\)"
