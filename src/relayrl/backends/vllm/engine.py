@@ -43,6 +43,7 @@ class EngineSettings:
     max_model_len: int = 2048
     seed: int = 0
     max_num_seqs: int = 256
+    skip_tokenizer_init: bool = False  # token ids in and out only (a model without a matching tokenizer)
 
 
 def context_length(model_dir: Path, default: int = 2048) -> int:
@@ -75,5 +76,6 @@ def start_engine(settings: EngineSettings) -> Any:
         worker_extension_cls=WORKER_EXTENSION,
         max_num_seqs=settings.max_num_seqs,
         disable_log_stats=True,
+        skip_tokenizer_init=settings.skip_tokenizer_init,
     )
     return AsyncLLM.from_engine_args(args)
