@@ -9,18 +9,40 @@ rebuilt here. Imports only what the worker already has (torch, safetensors, vllm
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 __all__ = ["WeightSync", "refresh_tied_lm_head"]
 
 
-def refresh_tied_lm_head(model: Any) -> bool:
-    """Re-pack a tied LM head from the (new) embedding; False when the model has none tied."""
+# vLLM's layer-wise reload warns "<layer>: Failed to load weights" for every layer the checkpoint
+# has no weights for; on every load that is the rotary embedding's cache (never in a checkpoint)
+# and a tied LM head (re-packed below), which would print two lines per version
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ExpectedMisses(logging.Filter):
+    def __init__(self, layers: set[str]) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and args[0] in self.layers)
+
+
+def _tied(model: Any) -> bool:
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not getattr(embed, "weight", None):
+    return lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is getattr(embed, "weight", None)
+
+
+def refresh_tied_lm_head(model: Any) -> bool:
+    """Re-pack a tied LM head from the (new) embedding; False when the model has none tied."""
+    if not _tied(model):
         return False
+    lm_head = model.lm_head
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -43,6 +65,13 @@ class WeightSync:
 
         start = time.perf_counter()
         state = load_file(path)
-        self.model_runner.reload_weights(weights_iterator=iter(state.items()))
-        tied = refresh_tied_lm_head(self.model_runner.model)
+        model = self.model_runner.model
+        expected = _ExpectedMisses({"RotaryEmbedding", *(["ParallelLMHead"] if _tied(model) else [])})
+        logger = logging.getLogger(_RELOAD_LOGGER)
+        logger.addFilter(expected)
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(state.items()))
+        finally:
+            logger.removeFilter(expected)
+        tied = refresh_tied_lm_head(model)
         return {"tensors": float(len(state)), "tied_fixed": float(tied), "seconds": time.perf_counter() - start}
