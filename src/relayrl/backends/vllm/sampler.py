@@ -173,7 +173,8 @@ class VllmSampler(Sampler):
         if self._closed:
             return
         self._closed = True
-        await asyncio.to_thread(self._engine.shutdown)
+        engine, self._engine = self._engine, None
+        await asyncio.to_thread(engine.shutdown)
 
     # --- helpers ----------------------------------------------------------------------------
 
