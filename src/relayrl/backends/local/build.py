@@ -260,7 +260,7 @@ def sampler_factories(cfg: Config, base: _Base, threads: int) -> list[Callable[[
     if cfg.rollout.engine == "vllm":
         from relayrl.backends.vllm.build import VllmSamplerFactory
 
-        return [VllmSamplerFactory(cfg, i) for i in range(cfg.rollout.num_samplers)]
+        return [VllmSamplerFactory(cfg, i, model_dir(cfg)) for i in range(cfg.rollout.num_samplers)]
     return [SamplerFactory(cfg, (i, threads), base) for i in range(cfg.rollout.num_samplers)]
 
 
