@@ -170,6 +170,16 @@ def test_multi_turn_reuses_the_prefix_cache_and_a_load_resets_it(loop: Loop, sam
         assert max(abs(a - b) for a, b in zip(turn.completion.logprobs, ref, strict=True)) < 1e-4
 
 
+def test_a_call_larger_than_one_engine_step_samples_what_each_request_samples_alone(loop: Loop, sampler: VllmSampler) -> None:
+    """100 distinct 30-token contexts (3,000 tokens, more than one engine step's 2,048): no
+    prefill is split (a split seeded request killed the CPU engine) and each turn samples what it
+    samples alone."""
+    requests = [TurnRequest(f"big-{i}", [5 + (i * 7 + j) % 70 for j in range(30)], f"r{i}", 4) for i in range(100)]
+    together = loop.run(sampler.generate_turns(requests))
+    alone = [loop.run(sampler.generate_turns([r]))[0] for r in requests[:3]]
+    assert [t.completion.tokens for t in together[:3]] == [t.completion.tokens for t in alone]
+
+
 def test_a_cancelled_generate_aborts_its_requests(loop: Loop, sampler: VllmSampler) -> None:
     from vllm import SamplingParams
 

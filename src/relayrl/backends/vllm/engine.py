@@ -8,6 +8,11 @@ Invariants:
   place (`update_from_file`);
 - prefix caching is on with 32-token blocks (the CPU backend caches full blocks only, and its
   default 128 would never cache a short prompt), so an episode's next turn reuses its context's KV;
+- a prompt is prefilled in one engine step, never in chunks (`enable_chunked_prefill = False`,
+  with a step budget of at least one whole context): a seeded request whose prefill is split has
+  its first draw discarded and vLLM rewinds its generator, which a CPU generator cannot do (the
+  engine dies: "CPU Generator does not use offset"; measured with the multiturn recipe), and a
+  rewind would anyway make what a request samples depend on how the engine split it;
 - the engine core runs in its own process (never in the caller's: in-process vLLM would set up a
   torch.distributed group and make `torch.set_num_threads` a no-op there, next to the trainer),
   with the worker in that process (`distributed_executor_backend = "uni"`).
@@ -32,6 +37,7 @@ ENV_DEFAULTS: dict[str, str] = {
 }
 WORKER_EXTENSION = "relayrl.backends.vllm.worker.WeightSync"
 BLOCK_SIZE = 32
+MIN_STEP_TOKENS = 2048  # tokens one engine step computes at most, unless a context is longer
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,8 @@ def start_engine(settings: EngineSettings) -> Any:
         distributed_executor_backend="uni",
         worker_extension_cls=WORKER_EXTENSION,
         max_num_seqs=settings.max_num_seqs,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(MIN_STEP_TOKENS, settings.max_model_len, settings.max_num_seqs),
         disable_log_stats=True,
         skip_tokenizer_init=settings.skip_tokenizer_init,
     )
