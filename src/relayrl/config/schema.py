@@ -280,7 +280,8 @@ class RolloutConfig(_Section):
     """The rollout engine of the local backend: "hf", relayrl's own decode loop on the Hugging Face
     model; "vllm", one vLLM AsyncLLM engine per sampler replica (needs the vllm extra:
     `bash scripts/setup.sh --vllm`; top_p must be 1).
-    Held-out evaluation runs on the hf engine either way."""
+    Held-out evaluation runs on the hf engine either way; sampler_threads and sampler_nice apply
+    to the hf engine only."""
     sampler_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Each sampler's intra-op threads; 0 = auto (see train.torch_threads)."""
     sampler_nice: int = Field(0, ge=0, le=19, json_schema_extra=RESUMABLE)
