@@ -149,10 +149,10 @@ class VllmSampler(Sampler):
         worker in place, and reset the prefix cache; the payload is checked first."""
         state = self._checked(weights)
         gate = self._condition()
-        async with gate:
-            self._loading = True
-            await gate.wait_for(lambda: self._running == 0)
-        try:
+        try:  # a load cancelled while it waits must still readmit the calls behind it
+            async with gate:
+                self._loading = True
+                await gate.wait_for(lambda: self._running == 0)
             fd, path = tempfile.mkstemp(prefix=f"relayrl-vllm-{self.replica}-", suffix=".safetensors", dir=_shm_dir())
             os.close(fd)
             try:
