@@ -9,4 +9,4 @@ import tempfile
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="relayrl-vllm-cache-"))
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "relayrl-vllm-cache"))  # reused, not one per run

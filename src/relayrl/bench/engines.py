@@ -145,7 +145,7 @@ def run_engines(models: tuple[str, ...] = ENGINE_MODELS, repeats: int = 2, versi
     """{model: {"hf": figures, "vllm": figures, "load": [prompts, samples, max_new_tokens]}}."""
     from relayrl.models.loading import shipped_model_dir
 
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="relayrl-vllm-cache-"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "relayrl-vllm-cache"))
     out: dict[str, object] = {}
     for name in models:
         scratch = Path(tempfile.mkdtemp(prefix=f"relayrl-bench-{name}-"))
