@@ -415,6 +415,30 @@ def bench_e2e(
         )
 
 
+@bench_app.command("engines")
+def bench_engines(
+    repeats: int = typer.Option(2, help="Timed generate calls per engine (after one warm-up)."),
+    versions: int = typer.Option(3, help="Weight versions loaded per engine."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The same rollout load through the hf engine and the vLLM engine (needs the vllm extra), on
+    the tiny model and a random ~40M Qwen2: start-up, tokens/s, weight load per version."""
+    from relayrl.bench.engines import ENGINE_MODELS, run_engines
+
+    figures = _bench(lambda: run_engines(repeats=repeats, versions=versions), as_json)
+    for name in ENGINE_MODELS:
+        f = cast(dict[str, Any], figures[name])
+        prompts, samples, tokens = f["load"]
+        out.print(f"{name}: {prompts} prompts x {samples} samples x <= {tokens} tokens, temperature 1, one compute thread")
+        for engine in ("hf", "vllm"):
+            e = f[engine]
+            out.print(
+                f"  {engine:<5} {e['tokens_per_s']:9,.0f} tokens/s   weight load {e['weight_load_s'] * 1e3:8.1f} ms per version   "
+                f"start-up {e['startup_s']:6.1f} s"
+            )
+        out.print(f"  vllm/hf tokens/s: {f['vllm']['tokens_per_s'] / f['hf']['tokens_per_s']:.2f}")
+
+
 @bench_app.command("weight-sync")
 def bench_weight_sync(
     replicas: int = typer.Option(2, help="Sampler actors that load each version."),

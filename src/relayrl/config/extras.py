@@ -1,7 +1,7 @@
 """Optional dependencies: which pip extra a config needs, checked before anything imports it.
 
 Invariant: a config that selects something an absent optional package provides (the local
-backend: torch and transformers; a metric sink: its package; a reasoning-gym task or the
+backend: torch and transformers; the vLLM rollout engine: vllm; a metric sink: its package; a reasoning-gym task or the
 `reasoning_gym` / `math_verify` reward: the `tasks` extra) is refused up front with one
 `MissingExtra` line naming the package, what needs it and the install command — never a
 `ModuleNotFoundError` traceback from deep inside a run. Checking imports nothing: it only asks
@@ -51,6 +51,8 @@ def needed(cfg: Config) -> list[tuple[str, str, str]]:
     found: list[tuple[str, str, str]] = []
     if cfg.run.backend == "local":
         found += [(module, "local", "the local backend (run.backend = 'local')") for module in LOCAL_BACKEND_MODULES]
+    if cfg.rollout.engine == "vllm":
+        found.append(("vllm", "vllm", "the vLLM rollout engine (rollout.engine = 'vllm'; CPU machines: bash scripts/setup.sh --vllm)"))
     if cfg.ray.enabled:
         found.append(("ray", "ray", "Ray scale-out (ray.enabled / --ray)"))
     for sink in cfg.telemetry.sinks:

@@ -299,6 +299,12 @@ class RolloutConfig(_Section):
     weight_load_timeout_s: float = Field(600.0, ge=0.0)
     """Bound in seconds (0 = none) on a replica's weight load, generous so as never to fire on a
     healthy run: a load that exceeds it fails that replica as if it had raised."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """The rollout engine of the local backend: "hf", relayrl's own decode loop on the Hugging Face
+    model; "vllm", one vLLM AsyncLLM engine per sampler replica (needs the vllm extra:
+    `bash scripts/setup.sh --vllm`; top_p must be 1).
+    Held-out evaluation runs on the hf engine either way; sampler_threads and sampler_nice apply
+    to the hf engine only."""
     sampler_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Each sampler's intra-op threads; 0 = auto (see train.torch_threads)."""
     sampler_nice: int = Field(0, ge=0, le=19, json_schema_extra=RESUMABLE)
@@ -651,6 +657,13 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds train.row_tokens = "
                 f"{self.train.row_tokens}: an episode that long could not be packed"
+            )
+        if self.rollout.engine == "vllm" and self.run.backend != "local":
+            raise ValueError(f"rollout.engine = 'vllm' needs run.backend = 'local', not {self.run.backend!r}")
+        if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"
+                " over the nucleus, the trainer's do not): set rollout.top_p = 1 or rollout.engine = 'hf'"
             )
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")

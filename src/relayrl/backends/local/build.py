@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from relayrl.backends.local.devices import driver_device, process_device, resolv
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+from relayrl.backends.protocols import Sampler
 from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
@@ -304,8 +305,19 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         max_prompt_tokens=max_prompt_tokens(cfg, model),
         greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device),
         trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device),
-        samplers=[SamplerFactory(cfg, (i, sampler_threads), base, rollout_device) for i in range(cfg.rollout.num_samplers)],
+        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device),
     )
+
+
+def sampler_factories(cfg: Config, base: _Base, threads: int, device: torch.device | None) -> list[Callable[[], Sampler]]:
+    """One factory per sampler replica, for the rollout engine `rollout.engine` names (the vLLM
+    engine's module is imported only when it is used; it places itself, `device` is the hf
+    engine's: rollout.device, None on Ray where each actor resolves it)."""
+    if cfg.rollout.engine == "vllm":
+        from relayrl.backends.vllm.build import VllmSamplerFactory
+
+        return [VllmSamplerFactory(cfg, i, model_dir(cfg)) for i in range(cfg.rollout.num_samplers)]
+    return [SamplerFactory(cfg, (i, threads), base, device) for i in range(cfg.rollout.num_samplers)]
 
 
 def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:

@@ -1,0 +1,290 @@
+"""A sampler replica on one vLLM `AsyncLLM` engine (`rollout.engine = "vllm"`).
+
+Job: turn `SampleRequest`s into `GenerateResult`s and `TurnRequest`s into `TurnResult`s with the
+weights of one policy version, greedy completions for evaluation, and in-place weight loads.
+
+Invariants:
+- a call samples with the weights loaded when it starts and reports that version: a weight load
+  waits for the calls running when it was asked for and calls made after it wait for the load
+  (calls run concurrently otherwise, so vLLM batches them together);
+- a load is all or nothing from the caller's side: the payload is checked (names, shapes) before
+  the engine sees it, since a reload that fails half-way leaves the engine dead; after it, the
+  prefix cache is reset (running requests included), so no KV computed with old weights is reused;
+- every sampled token's log-prob is log softmax(logits / temperature) of the token, the trainer's
+  convention (engine.py); greedy log-probs are at temperature 1, as the hf engine's;
+- sampling is reproducible as in the hf engine: each request's seed comes from (run seed, its
+  `seed_key` or a turn's `rng_key`, policy version) only (vLLM gives the n samples of one request
+  seeds seed, seed + 1, ...);
+- a cancelled or failed call aborts its engine requests before it returns, so nothing keeps
+  sampling for a caller that has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from relayrl.backends.protocols import Sampler
+from relayrl.backends.vllm.engine import EngineSettings, start_engine
+from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
+
+__all__ = ["VllmSampler", "request_seed", "model_shapes"]
+
+_TIED_HEAD = "lm_head.weight"
+
+
+def request_seed(seed: int, key: str, version: int) -> int:
+    """The engine seed of one request: (run seed, key, version), as the hf engine seeds its RNG."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}\x00{version}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits: vLLM adds the sample index
+
+
+def model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the model directory's safetensors files (empty: none there)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _shm_dir() -> str | None:
+    """Where weight files go: shared memory when the machine has it (no disk write)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class VllmSampler(Sampler):
+    """A sampler replica (implements `Sampler` and `GreedyEngine`) on its own vLLM engine.
+
+    `temperature` and `max_new_tokens` are rollout.temperature and rollout.max_new_tokens;
+    `replica` names it in results and errors; `seed` is the run's. `engine` (tests, benchmarks)
+    is an engine already started with `settings`, else one is started here (blocking)."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        replica: int = 0,
+        version: int = 0,
+        seed: int = 0,
+        engine: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.replica = replica
+        self.version = version  # the policy version whose weights the engine holds
+        self.seed = seed
+        self._shapes = model_shapes(Path(settings.model))
+        self._engine = engine if engine is not None else start_engine(settings)
+        self._ids = itertools.count()
+        self._running = 0  # calls sampling now
+        self._loading = False  # a weight load waits for the running calls or runs
+        self._gate: asyncio.Condition | None = None  # made on the first call's event loop
+        self._closed = False
+        self.last_load_s = 0.0  # seconds the last load took in the worker (benchmarks)
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    # --- the Sampler protocol -------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        """Sample every request with the weights loaded when the call starts."""
+        batch = list(requests)
+        if not batch:
+            return []
+        async with self._sampling() as version:
+            outputs = await self._run(
+                [
+                    (r.prompt_tokens, self._params(r.num_samples, self.max_new_tokens, request_seed(self.seed, r.seed_key, version)))
+                    for r in batch
+                ]
+            )
+        return [
+            GenerateResult(request=r, completions=self._completions(out, r.num_samples), policy_version=version, replica=self.replica)
+            for r, out in zip(batch, outputs, strict=True)
+        ]
+
+    async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """Sample the next turn of every episode; the engine's prefix cache holds each episode's
+        context KV between turns (full 32-token blocks), reset at every weight load."""
+        batch = list(requests)
+        if not batch:
+            return []
+        async with self._sampling() as version:
+            outputs = await self._run(
+                [(r.context, self._params(1, r.max_new_tokens, request_seed(self.seed, r.rng_key, version))) for r in batch]
+            )
+        return [
+            TurnResult(r.episode, self._completions(out, 1)[0], version, self.replica, int(out.num_cached_tokens or 0))
+            for r, out in zip(batch, outputs, strict=True)
+        ]
+
+    async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completion tokens (EOS included when produced) of each prompt."""
+        prompts = [list(p) for p in prompts_tokens]
+        if not prompts:
+            return []
+        async with self._sampling():
+            outputs = await self._run([(p, self._params(1, max_new_tokens, None, greedy=True)) for p in prompts])
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+    async def load_weights(self, weights: Weights) -> None:
+        """Write `weights.payload` (a state dict) to a safetensors file, load it in the engine's
+        worker in place, and reset the prefix cache; the payload is checked first."""
+        state = self._checked(weights)
+        gate = self._condition()
+        try:  # a load cancelled while it waits must still readmit the calls behind it
+            async with gate:
+                self._loading = True
+                await gate.wait_for(lambda: self._running == 0)
+            fd, path = tempfile.mkstemp(prefix=f"relayrl-vllm-{self.replica}-", suffix=".safetensors", dir=_shm_dir())
+            os.close(fd)
+            try:
+                await asyncio.to_thread(save_file, state, path)
+                results = await self._engine.collective_rpc("update_from_file", args=(path,))
+            finally:
+                os.unlink(path)
+            await self._engine.reset_prefix_cache(reset_running_requests=True)
+            self.last_load_s = max(float(r["seconds"]) for r in results) if results else 0.0
+            self.version = weights.version
+        finally:
+            async with gate:
+                self._loading = False
+                gate.notify_all()
+
+    async def close(self) -> None:
+        """Shut the engine down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        engine, self._engine = self._engine, None
+        await asyncio.to_thread(engine.shutdown)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _condition(self) -> asyncio.Condition:
+        if self._gate is None:
+            self._gate = asyncio.Condition()
+        return self._gate
+
+    def _sampling(self) -> _Sampling:
+        if self._closed:
+            raise RuntimeError(f"VllmSampler replica {self.replica} is closed")
+        return _Sampling(self)
+
+    def _params(self, n: int, max_tokens: int, seed: int | None, *, greedy: bool = False) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=1.0,
+            max_tokens=max_tokens,
+            seed=seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _run(self, prompts: list[tuple[list[int], Any]]) -> list[Any]:
+        """The final output of each (prompt tokens, sampling params), all sent at once; on any
+        error or cancellation every request still running is aborted before this returns."""
+        ids = [f"relayrl-{self.replica}-{next(self._ids)}" for _ in prompts]
+        tasks = [
+            asyncio.ensure_future(self._one(request_id, tokens, params)) for request_id, (tokens, params) in zip(ids, prompts, strict=True)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            unfinished = [t for t in tasks if not t.done()]
+            for task in unfinished:
+                task.cancel()
+            if unfinished:
+                await asyncio.gather(*unfinished, return_exceptions=True)
+            if any(not t.done() or t.cancelled() or t.exception() is not None for t in tasks):
+                await asyncio.shield(self._engine.abort(ids))
+
+    async def _one(self, request_id: str, tokens: list[int], params: Any) -> Any:
+        final = None
+        async for out in self._engine.generate({"prompt_token_ids": list(tokens)}, params, request_id):
+            final = out
+        if final is None or not final.finished:
+            raise RuntimeError(f"VllmSampler replica {self.replica}: request {request_id} ended without a final output")
+        return final
+
+    def _completions(self, out: Any, n: int) -> list[Completion]:
+        samples = sorted(out.outputs, key=lambda c: c.index)
+        if len(samples) != n:
+            raise RuntimeError(f"VllmSampler replica {self.replica}: request {out.request_id} returned {len(samples)} of {n} completions")
+        completions = []
+        for s in samples:
+            tokens = [int(t) for t in s.token_ids]
+            logprobs = [float(step[t].logprob) for t, step in zip(tokens, s.logprobs or [], strict=True)]
+            reason = "length" if s.finish_reason == "length" else "stop"
+            completions.append(Completion(tokens=tokens, logprobs=logprobs, text=s.text or "", finish_reason=reason))
+        return completions
+
+    def _checked(self, weights: Weights) -> dict[str, torch.Tensor]:
+        """The payload as a state dict vLLM can load, tied aliases dropped; raises before the
+        engine is touched when it does not match the model."""
+        where = f"VllmSampler replica {self.replica}, weights version {weights.version}"
+        payload = weights.payload
+        if not isinstance(payload, dict) or not all(isinstance(t, torch.Tensor) for t in payload.values()):
+            raise TypeError(f"{where}: payload must be dict[str, torch.Tensor], got {type(payload).__name__}")
+        state: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in payload.items():
+            ptr = tensor.data_ptr()
+            if ptr in seen or (name == _TIED_HEAD and name not in self._shapes):
+                continue  # a tied alias (vLLM ties the head itself)
+            seen.add(ptr)
+            state[name] = tensor.detach().contiguous()
+        if self._shapes:
+            unexpected = sorted(set(state) - set(self._shapes))
+            missing = sorted(set(self._shapes) - set(state) - {_TIED_HEAD})
+            wrong = sorted(n for n, t in state.items() if n in self._shapes and tuple(t.shape) != self._shapes[n])
+            if unexpected or missing or wrong:
+                raise ValueError(
+                    f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]},"
+                    f" wrong shape {wrong[:5]}"
+                )
+        return state
+
+
+class _Sampling:
+    """`async with`: one sampling call, admitted once no weight load is waiting or running; yields
+    the version it samples with."""
+
+    def __init__(self, sampler: VllmSampler) -> None:
+        self._sampler = sampler
+
+    async def __aenter__(self) -> int:
+        s = self._sampler
+        gate = s._condition()
+        async with gate:
+            await gate.wait_for(lambda: not s._loading)
+            s._running += 1
+        return s.version
+
+    async def __aexit__(self, *exc: object) -> None:
+        s = self._sampler
+        gate = s._condition()
+        async with gate:
+            s._running -= 1
+            gate.notify_all()

@@ -1,0 +1,161 @@
+"""`relayrl bench engines`: the same rollout load through the hf engine (relayrl's own decode loop)
+and the vLLM engine, on the shipped tiny model and on a random ~40 M-parameter Qwen2 built here
+(no download): start-up, tokens/s, and the seconds a weight load takes per version.
+
+Invariant: both engines get the same prompts, samples, token budget and temperature (1, top_p 1)
+and one compute thread each (the hf sampler's torch threads = 1; vLLM's CPU build binds its
+worker to one core by default on this kind of machine); the timed calls follow one warm-up call.
+Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from relayrl.types import GenerateResult, Prompt, SampleRequest, Weights
+
+__all__ = ["ENGINE_MODELS", "run_engines"]
+
+ENGINE_MODELS = ("tiny", "qwen2-40m")
+# model -> (prompts, samples per prompt, max new tokens)
+LOADS: dict[str, tuple[int, int, int]] = {"tiny": (64, 16, 4), "qwen2-40m": (8, 8, 32)}
+
+
+def _random_qwen2_dir(directory: Path) -> None:
+    """A random Qwen2 (hidden 512, 8 layers, vocab 32k, tied: ~40 M parameters) saved in `directory`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    Qwen2ForCausalLM(config).eval().save_pretrained(directory)
+
+
+def _prompts(name: str, model_dir: Path, count: int) -> list[list[int]]:
+    if name == "tiny":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        return [[int(i) for i in tok(f"{10 + i}+{(7 * i) % 90}=", add_special_tokens=False)["input_ids"]] for i in range(count)]
+    return [[3 + (37 * i + 11 * j) % 31000 for j in range(16)] for i in range(count)]
+
+
+def _perturbed(state: dict[str, Any], version: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(version)
+    return {k: v + 1e-3 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in state.items()}
+
+
+async def _measure(sampler: Any, requests: list[SampleRequest], state: dict[str, Any], repeats: int, versions: int) -> dict[str, float]:
+    await sampler.generate(requests[:1])  # warm-up
+    rates: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        results: list[GenerateResult] = await sampler.generate(requests)
+        seconds = time.perf_counter() - start
+        rates.append(sum(len(c.tokens) for r in results for c in r.completions) / seconds)
+    loads: list[float] = []
+    for v in range(1, versions + 1):
+        weights = Weights(version=v, payload=_perturbed(state, v))
+        start = time.perf_counter()
+        await sampler.load_weights(weights)
+        loads.append(time.perf_counter() - start)
+    return {"tokens_per_s": statistics.median(rates), "weight_load_s": statistics.median(loads)}
+
+
+def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[str, dict[str, float]]:
+    import torch
+
+    from relayrl.backends.local.generation import SamplingParams
+    from relayrl.backends.local.sampler import LocalSampler
+    from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+
+    prompts_n, samples, max_new = LOADS[name]
+    prompts = _prompts(name, model_dir, prompts_n)
+    requests = [
+        SampleRequest(group_id=i, prompt=Prompt(prompt_id=str(i), text="", answer=""), prompt_tokens=p, num_samples=samples)
+        for i, p in enumerate(prompts)
+    ]
+    figures: dict[str, dict[str, float]] = {}
+
+    def timed(build: Callable[[], Any]) -> tuple[Any, float]:
+        start = time.perf_counter()
+        sampler = build()
+        return sampler, time.perf_counter() - start
+
+    # hf: the model loaded as the local backend loads it, one torch thread
+    tokenizer_dir = model_dir if name == "tiny" else shipped_model_dir()
+    model, _ = load_model_and_tokenizer(model_dir) if name == "tiny" else (None, None)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
+    hf, hf_start = timed(lambda: LocalSampler(copy.deepcopy(model), tokenizer, params, torch_threads=1))
+    try:
+        figures["hf"] = {"startup_s": hf_start, **asyncio.run(_measure(hf, requests, state, repeats, versions))}
+    finally:
+        asyncio.run(hf.close())
+
+    from relayrl.backends.vllm.engine import EngineSettings, context_length
+    from relayrl.backends.vllm.sampler import VllmSampler
+
+    settings = EngineSettings(model=str(model_dir), max_model_len=context_length(model_dir), skip_tokenizer_init=name != "tiny")
+
+    async def vllm_run() -> dict[str, float]:
+        start = time.perf_counter()
+        sampler = VllmSampler(settings, temperature=1.0, max_new_tokens=max_new)
+        startup = time.perf_counter() - start
+        try:
+            return {"startup_s": startup, **(await _measure(sampler, requests, state, repeats, versions))}
+        finally:
+            await sampler.close()
+
+    figures["vllm"] = asyncio.run(vllm_run())
+    return figures
+
+
+def run_engines(models: tuple[str, ...] = ENGINE_MODELS, repeats: int = 2, versions: int = 3) -> dict[str, object]:
+    """{model: {"hf": figures, "vllm": figures, "load": [prompts, samples, max_new_tokens]}}."""
+    from relayrl.models.loading import shipped_model_dir
+
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "relayrl-vllm-cache"))
+    out: dict[str, object] = {}
+    for name in models:
+        scratch = Path(tempfile.mkdtemp(prefix=f"relayrl-bench-{name}-"))
+        try:
+            if name == "tiny":
+                model_dir = shipped_model_dir()
+            else:
+                _random_qwen2_dir(scratch)
+                model_dir = scratch
+            out[name] = {**_one_model(name, model_dir, repeats, versions), "load": list(LOADS[name])}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return out
