@@ -40,10 +40,15 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def whole_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("vllm") / "whole"
     run_checked(build_program(load_config(default_recipe(), SETS), run_dir=run_dir), timeout=600)
-    return _rows(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def whole(whole_dir: Path) -> list[dict[str, Any]]:
+    return _rows(whole_dir)
 
 
 def test_at_staleness_0_the_engines_logprobs_are_the_trainers(whole: list[dict[str, Any]]) -> None:
@@ -63,3 +68,37 @@ def test_a_vllm_run_stopped_and_resumed_matches_the_uninterrupted_run(tmp_path: 
         for key in ("reward_mean", "reward_std", "tokens", "train/completion_tokens", "num_trajectories"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-5), a["step"]
+
+
+def test_the_vllm_engine_loads_the_runs_exported_model(whole_dir: Path) -> None:
+    """The finished run's `model/` (models/export.py) starts a vLLM engine whose prompt log-probs
+    equal a torch forward of the exported model within 1e-4."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from relayrl.backends.vllm.engine import EngineSettings
+    from relayrl.backends.vllm.sampler import VllmSampler
+
+    export = whole_dir / "model"
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    prompt = [int(i) for i in tokenizer("47-18=29", add_special_tokens=False)["input_ids"]] + [tokenizer.eos_token_id]
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    ref = [float(logp[i - 1, t]) for i, t in enumerate(prompt) if i > 0]
+
+    async def engine_logprobs() -> list[float]:
+        sampler = VllmSampler(EngineSettings(model=str(export), max_model_len=128), temperature=1.0, max_new_tokens=1, seed=0)
+        try:
+            final = None
+            params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+            async for out in sampler.engine.generate({"prompt_token_ids": prompt}, params, "export-probe"):
+                final = out
+            assert final is not None and final.prompt_logprobs is not None
+            return [float(step[t].logprob) for t, step in zip(prompt[1:], final.prompt_logprobs[1:], strict=True)]
+        finally:
+            await sampler.close()
+
+    got = asyncio.run(engine_logprobs())
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-4
