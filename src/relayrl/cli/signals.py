@@ -6,8 +6,9 @@ plain `signal.signal` handlers, which the main thread runs at its next bytecode 
 event loop is busy (asyncio's own handlers wait for the loop); they only schedule the stop: the
 next step to commit is checkpointed (orchestrator/checkpointing.py `stop_at_next_commit`), then
 the run is cancelled, which winds it down cleanly (summary "cancelled", trace closed, no task or
-worker thread left). Without checkpoints, or when no step's checkpoint is written within half of
-`grace_s`, the run is cancelled at once and a resume starts from the newest checkpoint.
+worker thread left). Without checkpoints, before the run's first commit (start-up), or when no
+step's checkpoint is written within half of `grace_s`, the run is cancelled at once and a resume
+starts from the newest checkpoint.
 
 Invariant: a signal is answered within `grace_s` seconds whatever the run is doing: if the run has
 not wound down by then (a callback stuck on the loop, a hung worker call), or a second signal

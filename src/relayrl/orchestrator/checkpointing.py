@@ -115,6 +115,7 @@ class Checkpointer:
         self._pending: dict[int, dict[str, object]] = {}  # due, state taken, not yet written
         self._on_stop: Callable[[], None] | None = None  # a stop was asked for: called once its checkpoint is written
         self._stop_step: int | None = None  # the step whose commit came first after the stop was asked for
+        self._committed = False  # a step of this run committed (its steps come at a known pace)
 
     def due(self, step: int) -> bool:
         """Whether the commit of `step` (numbered from 1: `step` steps done) takes a checkpoint.
@@ -123,13 +124,16 @@ class Checkpointer:
 
     def stop_at_next_commit(self, written: Callable[[], None]) -> bool:
         """Checkpoint the next step to commit, then call `written` (on the loop) once that
-        checkpoint is complete; False (and nothing asked) when this run writes no checkpoints."""
-        if not self._every or self._on_stop is not None:
+        checkpoint is complete; False (and nothing asked) when this run writes no checkpoints or
+        none of its steps committed yet (start-up: workers starting, a first step of unknown
+        length — a stop then cancels at once)."""
+        if not self._every or not self._committed or self._on_stop is not None:
             return False
         self._on_stop = written
         return True
 
     def on_commit(self, record: StepRecord) -> None:
+        self._committed = True
         if self._on_stop is not None and self._stop_step is None:
             self._stop_step = record.step
         if self.due(record.step):
