@@ -172,3 +172,24 @@ def test_save_model_false_writes_nothing_and_a_model_dir_in_the_way_fails_in_one
     assert [p.name for p in (run_dir / "model").iterdir()] == ["notes.txt"]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     assert load_resume_point(run_dir).step == 2  # the run itself completed, with its final checkpoint
+
+
+def test_a_model_loaded_from_gguf_is_written_as_plain_weights(tmp_path: Path) -> None:
+    """transformers dequantizes GGUF tensors at load but keeps its GGUF quantizer on the model,
+    and save_pretrained refuses such a model; the export forgets the quantizer (the SmolLM2
+    recipe's run failed at its end without this)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    from relayrl.models.export import plain_weights
+    from relayrl.models.loading import shipped_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(shipped_model_dir())
+    model.hf_quantizer = GgufHfQuantizer(GgufConfig())  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="not serializable"):
+        model.save_pretrained(tmp_path / "refused")
+    plain_weights(model)
+    model.save_pretrained(tmp_path / "plain")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))

@@ -29,10 +29,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relayrl.config.schema import Config, load_config
 from relayrl.errors import RunFailed, UserError
 from relayrl.rundir.checkpoint import CHECKPOINTS, checkpoint_dir, complete_checkpoints
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MODEL_DIR = "model"  # RUN_DIR/model: the export of a run's newest checkpoint (and a finished run's model)
 MARKER = "relayrl_export.json"  # in an export: what it was exported from; marks a directory an export may replace
@@ -122,6 +126,17 @@ def check_out(out: Path) -> None:
         raise ExportError(f"--out {out} exists and is not a directory")
 
 
+def plain_weights(model: PreTrainedModel) -> None:
+    """Forget how the weights were loaded when that was from a GGUF file: transformers dequantizes
+    GGUF tensors to plain float ones at load, but keeps its GGUF quantizer on the model, and
+    `save_pretrained` refuses a model whose quantizer cannot serialize ("quantized with gguf and
+    is not serializable"). The weights are plain: written as safetensors they load as they are."""
+    if getattr(model, "hf_quantizer", None) is not None and type(model.hf_quantizer).__name__ == "GgufHfQuantizer":
+        model.hf_quantizer = None  # type: ignore[assignment]  # (nn.Module types attributes as tensors or modules)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+
 def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: Path) -> Exported:
     """Build the configured model with the weights of `state_dir/trainer.pt` (the trainer's state
     after `step`) and write it, with its tokenizer, to `out` atomically. Blocking."""
@@ -157,6 +172,7 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
         raise ExportError(f"{state_file}: the weights do not fit the model {source} ({first})") from None
     original = AutoConfig.from_pretrained(source_dir, gguf_file=gguf, local_files_only=True)
     _restore_dropout(model.config, original)
+    plain_weights(model)
 
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
