@@ -34,6 +34,7 @@ from relayrl.exits import on_hard_exit
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 MARKER_ENV = "RELAYRL_RAY_CLUSTER"  # in the environment of every process of a cluster the run started
 END_BOUND_S = 5.0  # ending a cluster's processes gives up after this long
+QUIET_S = 0.5  # ...and ends once no process of the cluster was found for this long
 
 
 def marked_processes(token: str) -> list[int]:
@@ -59,13 +60,18 @@ def marked_processes(token: str) -> list[int]:
 
 
 def end_processes(token: str, bound_s: float = END_BOUND_S) -> int:
-    """SIGKILL every process carrying `token` until none is left (a process being spawned while
-    the others die is found by the next scan), for at most `bound_s`; returns how many were killed."""
-    deadline = time.monotonic() + bound_s
+    """SIGKILL every process carrying `token` until none was found for QUIET_S (a process being
+    spawned while the others die, e.g. an agent the raylet forked just before its kill, is found
+    by a later scan), for at most `bound_s`; returns how many were killed."""
+    now = time.monotonic()
+    deadline, quiet_since = now + bound_s, now
     killed: set[int] = set()
     while True:
         pids = marked_processes(token)
-        if not pids or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if pids:
+            quiet_since = now
+        if now - quiet_since >= QUIET_S or now >= deadline:
             return len(killed)
         for pid in pids:
             try:
