@@ -92,11 +92,26 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str = "stop"
+    # rollout.interruptible: the versions that sampled its tokens, as (first token index, version)
+    # segments in order, when a weight load landed during its generation; None: every token was
+    # sampled by its result's `policy_version`
+    versions: list[tuple[int, int]] | None = None
+
+
+def token_versions(segments: Sequence[tuple[int, int]], length: int) -> list[int]:
+    """Per-token versions of `length` tokens from (first token index, version) segments."""
+    out: list[int] = []
+    for i, (start, version) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else length
+        out.extend([version] * (min(end, length) - start))
+    return out
 
 
 @dataclass(slots=True)
 class GenerateResult:
-    """What a sampler returns for one request: the version that sampled it and its completions."""
+    """What a sampler returns for one request: the version that sampled it and its completions.
+    With rollout.interruptible a completion's later tokens may come from newer versions (its
+    `versions`); `policy_version` is then the oldest, the one its first token was sampled by."""
 
     request: SampleRequest
     completions: list[Completion]
@@ -178,6 +193,10 @@ class Trajectory:
     loss_mask: list[int] | None = None
     env_reward: float | None = None  # the environment's reward parts summed (None: no environment)
     env_time: float = 0.0  # seconds its environment steps took
+    # rollout.interruptible: (first completion token index, version) segments when a weight load
+    # landed during its generation (`policy_version` is then the oldest, the first segment's);
+    # None: every token was sampled by `policy_version`
+    versions: list[tuple[int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:

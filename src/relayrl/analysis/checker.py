@@ -15,13 +15,15 @@ Rules checked (N and N+1 consecutive committed steps; "mb0" = train_step microba
              bookkeeping spans for every committed step
   rule 5     a completed run committed every step it started (no step hung at its boundary)
   rule 6     on_step_end runs in step order, after the step's commit and its metric reduction
-  staleness  every train_step's step − 1 − min_version ≤ max_staleness (step N trains from version N − 1)
+  staleness  every train_step's step − 1 − min_version ≤ max_staleness (step N trains from version N − 1;
+             min_version is the oldest version that sampled a token of the micro-batch)
   checkpoint checkpoint(N) starts after optim(N) ends and after step N's metrics and trajectories
              were logged, and ends before optim(N+1) starts (it holds the optimizer state of N)
   actors     (Ray) every span timed inside an actor lies within the orchestrator's call of it
              (`call_start`–`call_end`), give or take the error of that actor's clock estimate
-             (`relayrl_clock`); a sampler actor ran one call at a time; the trainer actor ran
-             one training call (train_step, optim_step, load_state) at a time
+             (`relayrl_clock`); a sampler actor ran one call at a time (with rollout.interruptible,
+             run info `interruptible`: its load_weights calls one at a time, beside the others);
+             the trainer actor ran one training call (train_step, optim_step, load_state) at a time
 
 Invariant: the checker only reads; a violation message names the rule, the step and the spans.
 """
@@ -163,7 +165,7 @@ def check_events(events: list[TraceEvent]) -> CheckReport:
         hung = sorted(started - set(optim))
         if hung:
             v.append(f"rule 5: the run completed but step {hung[0]} was started and never committed")
-    _check_actors(events, all_spans, v)
+    _check_actors(events, all_spans, v, interruptible=bool(info.get("interruptible", False)))
     return report
 
 
@@ -193,7 +195,7 @@ def _check_actor_structure(events: list[TraceEvent], all_spans: list[Span], v: l
             v.append(f"structure: {ACTOR_TRAINER} {_fmt(s)}{ahead} starts before {_fmt(optim[s.step - 1])} ends")
 
 
-def _check_actors(events: list[TraceEvent], all_spans: list[Span], v: list[str]) -> None:
+def _check_actors(events: list[TraceEvent], all_spans: list[Span], v: list[str], *, interruptible: bool = False) -> None:
     errors = _clock_errors(events)  # per actor lane, the largest clock-estimate error
     lanes: dict[str, list[Span]] = {}
     for s in all_spans:
@@ -210,10 +212,16 @@ def _check_actors(events: list[TraceEvent], all_spans: list[Span], v: list[str])
                     f"actors: {lane} {_fmt(s)} lies outside its call [{call_start * 1e3:.3f}–{call_end * 1e3:.3f} ms] "
                     f"by more than the clock error {tolerance * 1e3:.3f} ms"
                 )
-        exclusive = [s for s in actor_spans if lane != ACTOR_TRAINER or s.name in TRAINER_SERIAL]
-        for a, b in zip(exclusive, exclusive[1:]):
-            if b.start < a.end - tolerance:
-                v.append(f"actors: {lane} ran {_fmt(a)} and {_fmt(b)} at once")
+        if lane == ACTOR_TRAINER:
+            serial = [[s for s in actor_spans if s.name in TRAINER_SERIAL]]
+        elif interruptible:  # loads run in their own concurrency group, beside the other calls
+            serial = [[s for s in actor_spans if s.name == "load_weights"], [s for s in actor_spans if s.name != "load_weights"]]
+        else:
+            serial = [actor_spans]
+        for exclusive in serial:
+            for a, b in zip(exclusive, exclusive[1:]):
+                if b.start < a.end - tolerance:
+                    v.append(f"actors: {lane} ran {_fmt(a)} and {_fmt(b)} at once")
 
 
 def check_run_dir(run_dir: Path) -> CheckReport:

@@ -481,6 +481,9 @@ def run_weight_sync(
 
 RAY_SCALE_STALENESS = (1, 2)
 RAY_SCALE_TARGET_BUSY = 0.95  # trainer busy fraction at max_staleness 2
+# --interruptible (rollout.interruptible): sync rounds that do not wait for generations
+RAY_SCALE_TARGET_SYNC_MEAN_S = 0.1  # mean sync round
+RAY_SCALE_INTERRUPTIBLE_BUSY_STALENESS = 1  # trainer busy >= RAY_SCALE_TARGET_BUSY already at this max_staleness
 # The profile ÷ 2: the bench takes ~1.5 min on 2 cores. Smaller scales measure this machine more
 # than the design: each train_step is a Ray round trip awaited before the next is sent, and with
 # 9 actors and the driver's GIL-bound host work sharing 2 cores one costs ~20 ms of trainer idle
@@ -522,17 +525,19 @@ def ray_scale_config(
     time_scale: float,
     control_plane: bool = False,
     extra: list[str] | None = None,
+    interruptible: bool = False,
 ) -> Config:
     """The ray-scale workload on a running cluster (ray.address=auto): the boundary profile plus
     per-token generation, × `time_scale`; `control_plane` zeroes every simulated cost (same
-    shape, completion lengths and Ray hops)."""
+    shape, completion lengths and Ray hops); `interruptible`: rollout.interruptible."""
     costs: dict[str, float] = {**BOUNDARY_PROFILE, "sim.generate_per_token": RAY_SCALE_GENERATE_PER_TOKEN}
     scale = 0.0 if control_plane else time_scale
     overrides = [f"{key}={value * scale!r}" for key, value in costs.items()]
     overrides += [
         f"run.steps={steps}",
-        f"run.name=bench-ray-scale-{'cp' if control_plane else f's{max_staleness}'}",
+        f"run.name=bench-ray-scale-{'cp' if control_plane else f's{max_staleness}'}{'-int' if interruptible else ''}",
         f"rollout.max_staleness={max_staleness}",
+        f"rollout.interruptible={str(interruptible).lower()}",
         f"rollout.num_samplers={replicas}",
         "ray.enabled=true",
         "ray.address=auto",
@@ -546,7 +551,8 @@ def _ray_scale_figures(result: RunResult) -> dict[str, float]:
     exposed = [float(r.metrics.get("exposed_generation_time") or 0.0) for r in results]
     after_first = exposed[1:] or exposed  # the first step waits for its groups whatever the window
     # a sync round lasts until every replica has loaded the version, each load queued behind the
-    # generate call its replica is running; the window moves on only after the round
+    # generate call its replica is running (rollout.interruptible: loaded between two simulated
+    # tokens of it); the window moves on only after the round
     rounds = [s.dur for s in timeline.spans(result.tracer.events) if s.lane == "orchestrator" and s.name == "weight_sync"]
     return {
         "trainer_busy": _summary_float(result, "trainer_busy_fraction"),
@@ -564,18 +570,27 @@ def _ray_scale_figures(result: RunResult) -> dict[str, float]:
 
 
 def run_ray_scale(
-    steps: int = 16, replicas: int = 8, time_scale: float = RAY_SCALE_TIME_SCALE, extra: list[str] | None = None
+    steps: int = 16,
+    replicas: int = 8,
+    time_scale: float = RAY_SCALE_TIME_SCALE,
+    extra: list[str] | None = None,
+    interruptible: bool = False,
 ) -> dict[str, object]:
     """Scale by simulation: sim workers on a local Ray cluster started here (once, before the
     runs and not in their figures; shut down at the end): `replicas` sampler actors with
     heavy-tailed generation latency and the seed's large-model costs × `time_scale`
     (RAY_SCALE_WORKLOAD), at max_staleness 1 and 2; then the same shape with every simulated cost
-    zero, for the control plane's trajectories/s on Ray."""
+    zero, for the control plane's trajectories/s on Ray. `interruptible`: each max_staleness also
+    runs with rollout.interruptible (labels `max_staleness_<s>_interruptible`), in the same cluster,
+    for the waiting and the interruptible rounds side by side."""
     if steps < 2:
         raise ConfigError(f"bench ray-scale needs at least 2 steps, got {steps}")
     if replicas < 1:
         raise ConfigError(f"bench ray-scale needs at least 1 replica, got {replicas}")
     configs = {f"max_staleness_{s}": ray_scale_config(s, steps, replicas, time_scale, extra=extra) for s in RAY_SCALE_STALENESS}
+    if interruptible:
+        for s in RAY_SCALE_STALENESS:
+            configs[f"max_staleness_{s}_interruptible"] = ray_scale_config(s, steps, replicas, time_scale, extra=extra, interruptible=True)
     cp_steps = steps * RAY_SCALE_CONTROL_PLANE_STEPS_FACTOR
     control = ray_scale_config(max(RAY_SCALE_STALENESS), cp_steps, replicas, time_scale, control_plane=True, extra=extra)
     import contextlib
@@ -604,6 +619,7 @@ def run_ray_scale(
         replicas=replicas,
         steps=steps,
         time_scale=time_scale,
+        interruptible=interruptible,
         cluster_start_s=cluster.start_seconds,
         target_trainer_busy=RAY_SCALE_TARGET_BUSY,
     )

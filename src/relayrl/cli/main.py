@@ -472,6 +472,9 @@ def bench_ray_scale(
     replicas: int = typer.Option(8, help="Sampler actors."),
     time_scale: float = typer.Option(0.5, help="Multiply every simulated cost (1.0 = the seed's large-model profile)."),
     set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for every run.")] = None,
+    interruptible: bool = typer.Option(
+        False, "--interruptible", help="Also run each max_staleness with rollout.interruptible and print both side by side."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Scale by simulation: sim workers on a local Ray cluster, sampler replicas with heavy-tailed
@@ -479,7 +482,10 @@ def bench_ray_scale(
     and 2, plus the control plane's trajectories/s on Ray (every simulated cost zero)."""
     from relayrl.bench.suite import RAY_SCALE_STALENESS, RAY_SCALE_TARGET_BUSY, run_ray_scale
 
-    figures = _bench(lambda: run_ray_scale(steps=steps, replicas=replicas, time_scale=time_scale, extra=list(set_ or [])), as_json)
+    figures = _bench(
+        lambda: run_ray_scale(steps=steps, replicas=replicas, time_scale=time_scale, extra=list(set_ or []), interruptible=interruptible),
+        as_json,
+    )
     out.print(
         f"{replicas} sampler replicas, {steps} steps per run, time scale {time_scale:g} "
         f"(cluster started in {cast(float, figures['cluster_start_s']):.1f} s, not counted)"
@@ -503,6 +509,41 @@ def bench_ray_scale(
     busy = cast(dict[str, float], figures[f"max_staleness_{max(RAY_SCALE_STALENESS)}"])["trainer_busy"]
     verdict = "ok" if busy >= RAY_SCALE_TARGET_BUSY else "MISSED"
     out.print(f"trainer busy at max_staleness {max(RAY_SCALE_STALENESS)}: {busy:.1%} (target >= {RAY_SCALE_TARGET_BUSY:.0%})  {verdict}")
+    if interruptible:
+        _print_interruptible(figures)
+
+
+def _print_interruptible(figures: dict[str, object]) -> None:
+    """`bench ray-scale --interruptible`: the waiting and the interruptible runs side by side."""
+    from relayrl.bench.suite import (
+        RAY_SCALE_INTERRUPTIBLE_BUSY_STALENESS,
+        RAY_SCALE_STALENESS,
+        RAY_SCALE_TARGET_BUSY,
+        RAY_SCALE_TARGET_SYNC_MEAN_S,
+    )
+
+    out.print("sync rounds: waiting for running generations vs rollout.interruptible (loads between decode steps)")
+    out.print(f"  {'':<16}{'waiting':>40}{'interruptible':>40}")
+    for s in RAY_SCALE_STALENESS:
+        w = cast(dict[str, float], figures[f"max_staleness_{s}"])
+        i = cast(dict[str, float], figures[f"max_staleness_{s}_interruptible"])
+        cells = [
+            f"round mean {f['sync_round_mean_s']:.3f} s, max {f['sync_round_max_s']:.3f} s, busy {f['trainer_busy']:6.1%}" for f in (w, i)
+        ]
+        out.print(f"  max_staleness {s}{cells[0]:>40}{cells[1]:>40}")
+        stale = [f"staleness mean {f['staleness_mean']:.2f}" for f in (w, i)]
+        out.print(f"  {'':<16}{stale[0]:>40}{stale[1]:>40}")
+    s = RAY_SCALE_INTERRUPTIBLE_BUSY_STALENESS
+    i = cast(dict[str, float], figures[f"max_staleness_{s}_interruptible"])
+    rounds = max(cast(dict[str, float], figures[f"max_staleness_{t}_interruptible"])["sync_round_mean_s"] for t in RAY_SCALE_STALENESS)
+    verdict = "ok" if rounds <= RAY_SCALE_TARGET_SYNC_MEAN_S else "MISSED"
+    out.print(
+        f"interruptible sync round mean (worst max_staleness): {rounds:.3f} s (target <= {RAY_SCALE_TARGET_SYNC_MEAN_S} s)  {verdict}"
+    )
+    verdict = "ok" if i["trainer_busy"] >= RAY_SCALE_TARGET_BUSY else "MISSED"
+    out.print(
+        f"interruptible trainer busy at max_staleness {s}: {i['trainer_busy']:.1%} (target >= {RAY_SCALE_TARGET_BUSY:.0%})  {verdict}"
+    )
 
 
 @bench_app.command("soak")

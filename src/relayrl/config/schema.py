@@ -299,6 +299,14 @@ class RolloutConfig(_Section):
     weight_load_timeout_s: float = Field(600.0, ge=0.0)
     """Bound in seconds (0 = none) on a replica's weight load, generous so as never to fire on a
     healthy run: a load that exceeds it fails that replica as if it had raised."""
+    interruptible: bool = False
+    """A weight sync round does not wait for running generations: a replica swaps in the new
+    version between two decode steps (hf engine; the sim at its next simulated token) and the
+    generation goes on with the new weights, keeping the KV cache of its earlier tokens (the
+    approximation PipelineRL and AReaL make). Each token records the version that sampled it and
+    its log-prob is that version's; a trajectory's staleness is its oldest token's. No effect at
+    max_staleness = 0 (every round then waits, exactly synchronous). Refused with
+    task.environment (multi-turn episodes) and with engine = "vllm"."""
     engine: Literal["hf", "vllm"] = "hf"
     """The rollout engine of the local backend: "hf", relayrl's own decode loop on the Hugging Face
     model; "vllm", one vLLM AsyncLLM engine per sampler replica (needs the vllm extra:
@@ -350,6 +358,11 @@ resume needs."""
     @classmethod
     def _device_spec(cls, spec: str) -> str:
         return check_device_spec(spec)
+
+    @property
+    def interrupts(self) -> bool:
+        """Whether weight loads interrupt running generations: `interruptible`, at max_staleness > 0."""
+        return self.interruptible and self.max_staleness > 0
 
 
 class AlgorithmConfig(_Section):
@@ -664,6 +677,16 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"
                 " over the nucleus, the trainer's do not): set rollout.top_p = 1 or rollout.engine = 'hf'"
+            )
+        if self.rollout.interruptible and self.task.environment is not None:
+            raise ValueError(
+                "rollout.interruptible = true is not supported with task.environment (multi-turn episodes keep KV caches"
+                " between turns): set rollout.interruptible = false"
+            )
+        if self.rollout.interruptible and self.rollout.engine == "vllm":
+            raise ValueError(
+                "rollout.interruptible = true is not supported with rollout.engine = 'vllm' (its loads wait for running"
+                " requests): set rollout.engine = 'hf' or rollout.interruptible = false"
             )
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")

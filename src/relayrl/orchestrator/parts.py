@@ -104,6 +104,7 @@ def assemble(
     run_info: dict[str, object] = {
         "overlap_bookkeeping": cfg.orchestrator.overlap_bookkeeping,
         "max_staleness": cfg.rollout.max_staleness,
+        "interruptible": cfg.rollout.interrupts,  # sampler loads run beside generate calls (the checker's actors rule)
         "groups_per_step": cfg.rollout.groups_per_step,
         "steps": cfg.run.steps,
         "backend": cfg.run.backend,

@@ -3,7 +3,10 @@
 A group dispatched now is meant for step `(dispatched - filtered) // groups_per_step`; it may be
 dispatched only while that step ≤ synced version + max_staleness (the samplers hold the synced
 version, so its trajectories are at most `max_staleness` versions behind the step that trains
-them unless filtering reorders groups; the train loop filters those as stale). A filtered group
+them unless filtering reorders groups; the train loop filters those as stale). A trajectory's
+version is its OLDEST token's: with rollout.interruptible a generation running when a newer
+version is loaded goes on with it, but its first token was sampled by a version at least the
+synced one at dispatch, so the bound holds as stated. A filtered group
 returns its credit so a replacement is dispatched: only through `Ledger.filtered`, the one call
 that settles a filtered group and returns its credit (orchestrator/ledger.py), so neither half
 can be forgotten.

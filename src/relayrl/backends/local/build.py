@@ -163,6 +163,7 @@ def make_sampler(
         torch_threads=threads,
         nice=cfg.rollout.sampler_nice,
         max_session_bytes=cfg.rollout.episode_cache_mb * 2**20,
+        interruptible=cfg.rollout.interrupts,
     )
 
 

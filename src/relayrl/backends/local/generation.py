@@ -34,6 +34,7 @@ invariants, besides the ones above (which hold per row):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from relayrl.backends.local.gate import WeightGate
 
 __all__ = [
     "RowCache",
@@ -92,6 +95,8 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
+    # with a `WeightGate`: (first token index, version) of each run of tokens one version sampled
+    versions: list[tuple[int, int]] = field(default_factory=list)
 
 
 def pick_tokens(
@@ -172,6 +177,7 @@ def sample(
     pad_token_id: int = 0,
     abort: threading.Event | None = None,
     generators: Sequence[torch.Generator] | None = None,
+    gate: WeightGate | None = None,
 ) -> list[list[SampledSequence]]:
     """Sample `num_samples` completions of every prompt; result[i][j] is prompt i's j-th sample.
 
@@ -184,6 +190,10 @@ def sample(
     once. `share_prefill=False` prefills one copy per sample instead (for benchmarks and tests:
     with the same generator state it yields the same samples, only slower). `abort` is checked
     before every forward pass; once set, `SamplingAborted` is raised.
+
+    With `gate`, every forward pass holds it (a weight load lands between two passes, see
+    `relayrl.backends.local.gate`) and each sequence's `versions` says which version's logits drew
+    each of its tokens (and their log-probs): the pass that produced a token's logits decides.
     """
     counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else list(num_samples)
     if len(counts) != len(prompts):
@@ -231,15 +241,18 @@ def sample(
     check_abort()
     cache_arg = _cache_kwarg(model)
     cache = _new_cache(model)
+    changes: list[tuple[int, int]] = []  # (first step, version) of the passes that drew each run of steps
     with torch.inference_mode():
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_arg: cache},
-        )
+        with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_arg: cache},
+            )
+        changes.append((0, version))
         logits = out.logits[:, -1, :]
         index = torch.tensor(source, dtype=torch.long, device=device)
         if source != list(range(len(prefill_rows))):
@@ -280,13 +293,16 @@ def sample(
                 break
             check_abort()
             attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=-1)
-            out = model(
-                input_ids=tokens[:, None],
-                attention_mask=attention,
-                position_ids=next_pos[:, None],
-                use_cache=True,
-                **{cache_arg: cache},
-            )
+            with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+                out = model(
+                    input_ids=tokens[:, None],
+                    attention_mask=attention,
+                    position_ids=next_pos[:, None],
+                    use_cache=True,
+                    **{cache_arg: cache},
+                )
+            if version != changes[-1][1]:
+                changes.append((step + 1, version))  # these logits draw the next step's tokens
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
@@ -303,6 +319,7 @@ def sample(
                     tokens=token_lists[row][:n],
                     logprobs=logprob_lists[row][:n],
                     finish_reason="stop" if stopped[row] else "length",
+                    versions=[c for c in changes if c[0] < n] if gate is not None else [],
                 )
             )
             row += 1

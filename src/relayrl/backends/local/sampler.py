@@ -13,6 +13,14 @@ Invariants:
   thread ("relayrl-sampler-<replica>"), never on the event loop; calls run in the order they were
   made, so a load never races a generate, and a generate samples with the weights loaded when
   the call was made and reports exactly that version;
+- except with `interruptible` (rollout.interruptible at max_staleness > 0): a load then runs in
+  its own thread ("relayrl-sampler-<replica>-load") without waiting for a running `generate`, and
+  lands between two of its forward passes (`relayrl.backends.local.gate`: no pass mixes two
+  versions); the generation goes on with the new weights over the KV cache of its earlier
+  tokens (the accepted approximation), each token's log-prob is the version's that drew it, each
+  completion records its `versions` segments, and the result's `policy_version` is the oldest
+  (its first token's). Its RNG stays seeded by the version the call started with. Greedy
+  evaluation and multi-turn turns hold the weights for their whole call;
 - a weight load is all or nothing: the payload is checked (names, shapes) before any tensor is
   copied, so a bad payload leaves the previous version intact;
 - a cancelled call does not return before its worker-thread work has stopped (sampling checks an
@@ -43,6 +51,7 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from relayrl.backends.local.gate import WeightGate
 from relayrl.backends.local.generation import (
     RowCache,
     SampledSequence,
@@ -126,7 +135,7 @@ class SamplerCompute:
             params = dataclasses.replace(params, eos_token_ids=_eos_ids(model, tokenizer))
         self.params = params
         self.replica = replica
-        self.version = version  # the policy version whose weights are loaded now
+        self.gate = WeightGate(version)  # forward passes hold it; a load lands between two of them
         self.seed = seed
         self.max_sessions = max_sessions
         self.max_session_bytes = max_session_bytes
@@ -145,8 +154,14 @@ class SamplerCompute:
                 self._aliases.add(name)
             seen.add(ptr)
 
+    @property
+    def version(self) -> int:
+        """The policy version whose weights are loaded now."""
+        return self.gate.version
+
     def generate(self, requests: Sequence[SampleRequest], abort: threading.Event | None = None) -> list[GenerateResult]:
-        """Sample every request with the weights loaded now; results carry their version."""
+        """Sample every request with the weights loaded now (and, when a load lands meanwhile,
+        the newer ones after it: see the module); results carry the oldest version."""
         requests = list(requests)
         if not requests:
             return []
@@ -160,9 +175,11 @@ class SamplerCompute:
             pad_token_id=self._pad_token_id,
             abort=abort,
             generators=[self._rng(r.seed_key, version) for r in requests],
+            gate=self.gate,
         )
+        first = next((seq.versions[0][1] for group in groups for seq in group if seq.versions), version)  # the prefill's
         return [
-            GenerateResult(request=request, completions=self._completions(group), policy_version=version, replica=self.replica)
+            GenerateResult(request=request, completions=self._completions(group), policy_version=first, replica=self.replica)
             for request, group in zip(requests, groups)
         ]
 
@@ -180,7 +197,10 @@ class SamplerCompute:
                     f"LocalSampler replica {self.replica}: episode {request.episode!r} appears twice in one generate_turns call"
                 )
             seen.add(request.episode)
-        version = self.version
+        with self.gate.step() as version:
+            return self._generate_turns(requests, version, abort)
+
+    def _generate_turns(self, requests: list[TurnRequest], version: int, abort: threading.Event | None) -> list[TurnResult]:
         inputs: list[TurnInput] = []
         for request in requests:
             session = self._sessions.get(request.episode)
@@ -247,12 +267,14 @@ class SamplerCompute:
         if not prompts:
             return []
         params = dataclasses.replace(self.params, greedy=True, max_new_tokens=max_new_tokens)
-        out = sample(self.model, prompts, 1, params, None, pad_token_id=self._pad_token_id, abort=abort)
+        with self.gate.step():
+            out = sample(self.model, prompts, 1, params, None, pad_token_id=self._pad_token_id, abort=abort)
         return [group[0].tokens for group in out]
 
     def load_weights(self, weights: Weights, abort: threading.Event | None = None) -> None:
         """Copy `weights.payload` (a state dict of tensors) into the model and take its version,
-        all or nothing (the payload is checked first). The sender may reuse its tensors after."""
+        all or nothing (the payload is checked first). The sender may reuse its tensors after.
+        Waits for the running forward pass, if any, and holds the next one until it is done."""
         if abort is not None and abort.is_set():
             return
         where = f"LocalSampler replica {self.replica}, weights version {weights.version}"
@@ -266,15 +288,24 @@ class SamplerCompute:
             raise ValueError(
                 f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
             )
-        self._sessions.clear()  # computed with the weights about to be replaced
-        self._session_bytes = 0
-        with torch.no_grad():
-            self.model.load_state_dict(payload, strict=False)
-        self.version = weights.version
+        with self.gate.load(weights.version):
+            self._sessions.clear()  # computed with the weights about to be replaced
+            self._session_bytes = 0
+            with torch.no_grad():
+                self.model.load_state_dict(payload, strict=False)
 
     def _completions(self, group: list[SampledSequence]) -> list[Completion]:
         texts = self.tokenizer.batch_decode([s.tokens for s in group], skip_special_tokens=True)
-        return [Completion(tokens=s.tokens, logprobs=s.logprobs, text=text, finish_reason=s.finish_reason) for s, text in zip(group, texts)]
+        return [
+            Completion(
+                tokens=s.tokens,
+                logprobs=s.logprobs,
+                text=text,
+                finish_reason=s.finish_reason,
+                versions=s.versions if len(s.versions) > 1 else None,
+            )
+            for s, text in zip(group, texts)
+        ]
 
 
 class LocalSampler(Sampler):
@@ -287,7 +318,8 @@ class LocalSampler(Sampler):
     `nice` lowers the thread's scheduling priority, so that on a machine with few cores the trainer
     (usually the bottleneck) keeps its cores and the sampler runs on what is left.
     `max_sessions` and `max_session_bytes` bound the multi-turn episodes' KV caches kept
-    (`SamplerCompute`).
+    (`SamplerCompute`). `interruptible`: weight loads run in a thread of their own and land
+    between two forward passes of a running generation (see the module).
     """
 
     def __init__(
@@ -303,6 +335,7 @@ class LocalSampler(Sampler):
         nice: int = 0,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_session_bytes: int | None = None,
+        interruptible: bool = False,
     ) -> None:
         self.compute = SamplerCompute(
             model,
@@ -316,6 +349,16 @@ class LocalSampler(Sampler):
         )
         self.torch_threads = torch_threads
         self._host = ThreadHost(f"sampler-{replica}", initializer=_setup_worker_thread, initargs=(torch_threads, nice))
+        # interruptible: loads do not queue behind generate calls, they run here
+        self._load_host = (
+            ThreadHost(f"sampler-{replica}-load", initializer=_setup_worker_thread, initargs=(torch_threads, nice))
+            if interruptible
+            else None
+        )
+
+    @property
+    def interruptible(self) -> bool:
+        return self._load_host is not None
 
     @property
     def params(self) -> SamplingParams:
@@ -349,14 +392,17 @@ class LocalSampler(Sampler):
         return await self._call(lambda abort: self.compute.greedy(prompts, max_new_tokens, abort))
 
     async def load_weights(self, weights: Weights) -> None:
-        await self._call(lambda abort: self.compute.load_weights(weights, abort))
+        await self._call(lambda abort: self.compute.load_weights(weights, abort), self._load_host)
 
     async def close(self) -> None:
-        """Stop the worker thread; queued calls are cancelled. Idempotent."""
+        """Stop the worker threads; queued calls are cancelled. Idempotent."""
         await self._host.aclose(abort=False)
+        if self._load_host is not None:
+            await self._load_host.aclose(abort=False)
 
-    async def _call(self, fn: Callable[[threading.Event], T]) -> T:
-        if self._host.closed:
+    async def _call(self, fn: Callable[[threading.Event], T], host: ThreadHost | None = None) -> T:
+        host = host if host is not None else self._host
+        if host.closed:
             raise RuntimeError(f"LocalSampler replica {self.compute.replica} is closed")
         abort = threading.Event()
-        return await self._host.call(lambda: fn(abort), abort)
+        return await host.call(lambda: fn(abort), abort)

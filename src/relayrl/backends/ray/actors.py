@@ -11,7 +11,10 @@ calls and weight export, the sampler's weight load).
 
 Invariants:
 - a sampler actor runs one call at a time, in call order (max_concurrency=1), so a load never
-  races a generate and a generate reports the version loaded when it started;
+  races a generate and a generate reports the version loaded when it started; except with
+  rollout.interruptible (`RaySampler(interruptible=True)`): its loads then run in the actor's
+  "load" concurrency group (one at a time), beside a running generate, and the worker lands them
+  between decode steps (`relayrl.backends.local.gate`, the sim's simulated tokens);
 - the trainer actor runs train_step / optim_step / load_state one at a time in the "train"
   concurrency group; get_metrics, export_weights and save_state run in the "io" group, so they
   never wait behind a train step (as LocalTrainer's thread-safe calls do in one process);
@@ -222,7 +225,8 @@ class _TrainerActor:
         return exported
 
 
-SamplerActor: Any = ray.remote(max_concurrency=1, max_restarts=SAMPLER_MAX_RESTARTS)(_SamplerActor)
+# the default group runs the calls one at a time; "load" serves an interruptible replica's loads
+SamplerActor: Any = ray.remote(max_concurrency=1, concurrency_groups={"load": 1}, max_restarts=SAMPLER_MAX_RESTARTS)(_SamplerActor)
 # "train" admits a call queued behind the running one (TRAIN_AHEAD, or the next step's first
 # micro-batch queued behind optim_step: never both at once); `_in_turn` runs them one at a time
 TrainerActor: Any = ray.remote(concurrency_groups={"train": 1 + TRAIN_AHEAD, "io": 2})(_TrainerActor)
@@ -250,9 +254,10 @@ async def _close_actor(actor: Any, close: Any) -> None:
 class RaySampler(Sampler):
     """Driver-side `Sampler` / `GreedyEngine` over a `SamplerActor`."""
 
-    def __init__(self, actor: Any, replica: int, restart_timeout_s: float = RESTART_TIMEOUT_S) -> None:
+    def __init__(self, actor: Any, replica: int, restart_timeout_s: float = RESTART_TIMEOUT_S, *, interruptible: bool = False) -> None:
         self.actor = actor
         self.replica = replica
+        self.interruptible = interruptible  # loads go to the actor's "load" group, beside a running generate
         self.restart_timeout_s = restart_timeout_s
         self.spans = ActorSpans(f"actor:sampler/{replica}")
         self._stale = False  # a weight load was lost with the actor's process: sample only after a restart and a load
@@ -263,11 +268,13 @@ class RaySampler(Sampler):
         if self._stale:
             raise SamplerNeedsWeightsError(f"sampler replica {self.replica} lost a weight load with its actor's process")
 
-    async def _call(self, method: str, *args: Any, **span_args: object) -> Any:
-        """Await one actor call and trace the actor's span of it."""
+    async def _call(self, method: str, *args: Any, group: str | None = None, **span_args: object) -> Any:
+        """Await one actor call (in concurrency group `group`; None: the default one) and trace the
+        actor's span of it."""
         await self.spans.sync(self.actor)
         start = self.spans.now()
-        timed: Timed = await self.actor.call.remote(method, *args)
+        call = self.actor.call if group is None else self.actor.call.options(concurrency_group=group)
+        timed: Timed = await call.remote(method, *args)
         self.spans.record(method, start, timed, **span_args)
         return timed.value
 
@@ -298,7 +305,7 @@ class RaySampler(Sampler):
     async def load_weights(self, weights: Weights) -> None:
         restarts = self._restarts
         try:
-            await self._call("load_weights", weights, version=weights.version)
+            await self._call("load_weights", weights, group="load" if self.interruptible else None, version=weights.version)
         except ACTOR_GONE:
             if restarts == self._restarts:  # not already made good by a restart (and the load after it)
                 self._stale = True

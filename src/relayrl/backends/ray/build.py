@@ -207,7 +207,7 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
         say("loading the held-out evaluation's engine in this process")
         greedy = ResolvingEngine(compute.greedy_engine())
     trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead)
-    ray_samplers = [RaySampler(a, i) for i, a in enumerate(sampler_actors)]
+    ray_samplers = [RaySampler(a, i, interruptible=cfg.rollout.interrupts) for i, a in enumerate(sampler_actors)]
     samplers: list[Sampler] = list(ray_samplers)
     return compute.backend(
         trainer=trainer,

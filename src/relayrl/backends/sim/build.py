@@ -18,7 +18,7 @@ from relayrl.config.schema import Config
 
 def sim_sampler(cfg: Config, replica: int) -> SimSampler:
     """Sampler replica `replica` (a factory: run in the process that hosts it)."""
-    return SimSampler(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=replica)
+    return SimSampler(cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=replica, interruptible=cfg.rollout.interrupts)
 
 
 def sim_trainer(cfg: Config) -> SimTrainer:

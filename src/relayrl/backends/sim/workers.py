@@ -8,6 +8,11 @@ Invariant: given the same sequence of calls, outputs are a pure function of the 
 rate of sampled answers rises with the policy version, so rewards have variance and "learning" is
 visible. `get_metrics` reads the trainer's metrics slot when the fetch lands, and that slot is
 overwritten by the next `optim_step`, exactly the hazard step-boundary rule 2 guards against.
+With `interruptible` (rollout.interruptible), a weight load that lands during a simulated
+generation counts from the next simulated token on: the call's first token is drawn when it
+starts, token k at start + generate_base + generate_per_request × requests + generate_per_token × k,
+and each token's version is the newest loaded by then (`Completion.versions`); what the call
+draws stays a function of the version it started with.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import math
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +45,10 @@ async def _sleep(seconds: float) -> None:
 class SimSampler(Sampler):
     """Implements `Sampler`; `replica` only names the replica in its results."""
 
-    def __init__(self, cfg: SimConfig, max_new_tokens: int, seed: int, replica: int = 0) -> None:
+    def __init__(self, cfg: SimConfig, max_new_tokens: int, seed: int, replica: int = 0, *, interruptible: bool = False) -> None:
         self._replica = replica
+        self._interruptible = interruptible
+        self._loads: deque[tuple[float, int]] = deque(maxlen=64)  # (monotonic time, version) of recent loads
         self._cfg = cfg
         self._max_new_tokens = max_new_tokens
         self._seed = seed
@@ -68,6 +76,7 @@ class SimSampler(Sampler):
         return c.generate_base + c.generate_per_request * num_requests + c.generate_per_token * longest
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
+        started = time.monotonic()
         version = self._version
         self.generate_calls += 1
         p = self.success_rate(version)
@@ -92,7 +101,35 @@ class SimSampler(Sampler):
             results.append(GenerateResult(req, completions, version, self._replica))
         # the outputs are drawn first (the delay depends on their lengths), then the device time passes
         await _sleep(self.generation_delay(len(requests), longest))
+        if self._interruptible:
+            self._stamp_versions(results, started, version)
         return results
+
+    def _stamp_versions(self, results: list[GenerateResult], started: float, version: int) -> None:
+        """Give each completion the versions of its simulated tokens (see the module)."""
+        c = self._cfg
+        first = started + c.generate_base + c.generate_per_request * len(results)  # when token 1 is drawn
+        changes: list[tuple[int, int]] = [(0, version)]
+        for at, loaded in list(self._loads):
+            if at <= started or loaded <= changes[-1][1]:
+                continue
+            if c.generate_per_token > 0:
+                token = max(1, math.ceil((at - first) / c.generate_per_token))
+            else:
+                token = 1 if at <= first else self._max_new_tokens
+            if token >= self._max_new_tokens:
+                break
+            if token == changes[-1][0]:
+                changes[-1] = (token, loaded)
+            else:
+                changes.append((token, loaded))
+        if len(changes) == 1:
+            return
+        for result in results:
+            for completion in result.completions:
+                segments = [s for s in changes if s[0] < len(completion.tokens)]
+                if len(segments) > 1:
+                    completion.versions = segments
 
     async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         """One turn per episode: the right answer with the version's success rate, else a number
@@ -127,6 +164,7 @@ class SimSampler(Sampler):
 
     async def load_weights(self, weights: Weights) -> None:
         self._version = weights.version
+        self._loads.append((time.monotonic(), weights.version))
         self._sessions.clear()
 
 

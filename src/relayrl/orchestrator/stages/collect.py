@@ -2,7 +2,8 @@
 multi-turn episodes are grouped by orchestrator/stages/episodes.py).
 
 Invariant: a group holds exactly the completions of one request, each trajectory tagged with the
-version and replica that sampled it.
+version and replica that sampled it (with rollout.interruptible: the oldest version that sampled
+one of its tokens, and the per-token segments).
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ def to_group(result: GenerateResult) -> Group:
     return Group(
         group_id,
         [
-            Trajectory(group_id, i, prompt, prompt_tokens, c.tokens, c.logprobs, c.text, version, replica, finish_reason=c.finish_reason)
+            Trajectory(
+                group_id,
+                i,
+                prompt,
+                prompt_tokens,
+                c.tokens,
+                c.logprobs,
+                c.text,
+                version,
+                replica,
+                finish_reason=c.finish_reason,
+                versions=c.versions,
+            )
             for i, c in enumerate(result.completions)
         ],
     )

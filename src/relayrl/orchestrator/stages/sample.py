@@ -3,7 +3,8 @@ single completions (`SingleTurn`: one `generate` call) or multi-turn episodes wi
 (`MultiTurn`: orchestrator/stages/episodes.py, one `generate_turns` call per turn).
 
 Invariant: each sampling call is traced on its replica's lane with the version that sampled it
-(from the results; the replica number and, for an empty result, the version come from the
+(from the results: the oldest; with rollout.interruptible, `versions` lists every version that
+sampled a token when a weight load landed during the call; the replica number and, for an empty result, the version come from the
 orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s`;
 groups leave in the order the call returned them. An environment's error that fails the run
 (EnvironmentStepError: a wrong type, strict_environment, stuck calls), or a prompt that leaves an
@@ -46,8 +47,10 @@ class SingleTurn:
         results = await bounded(
             slot.worker.generate(requests), self._timeout_s, f"sampler replica {slot.replica}: generate", "rollout.generate_timeout_s"
         )
-        version = results[0].policy_version if results else slot.version
-        self._tracer.complete(f"sampler/{slot.replica}", "generate", start, self._tracer.now(), n=len(requests), version=version)
+        version = min((r.policy_version for r in results), default=slot.version)
+        used = sorted({v for r in results for c in r.completions if c.versions for _, v in c.versions})
+        extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
+        self._tracer.complete(f"sampler/{slot.replica}", "generate", start, self._tracer.now(), n=len(requests), version=version, **extra)
         return [to_group(r) for r in results]
 
 

@@ -4,7 +4,11 @@ the weight publisher (`relayrl.orchestrator.publisher`, which exports, loads, bo
 Invariant: rounds never overlap (one task runs them one after another); a round that starts
 after several commits pushes only the newest version; the window learns a version only after
 every sampler in service has loaded it (one that fails to is retired, see `relayrl.orchestrator.replicas`);
-the version each replica holds is recorded on its orchestrator-side `SamplerSlot`. A replica
+the version each replica holds is recorded on its orchestrator-side `SamplerSlot`. A round waits
+for each replica's load only: with rollout.interruptible (at max_staleness > 0) a replica loads
+between two decode steps of a running generation, so the round does not wait for generations
+(which go on with the new weights); otherwise a replica loads between calls, so the round waits
+for its running `generate`. A replica
 being restarted (see `relayrl.orchestrator.stages.sample`) is skipped: the publisher loads `pool.target`
 or newer into it before it samples again.
 """
