@@ -34,6 +34,11 @@ class WeightGate:
         """The version of the weights loaded now."""
         return self._version
 
+    @property
+    def load_pending(self) -> bool:
+        """A load runs or waits for the running forward passes to end (no new pass starts)."""
+        return self._loading
+
     @contextmanager
     def step(self) -> Iterator[int]:
         """Hold the weights for one forward pass (or a whole call); yields their version."""

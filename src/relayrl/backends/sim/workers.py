@@ -48,7 +48,8 @@ class SimSampler(Sampler):
     def __init__(self, cfg: SimConfig, max_new_tokens: int, seed: int, replica: int = 0, *, interruptible: bool = False) -> None:
         self._replica = replica
         self._interruptible = interruptible
-        self._loads: deque[tuple[float, int]] = deque(maxlen=64)  # (monotonic time, version) of recent loads
+        self._loads: deque[tuple[float, int]] = deque(maxlen=64)  # (clock time, version) of recent loads
+        self.clock = time.monotonic  # what times the loads and the simulated tokens (tests replace it)
         self._cfg = cfg
         self._max_new_tokens = max_new_tokens
         self._seed = seed
@@ -76,7 +77,7 @@ class SimSampler(Sampler):
         return c.generate_base + c.generate_per_request * num_requests + c.generate_per_token * longest
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
-        started = time.monotonic()
+        started = self.clock()
         version = self._version
         self.generate_calls += 1
         p = self.success_rate(version)
@@ -164,7 +165,7 @@ class SimSampler(Sampler):
 
     async def load_weights(self, weights: Weights) -> None:
         self._version = weights.version
-        self._loads.append((time.monotonic(), weights.version))
+        self._loads.append((self.clock(), weights.version))
         self._sessions.clear()
 
 

@@ -1,0 +1,220 @@
+"""rollout.interruptible: a weight load lands between decode steps of a running generation.
+
+A load is forced in the middle of a generation without timing: the model's forward pass, at a
+chosen call, starts the load in another thread and returns only once the load waits at the gate,
+so the load lands exactly after that pass. The sim's load is placed on its simulated tokens with
+a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+import relayrl.backends.local.generation as generation
+import relayrl.backends.sim.workers as sim_workers
+from relayrl.backends.local.generation import SamplingParams, _cache_kwarg
+from relayrl.backends.local.sampler import LocalSampler, SamplerCompute
+from relayrl.backends.sim.build import sim_sampler
+from relayrl.backends.sim.workers import SimSampler
+from relayrl.config.schema import SimConfig, load_config
+from relayrl.errors import UserError
+from relayrl.orchestrator.stages.collect import to_group
+from relayrl.types import Prompt, SampleRequest, Weights, token_versions
+from support.modelutil import random_qwen2
+
+torch.set_num_threads(1)
+
+VOCAB, PAD, EOS = 32, 0, 1
+PROMPT = [5, 6, 7, 8]
+NEW_TOKENS = 10
+SWAP_AFTER = 4  # forward passes with the old weights: the prefill and 3 decode steps -> tokens 0..3
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": PAD, "<eos>": EOS} | {f"t{i}": i for i in range(2, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+
+
+def qwen2(seed: int) -> Qwen2ForCausalLM:
+    return random_qwen2(VOCAB, seed, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def request(n: int = 2) -> SampleRequest:
+    return SampleRequest(group_id=0, prompt=Prompt("p0", "t5 t6 t7 t8", "0"), prompt_tokens=list(PROMPT), num_samples=n, rng_key="0:p0")
+
+
+def load_after_pass(compute: SamplerCompute, weights: Weights, after: int) -> list[threading.Thread]:
+    """Make `compute`'s model start loading `weights` (in another thread) during its forward pass
+    number `after`, and let that pass end only once the load waits at the gate."""
+    model = compute.model
+    forward: Callable[..., Any] = model.forward
+    calls = [0]
+    started: list[threading.Thread] = []
+
+    @functools.wraps(forward)  # keeps its signature: the sampler reads its cache argument's name from it
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == after:
+            loader = threading.Thread(target=compute.load_weights, args=(weights,))
+            loader.start()
+            started.append(loader)
+            while not compute.gate.load_pending:  # the load is queued behind this pass: no later pass starts first
+                time.sleep(0.001)
+        return out
+
+    model.forward = counted  # type: ignore[method-assign]
+    return started
+
+
+def test_a_load_mid_generation_swaps_weights_between_decode_steps() -> None:
+    old, new = qwen2(0), qwen2(1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, eos_token_ids=(999,))  # no EOS: every row runs its budget
+    compute = SamplerCompute(copy.deepcopy(old), tokenizer(), params, seed=3)
+    loaders = load_after_pass(compute, Weights(version=1, payload=new.state_dict()), SWAP_AFTER)
+    (result,) = compute.generate([request()])
+    for loader in loaders:
+        loader.join()
+    assert compute.version == 1
+    assert result.policy_version == 0  # the oldest token's version
+    for completion in result.completions:
+        assert len(completion.tokens) == NEW_TOKENS
+        assert completion.versions == [(0, 0), (SWAP_AFTER, 1)]
+        assert token_versions(completion.versions, NEW_TOKENS) == [0] * SWAP_AFTER + [1] * (NEW_TOKENS - SWAP_AFTER)
+    group = to_group(result)
+    assert group.min_version == 0
+    assert [t.versions for t in group.trajectories] == [c.versions for c in result.completions]
+
+    # each token's log-prob is the one of the weights that drew it: before the swap the old
+    # model's on the whole prefix; after it the new model's, over the KV cache the old weights
+    # computed for the tokens fed before the swap (the accepted approximation)
+    cache_arg = _cache_kwarg(old)
+    with torch.inference_mode():
+        for completion in result.completions:
+            seq = torch.tensor([PROMPT + completion.tokens])
+            p = len(PROMPT)
+            old_logp = torch.log_softmax(old(input_ids=seq).logits[0].double(), dim=-1)
+            before = [old_logp[p + i - 1, completion.tokens[i]].item() for i in range(SWAP_AFTER)]
+            assert completion.logprobs[:SWAP_AFTER] == pytest.approx(before, abs=1e-4)
+            fed_before = p + SWAP_AFTER - 1  # the prompt, then tokens 0..SWAP_AFTER-2 fed by the old weights
+            cache = old(input_ids=seq[:, :fed_before], use_cache=True).past_key_values
+            tail = new(input_ids=seq[:, fed_before : p + NEW_TOKENS - 1], use_cache=True, **{cache_arg: cache}).logits[0].double()
+            new_logp = torch.log_softmax(tail, dim=-1)
+            after = [new_logp[i - SWAP_AFTER, completion.tokens[i]].item() for i in range(SWAP_AFTER, NEW_TOKENS)]
+            assert completion.logprobs[SWAP_AFTER:] == pytest.approx(after, abs=1e-4)
+            stale = [old_logp[p + i - 1, completion.tokens[i]].item() for i in range(SWAP_AFTER, NEW_TOKENS)]
+            assert completion.logprobs[SWAP_AFTER:] != pytest.approx(stale, abs=1e-4)  # the swap changed them
+
+
+def test_a_load_between_generations_leaves_versions_uniform() -> None:
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, eos_token_ids=(999,))
+    compute = SamplerCompute(qwen2(0), tokenizer(), params)
+    compute.load_weights(Weights(version=1, payload=qwen2(1).state_dict()))
+    (result,) = compute.generate([request()])
+    assert result.policy_version == 1
+    assert all(c.versions is None for c in result.completions)
+
+
+def test_local_sampler_load_does_not_wait_for_a_running_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With interruptible the load runs in its own thread: it returns while `generate` is held
+    in the middle of its decode loop (without it, the load would queue behind the generate)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, eos_token_ids=(999,))
+    sampler = LocalSampler(qwen2(0), tokenizer(), params, interruptible=True)
+    in_decode, release = threading.Event(), threading.Event()
+    calls = [0]
+    pick = generation.pick_tokens
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:  # the third token's draw, between two forward passes (outside the gate)
+            in_decode.set()
+            release.wait(30)
+        return pick(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "pick_tokens", held)
+
+    async def main() -> None:
+        generating = asyncio.create_task(sampler.generate([request(1)]))
+        try:
+            await asyncio.to_thread(in_decode.wait, 30)
+            await asyncio.wait_for(sampler.load_weights(Weights(version=1, payload=qwen2(1).state_dict())), 30)
+            assert not generating.done()  # the round got its load without waiting for the generation
+        finally:
+            release.set()
+        (result,) = await generating
+        assert result.policy_version == 0
+        assert result.completions[0].versions is not None and result.completions[0].versions[-1][1] == 1
+        await sampler.close()
+
+    asyncio.run(main())
+
+
+def sim(interruptible: bool) -> SimSampler:
+    cfg = SimConfig(generate_base=0.0, generate_per_request=0.0, generate_per_token=1.0, length_dist="uniform")
+    return SimSampler(cfg, max_new_tokens=16, seed=1, interruptible=interruptible)
+
+
+@pytest.mark.parametrize("interruptible", [True, False])
+def test_sim_sampler_tokens_after_a_load_carry_the_new_version(interruptible: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    sampler = sim(interruptible)
+    now = [100.0]
+    sampler.clock = lambda: now[0]
+
+    async def main() -> None:
+        asleep, woken = asyncio.Event(), asyncio.Event()
+
+        async def fake_sleep(seconds: float) -> None:
+            asleep.set()
+            await woken.wait()
+
+        monkeypatch.setattr(sim_workers, "_sleep", fake_sleep)
+        generating = asyncio.create_task(sampler.generate([request(8)]))
+        await asleep.wait()
+        now[0] = 103.5  # 3.5 simulated tokens after the call started: tokens 4 on are the new version's
+        await sampler.load_weights(Weights(version=1, payload=1))
+        woken.set()
+        (result,) = await generating
+        assert result.policy_version == 0
+        long = [c for c in result.completions if len(c.tokens) > 4]
+        assert long, "the seed should draw completions longer than 4 tokens"
+        for c in result.completions:
+            if interruptible and len(c.tokens) > 4:
+                assert c.versions == [(0, 0), (4, 1)]
+            else:
+                assert c.versions is None
+
+    asyncio.run(main())
+
+
+def test_interruptible_has_no_effect_at_staleness_0() -> None:
+    on = load_config(None, ["rollout.interruptible=true", "rollout.max_staleness=1"])
+    off = load_config(None, ["rollout.interruptible=true", "rollout.max_staleness=0"])
+    assert on.rollout.interrupts and not off.rollout.interrupts
+    assert sim_sampler(on, 0)._interruptible and not sim_sampler(off, 0)._interruptible
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["task.environment=arithmetic_feedback"], "task.environment"),
+        (["run.backend=local", "rollout.engine=vllm"], "rollout.engine = 'vllm'"),
+    ],
+)
+def test_interruptible_refused_where_unsupported(overrides: list[str], names: str) -> None:
+    with pytest.raises(UserError) as info:
+        load_config(None, ["rollout.interruptible=true", *overrides])
+    message = str(info.value)
+    assert "rollout.interruptible" in message and names in message and "\n" not in message
