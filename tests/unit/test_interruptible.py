@@ -76,7 +76,7 @@ def load_after_pass(compute: SamplerCompute, weights: Weights, after: int) -> li
                 time.sleep(0.001)
         return out
 
-    model.forward = counted  # type: ignore[method-assign]
+    model.forward = counted
     return started
 
 
