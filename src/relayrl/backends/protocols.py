@@ -55,7 +55,10 @@ class Sampler(Protocol):
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         """Sample every request with the weights loaded when the call starts; each result carries
-        the version of those weights."""
+        the version of those weights. An interruptible sampler (rollout.interruptible) may take a
+        load during the call, between two decode steps, and go on with the new weights: each
+        completion then lists its tokens' versions (`Completion.versions`) and the result carries
+        the oldest."""
         ...
 
     async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
@@ -73,7 +76,9 @@ class Sampler(Protocol):
         return None
 
     async def load_weights(self, weights: Weights) -> None:
-        """Swap to `weights` (no reload from disk). Never called while another load runs."""
+        """Swap to `weights` (no reload from disk). Never called while another load runs. An
+        interruptible sampler returns once the weights are in, without waiting for a running
+        `generate` (which goes on with them)."""
         ...
 
     def restartable(self, exc: BaseException) -> bool:

@@ -523,16 +523,15 @@ def _print_interruptible(figures: dict[str, object]) -> None:
     )
 
     out.print("sync rounds: waiting for running generations vs rollout.interruptible (loads between decode steps)")
-    out.print(f"  {'':<16}{'waiting':>40}{'interruptible':>40}")
+    out.print(f"  {'':<18}{'waiting':<48}interruptible")
     for s in RAY_SCALE_STALENESS:
-        w = cast(dict[str, float], figures[f"max_staleness_{s}"])
-        i = cast(dict[str, float], figures[f"max_staleness_{s}_interruptible"])
+        runs = [cast(dict[str, float], figures[f"max_staleness_{s}{tail}"]) for tail in ("", "_interruptible")]
         cells = [
-            f"round mean {f['sync_round_mean_s']:.3f} s, max {f['sync_round_max_s']:.3f} s, busy {f['trainer_busy']:6.1%}" for f in (w, i)
+            f"round mean {f['sync_round_mean_s']:.3f} s, max {f['sync_round_max_s']:.3f} s, busy {f['trainer_busy']:.1%}" for f in runs
         ]
-        out.print(f"  max_staleness {s}{cells[0]:>40}{cells[1]:>40}")
-        stale = [f"staleness mean {f['staleness_mean']:.2f}" for f in (w, i)]
-        out.print(f"  {'':<16}{stale[0]:>40}{stale[1]:>40}")
+        out.print(f"  {f'max_staleness {s}':<18}{cells[0]:<48}{cells[1]}")
+        stale = [f"staleness mean {f['staleness_mean']:.2f}, max {f['staleness_max']:.0f}" for f in runs]
+        out.print(f"  {'':<18}{stale[0]:<48}{stale[1]}")
     s = RAY_SCALE_INTERRUPTIBLE_BUSY_STALENESS
     i = cast(dict[str, float], figures[f"max_staleness_{s}_interruptible"])
     rounds = max(cast(dict[str, float], figures[f"max_staleness_{t}_interruptible"])["sync_round_mean_s"] for t in RAY_SCALE_STALENESS)

@@ -15,7 +15,11 @@ Invariants:
   (truncated, renormalised) but its log-prob is not renormalised, so at staleness 0 the training
   ratio is exactly 1 and clipping / truncated IS act only on policy change (as TRL and verl,
   which recompute "old" log-probs with the full softmax). In greedy mode it is the log-prob of
-  the argmax under the plain temperature-1 softmax, which is what the policy assigns it.
+  the argmax under the plain temperature-1 softmax, which is what the policy assigns it;
+- with a `WeightGate` (rollout.interruptible), a weight load lands only between two forward
+  passes; a token's log-prob is under the weights of the pass that produced its logits, and its
+  sequence's `versions` records that version (the KV cache of earlier tokens is kept, computed
+  with the weights of their own passes).
 
 `sample_turns` samples one policy turn per row of multi-turn episodes (the local sampler's
 `generate_turns`). A row starts from nothing (its whole context is prefilled; identical contexts
