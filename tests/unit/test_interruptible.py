@@ -218,3 +218,23 @@ def test_interruptible_refused_where_unsupported(overrides: list[str], names: st
         load_config(None, ["rollout.interruptible=true", *overrides])
     message = str(info.value)
     assert "rollout.interruptible" in message and names in message and "\n" not in message
+
+
+def test_bench_printout_puts_waiting_and_interruptible_rounds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    from relayrl.cli.main import _print_interruptible
+
+    def run(mean: float, busy: float) -> dict[str, float]:
+        return {"sync_round_mean_s": mean, "sync_round_max_s": 2 * mean, "trainer_busy": busy, "staleness_mean": 0.9, "staleness_max": 1.0}
+
+    figures: dict[str, object] = {
+        "max_staleness_1": run(1.1, 0.87),
+        "max_staleness_1_interruptible": run(0.05, 0.96),
+        "max_staleness_2": run(1.2, 0.98),
+        "max_staleness_2_interruptible": run(0.2, 0.99),
+    }
+    _print_interruptible(figures)
+    printed = capsys.readouterr().out
+    assert "waiting" in printed and "interruptible" in printed
+    assert "round mean 1.100 s, max 2.200 s, busy 87.0%" in printed and "round mean 0.050 s, max 0.100 s, busy 96.0%" in printed
+    assert "sync round mean (worst max_staleness): 0.200 s (target <= 0.1 s)  MISSED" in printed
+    assert "trainer busy at max_staleness 1: 96.0% (target >= 95%)  ok" in printed
