@@ -168,7 +168,8 @@ def make_sampler(
 
 def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer:
     """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
-    there when kl_beta > 0)."""
+    there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
+    reference copy is made: the reference is the model with its adapters off."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
@@ -192,7 +193,12 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         max_consecutive_skips=t.max_consecutive_skips,
         temperature=r.temperature,
         torch_threads=threads,
+        lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
     )
+    if t.lora is not None:
+        from relayrl.models.lora import wrap
+
+        return LocalTrainer(wrap(model, t.lora), settings, device=device)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
@@ -295,6 +301,10 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
         dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
     model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
+    if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
+        from relayrl.models.lora import check_targets
+
+        check_targets(model, cfg.train.lora)
     trainer_threads, sampler_threads = worker_threads(cfg)
     base = (model, tokenizer)
     return Compute(

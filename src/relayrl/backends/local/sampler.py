@@ -54,6 +54,7 @@ from relayrl.backends.local.generation import (
     sample_turns,
 )
 from relayrl.backends.protocols import Sampler
+from relayrl.models.lora import AdapterMerger, is_adapter_payload
 from relayrl.threads import ThreadHost
 from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
 
@@ -134,6 +135,7 @@ class SamplerCompute:
         self.turn_stats = TurnStats()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._merger: AdapterMerger | None = None  # made by the first adapter payload (a LoRA run)
         state = model.state_dict()
         self._shapes = {name: tuple(t.shape) for name, t in state.items()}
         # Tied parameters (e.g. lm_head.weight = embed_tokens.weight) may be absent from a payload.
@@ -252,13 +254,23 @@ class SamplerCompute:
 
     def load_weights(self, weights: Weights, abort: threading.Event | None = None) -> None:
         """Copy `weights.payload` (a state dict of tensors) into the model and take its version,
-        all or nothing (the payload is checked first). The sender may reuse its tensors after."""
+        all or nothing (the payload is checked first). The sender may reuse its tensors after.
+        A LoRA run's payload holds adapters only: they are merged into the base weights
+        (`relayrl.models.lora.AdapterMerger`)."""
         if abort is not None and abort.is_set():
             return
         where = f"LocalSampler replica {self.replica}, weights version {weights.version}"
         payload = weights.payload
         if not isinstance(payload, dict) or not all(isinstance(t, torch.Tensor) for t in payload.values()):
             raise TypeError(f"{where}: payload must be dict[str, torch.Tensor], got {type(payload).__name__}")
+        if is_adapter_payload(payload):
+            if self._merger is None:
+                self._merger = AdapterMerger(self.model)
+            self._merger.merge(payload, where)  # checks everything before changing a weight
+            self._sessions.clear()  # computed with the weights just replaced
+            self._session_bytes = 0
+            self.version = weights.version
+            return
         unexpected = sorted(set(payload) - set(self._shapes))
         missing = sorted(set(self._shapes) - set(payload) - self._aliases)
         wrong = sorted(n for n, t in payload.items() if n in self._shapes and tuple(t.shape) != self._shapes[n])
