@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from relayrl.algorithms.losses import LossConfig
+from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.local.sampler import SamplerCompute
@@ -83,6 +84,7 @@ def test_the_reference_is_the_base_model_with_adapters_off() -> None:
     assert trainer.ref_model is None  # no second copy
     _steps(trainer, tok, 2)  # the adapters are now non-zero
     batch = _batch(tok, (1.0, -1.0)).payload
+    assert isinstance(batch, PackedBatch)
     base, _ = load_model_and_tokenizer(shipped_model_dir())
     with torch.no_grad():
         expected, _ = token_logprobs(base.train(), batch)
@@ -234,12 +236,12 @@ def test_the_exported_adapter_loads_with_peft_and_reproduces_the_trainers_greedy
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", MARKER} <= {p.name for p in model_dir.iterdir()}
     assert not (model_dir / "model.safetensors").exists()
     base, tok = load_model_and_tokenizer(shipped_model_dir())
-    loaded = PeftModel.from_pretrained(base, model_dir).eval()
+    loaded = peft_base(PeftModel.from_pretrained(base, model_dir).eval())
     # the trainer's policy: its last checkpoint's adapters in a LoRA-wrapped model
     trainer_model, _ = load_model_and_tokenizer(shipped_model_dir())
     trainer = TrainerCompute(wrap(trainer_model, LoraConfig(r=8)), TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig()))
     trainer.load_state(checkpoint_dir(lora_run, 40))
-    policy = trainer.model.eval()
+    policy = peft_base(trainer.model.eval())
     prompts = [p.text for p in build_task(load_config(lora_run / "config.toml")).heldout]
     ours = greedy_completions(loaded, tok, prompts, max_new_tokens=4)
     assert ours == greedy_completions(policy, tok, prompts, max_new_tokens=4)
@@ -250,3 +252,14 @@ def test_the_exported_adapter_loads_with_peft_and_reproduces_the_trainers_greedy
     assert not merged.adapter and (merged.directory / "model.safetensors").is_file()
     plain = AutoModelForCausalLM.from_pretrained(merged.directory, local_files_only=True).eval()
     assert greedy_completions(plain, tok, prompts, max_new_tokens=4) == ours
+
+
+def test_an_adapter_payload_crosses_the_ray_transport() -> None:
+    from relayrl.backends.ray.transport import decode, encode
+
+    trainer, tok = _trainer()
+    _steps(trainer, tok, 1)
+    payload = adapter_payload(trainer.model)
+    back = decode(encode(payload))
+    assert isinstance(back, dict) and back.keys() == payload.keys()
+    assert all(torch.equal(back[k], payload[k]) for k in payload) and is_adapter_payload(back)
