@@ -135,7 +135,12 @@ def train(
         f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
         f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
     )
-    if result.model_dir is not None:
+    if result.model_dir is not None and (result.model_dir / "adapter_config.json").is_file():  # train.lora
+        out.print(
+            f"model: {result.model_dir} (a LoRA adapter: PeftModel.from_pretrained on the base model; "
+            f"relayrl export {run_dir} --merged writes the merged model)"
+        )
+    elif result.model_dir is not None:
         out.print(f"model: {result.model_dir} (a Hugging Face model directory: AutoModelForCausalLM.from_pretrained, or --set model.path=)")
 
 

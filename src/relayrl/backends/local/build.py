@@ -14,6 +14,10 @@ held-out engine computes on rollout.device. On Ray each actor resolves its own d
 gave it) and loads the model there; the driver's engine uses rollout.device if this machine has
 it, else the CPU.
 
+With train.lora the trainer wraps its model in LoRA adapters (in place, after the samplers and the
+greedy engine copied it) and no reference copy is loaded; the samplers keep the plain model and
+merge the adapters of each version.
+
 Invariant: every worker gets its own model copy and its own tokenizer copy (fast tokenizers are
 not safe to share across threads); weights then move only through `Weights` payloads.
 """

@@ -14,7 +14,9 @@ Invariants:
   made, so a load never races a generate, and a generate samples with the weights loaded when
   the call was made and reports exactly that version;
 - a weight load is all or nothing: the payload is checked (names, shapes) before any tensor is
-  copied, so a bad payload leaves the previous version intact;
+  copied, so a bad payload leaves the previous version intact; a LoRA run's payload (adapters
+  only) is merged into the base weights kept at the first one, W = W0 + scaling · B · A, never onto
+  an already merged weight (`relayrl.models.lora.AdapterMerger`);
 - a cancelled call does not return before its worker-thread work has stopped (sampling checks an
   abort flag between decode steps), so cancellation never leaves compute running behind the caller;
 - sampling is reproducible: each request draws from its own RNG, seeded by (run seed, the

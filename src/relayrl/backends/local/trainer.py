@@ -16,6 +16,13 @@ importance weight (algorithms/losses.py says exactly what each computes and repo
 and the reference model have dropout off (`disable_dropout`): the trainer runs them in train
 mode, the samplers in eval mode, and on-policy their log-probs must agree (ratio 1).
 
+LoRA (train.lora): the model is a peft model (`relayrl.models.lora.wrap`); the optimizer holds its
+adapters only (the only parameters that require gradients), the KL reference is the same model
+with its adapters off (`disable_adapter`, no second copy), the exported weights and the
+checkpoint's "model" hold the adapters only (`adapter_payload`). The adapters' dropout stays on in
+training when train.lora.dropout > 0 (allowed with algorithm.tis_cap only: on-policy the ratio is
+then not 1).
+
 Devices: the policy (and reference) model live on the trainer's device (`device`; default: where
 the model already is); a micro-batch, collated on the CPU, is moved there once, whole, at the start
 of its `train_step`. Exported weights stay on that device (an in-process sampler copies them onto
