@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.config.docs import REGENERATE, render_markdown
-from relayrl.config.schema import Config, ConfigError, config_keys, load_config, resumable_keys
+from relayrl.config.schema import Config, ConfigError, LoraConfig, config_keys, load_config, resumable_keys
 from relayrl.orchestrator.build import resume_changes
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -97,7 +97,7 @@ def _doc_rows() -> dict[str, list[str]]:
     rows: dict[str, list[str]] = {}
     section = ""
     for line in render_markdown().splitlines():
-        if m := re.fullmatch(r"## \[(\w+)\]", line):
+        if m := re.fullmatch(r"## \[([\w.]+)\]", line):  # a section, or a key that is a table (train.lora)
             section = m.group(1)
         elif m := re.match(r"\| `(\w+)` \|", line):
             rows[f"{section}.{m.group(1)}"] = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
@@ -106,7 +106,8 @@ def _doc_rows() -> dict[str, list[str]]:
 
 def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
     rows = _doc_rows()
-    assert list(rows) == [f"{section}.{key}" for section, _, key, _ in config_keys()]
+    tables = [f"train.lora.{key}" for key in LoraConfig.model_fields]  # a table's keys: its own section, last
+    assert list(rows) == [f"{section}.{key}" for section, _, key, _ in config_keys()] + tables
     resumable = resumable_keys()
     for key, (_, kind, default, mark, description) in rows.items():
         assert mark == ("yes" if key in resumable else "no"), key

@@ -135,7 +135,12 @@ def train(
         f"done: {s['steps_completed']} steps in {s['wall_time_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
         f"trainer busy {s['trainer_busy_fraction']:.1%}{acc}; run directory {run_dir}"
     )
-    if result.model_dir is not None:
+    if result.model_dir is not None and (result.model_dir / "adapter_config.json").is_file():  # train.lora
+        out.print(
+            f"model: {result.model_dir} (a LoRA adapter: PeftModel.from_pretrained on the base model; "
+            f"relayrl export {run_dir} --merged writes the merged model)"
+        )
+    elif result.model_dir is not None:
         out.print(f"model: {result.model_dir} (a Hugging Face model directory: AutoModelForCausalLM.from_pretrained, or --set model.path=)")
 
 
@@ -311,9 +316,13 @@ def export(
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Output directory (default: RUN_DIR/model, or RUN_DIR/model-step-N for an older step).")
     ] = None,
+    merged: Annotated[
+        bool, typer.Option("--merged", help="A LoRA run: write the model with the adapter merged in, not the adapter (PEFT format).")
+    ] = False,
 ) -> None:
     """Write a checkpoint's policy as a Hugging Face model directory (config.json,
-    model.safetensors, tokenizer files, generation_config.json)."""
+    model.safetensors, tokenizer files, generation_config.json); a LoRA run's as its adapter in
+    PEFT format (adapter_config.json, adapter_model.safetensors), or merged with --merged."""
     from relayrl.config.extras import LOCAL_BACKEND_MODULES, require
     from relayrl.models.export import export_run, run_config
 
@@ -322,13 +331,14 @@ def export(
         if cfg.run.backend == "local":
             for module in LOCAL_BACKEND_MODULES:
                 require(module, "local", "relayrl export")
-        exported = export_run(run_dir, step=step, out=out_dir)
+        exported = export_run(run_dir, step=step, out=out_dir, merged=merged)
     except UserError as exc:  # no run, a sim run, no checkpoint, a missing step, an --out that is not an export, the model
         _fail(_one_line(exc))
     except OSError as exc:  # e.g. disk full while writing
         _fail(_one_line(exc), 1)
     note = " (loaded from GGUF, written as safetensors)" if exported.gguf else ""
-    out.print(f"wrote {exported.directory}: the policy after step {exported.step}, a Hugging Face model of {exported.source}{note}")
+    what = "a LoRA adapter (PEFT format) on" if exported.adapter else "a Hugging Face model of"
+    out.print(f"wrote {exported.directory}: the policy after step {exported.step}, {what} {exported.source}{note}")
 
 
 def _bench(run: Callable[[], T], as_json: bool) -> T:

@@ -56,10 +56,35 @@ def _type_name(annotation: object, plural: bool = False) -> str:
     if origin is dict:
         value = args[1] if len(args) == 2 else object
         return "table" if value is object else f"table of {_type_name(value, plural=True)}"
+    if _table_model(annotation) is not None:
+        return "tables" if plural else "table"
     names = _PLURALS if plural else _NAMES
     if annotation in names:
         return names[annotation]
     raise TypeError(f"config/docs.py: no name for the type {annotation!r}; add one")
+
+
+def _table_model(annotation: object) -> type[BaseModel] | None:
+    """The model of a key that is itself a table of keys (e.g. train.lora), optional or not."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        models = [m for m in map(_table_model, get_args(annotation)) if m is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def _row(key: str, field: FieldInfo) -> str:
+    kind = _type_name(field.annotation)
+    bounds = _constraints(field)
+    row = [
+        f"`{key}`",
+        _cell(f"{kind}, {bounds}" if bounds else kind),
+        _cell(_default(field)),
+        "yes" if is_resumable(field) else "no",
+        _cell(field.description or ""),
+    ]
+    return "| " + " | ".join(row) + " |"
 
 
 def _constraints(field: FieldInfo) -> str:
@@ -102,21 +127,21 @@ def render_markdown() -> str:
     """docs/configuration.md: every section and key of `Config` with its type (and bounds),
     default, whether a resume may change it, and its description."""
     sections: dict[str, tuple[type[BaseModel], list[str]]] = {}
+    tables: dict[str, tuple[type[BaseModel], list[str]]] = {}  # a key that is a table of keys: its own section, after
     for section, model, key, field in config_keys():
         if not field.description:
             raise TypeError(f"config/docs.py: {section}.{key} has no description (a docstring under the field)")
-        kind = _type_name(field.annotation)
-        bounds = _constraints(field)
-        row = [
-            f"`{key}`",
-            _cell(f"{kind}, {bounds}" if bounds else kind),
-            _cell(_default(field)),
-            "yes" if is_resumable(field) else "no",
-            _cell(field.description),
-        ]
-        sections.setdefault(section, (model, []))[1].append("| " + " | ".join(row) + " |")
+        sections.setdefault(section, (model, []))[1].append(_row(key, field))
+        sub = _table_model(field.annotation)
+        if sub is not None:
+            rows = tables.setdefault(f"{section}.{key}", (sub, []))[1]
+            for name, subfield in sub.model_fields.items():
+                if not subfield.description:
+                    raise TypeError(f"config/docs.py: {section}.{key}.{name} has no description (a docstring under the field)")
+                rows.append(_row(name, subfield))
+    sections.update(tables)
     out = [_HEADER]
-    out.append("Sections: " + ", ".join(f"[`[{name}]`](#{name})" for name in sections) + ".\n")
+    out.append("Sections: " + ", ".join(f"[`[{name}]`](#{name.replace('.', '')})" for name in sections) + ".\n")
     for name, (model, rows) in sections.items():
         out.append(f"## [{name}]\n")
         out.append(_section_doc(model) + "\n")

@@ -413,6 +413,36 @@ class AlgorithmConfig(_Section):
         return self
 
 
+#: train.lora.target_modules' default: the attention and MLP projections of the Qwen2 / Llama
+#: family (the shipped tiny model, SmolLM2); relayrl.models.lora checks the names against the model.
+LORA_TARGETS: Final[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (train.lora, via peft): only the adapters train and travel to the samplers."""
+
+    r: int = Field(8, ge=1)
+    """The adapters' rank."""
+    alpha: float = Field(16.0, gt=0.0)
+    """The adapters' scale numerator: a layer computes W x + (alpha / r) B A x."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training; > 0 needs algorithm.tis_cap (the samplers
+    sample without it, so on-policy the trainer's log-probs no longer equal theirs)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Names of the linear layers that get an adapter (the last part of a module's name, e.g.
+    "q_proj"); each must name a linear layer of the model."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, names: list[str]) -> list[str]:
+        bad = [n for n in names if not n.strip() or n != n.strip()]
+        if bad:
+            raise ValueError(f"module names must be non-empty without surrounding spaces ({bad[0]!r})")
+        if len(set(names)) != len(names):
+            raise ValueError("module names must not repeat")
+        return names
+
+
 class TrainConfig(_Section):
     """The trainer: packing, the optimizer and its schedule, non-finite steps and call bounds."""
 
@@ -456,6 +486,10 @@ the device."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on the model (a table: r, alpha, dropout, target_modules; see
+    [train.lora](#trainlora)); unset = the whole model trains. The KL reference is the model with
+    its adapters off (no second copy); weight sync and checkpoints carry only the adapters."""
 
     @field_validator("device")
     @classmethod
@@ -687,6 +721,15 @@ class Config(_Section):
             raise ValueError(
                 "rollout.interruptible = true is not supported with rollout.engine = 'vllm' (its loads wait for running"
                 " requests): set rollout.engine = 'hf' or rollout.interruptible = false"
+            )
+        if self.train.lora is not None and self.rollout.engine == "vllm":
+            raise ValueError(
+                "train.lora is not supported with rollout.engine = 'vllm' (its samplers load whole models): use rollout.engine = 'hf'"
+            )
+        if self.train.lora is not None and self.train.lora.dropout > 0 and self.algorithm.tis_cap is None:
+            raise ValueError(
+                f"train.lora.dropout = {self.train.lora.dropout} needs algorithm.tis_cap: the samplers sample without dropout, so the"
+                " trainer's log-probs differ from theirs even on-policy (set train.lora.dropout = 0, or a tis_cap)"
             )
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")

@@ -20,6 +20,11 @@ Invariants:
   run without checkpoints, a step without one (naming the steps there are) and a sim-backend run.
 - the exported weights are the state's, bit for bit, in the model's dtype; the config's dropout
   rates are the source model's (training turns them off: models/loading.disable_dropout).
+- a LoRA run (train.lora) exports its adapter in PEFT format (`adapter_config.json`,
+  `adapter_model.safetensors`: `PeftModel.from_pretrained(base, DIR)` loads it, its
+  `base_model_name_or_path` the model it was trained from) with the tokenizer's files, or with
+  `merged` the model with the adapter merged in (W + alpha/r · B·A), written as a plain model.
+  `run.save_model` writes the adapter.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class Exported:
     step: int  # the step whose weights it holds (steps numbered from 1)
     source: str  # the model the run was trained from (a directory, or a GGUF file in one)
     gguf: bool  # loaded from a GGUF file: written as safetensors
+    adapter: bool = False  # a LoRA run's adapter in PEFT format (not merged)
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -93,9 +99,10 @@ def run_config(run_dir: Path) -> Config:
     return load_config(path)
 
 
-def export_run(run_dir: Path, *, step: int | None = None, out: Path | None = None) -> Exported:
+def export_run(run_dir: Path, *, step: int | None = None, out: Path | None = None, merged: bool = False) -> Exported:
     """Write the policy of `run_dir`'s checkpoint of `step` (None: the newest) as a Hugging Face
-    model directory at `out` (None: `default_out`). Blocking: call it off the event loop."""
+    model directory at `out` (None: `default_out`); a LoRA run's as its adapter, or with `merged`
+    as the model with the adapter merged in. Blocking: call it off the event loop."""
     cfg = run_config(run_dir)
     if cfg.run.backend != "local":
         raise ExportError(f"{run_dir}: a run.backend = {cfg.run.backend!r} run has no model to export (only 'local' runs train one)")
@@ -112,7 +119,7 @@ def export_run(run_dir: Path, *, step: int | None = None, out: Path | None = Non
             f"{', '.join(map(str, steps))}"
         )
     target = out if out is not None else default_out(run_dir, chosen, steps[-1])
-    return write_model(cfg, checkpoint_dir(run_dir, chosen), target, step=chosen, run_dir=run_dir)
+    return write_model(cfg, checkpoint_dir(run_dir, chosen), target, step=chosen, run_dir=run_dir, merged=merged)
 
 
 def check_out(out: Path) -> None:
@@ -137,9 +144,10 @@ def plain_weights(model: PreTrainedModel) -> None:
             del model.config.quantization_config
 
 
-def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: Path) -> Exported:
+def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: Path, merged: bool = False) -> Exported:
     """Build the configured model with the weights of `state_dir/trainer.pt` (the trainer's state
-    after `step`) and write it, with its tokenizer, to `out` atomically. Blocking."""
+    after `step`) and write it, with its tokenizer, to `out` atomically; a LoRA run's adapter
+    (PEFT format), or with `merged` the model with it merged in. Blocking."""
     check_out(out)
     state_file = state_dir / TRAINER_STATE
     if not state_file.is_file():
@@ -165,11 +173,24 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
         raise ExportError(f"{state_file}: unreadable trainer state ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
     if version != step:
         raise ExportError(f"{state_file}: trainer state is version {version}, expected {step}")
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as exc:
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise ExportError(f"{state_file}: the weights do not fit the model {source} ({first})") from None
+    adapter = None
+    if cfg.train.lora is not None:
+        from relayrl.models.lora import load_adapter_payload, wrap
+
+        adapter = wrap(model, cfg.train.lora)
+        try:
+            load_adapter_payload(adapter, weights)
+        except ValueError as exc:
+            raise ExportError(f"{state_file}: {exc} (train.lora in {run_dir / 'config.toml'})") from None
+        adapter.peft_config["default"].base_model_name_or_path = source
+        if merged:
+            model, adapter = adapter.merge_and_unload(), None
+    else:
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as exc:
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise ExportError(f"{state_file}: the weights do not fit the model {source} ({first})") from None
     original = AutoConfig.from_pretrained(source_dir, gguf_file=gguf, local_files_only=True)
     _restore_dropout(model.config, original)
     plain_weights(model)
@@ -178,7 +199,7 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        model.save_pretrained(staging)
+        (adapter if adapter is not None else model).save_pretrained(staging)
         shipped = shipped_model_dir()
         if not gguf and source_dir.resolve() == shipped.resolve():  # the shipped model's own tokenizer files, as they are
             for path in sorted(shipped.iterdir()):
@@ -192,12 +213,13 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
             "source": source,
             "gguf": gguf is not None,
             "dtype": cfg.model.dtype,
+            "lora": None if cfg.train.lora is None else {"adapter": adapter is not None, **cfg.train.lora.model_dump()},
         }
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Exported(directory=out, step=step, source=source, gguf=gguf is not None)
+    return Exported(directory=out, step=step, source=source, gguf=gguf is not None, adapter=adapter is not None)
 
 
 def _restore_dropout(config: object, original: object) -> None:

@@ -14,6 +14,10 @@ held-out engine computes on rollout.device. On Ray each actor resolves its own d
 gave it) and loads the model there; the driver's engine uses rollout.device if this machine has
 it, else the CPU.
 
+With train.lora the trainer wraps its model in LoRA adapters (in place, after the samplers and the
+greedy engine copied it) and no reference copy is loaded; the samplers keep the plain model and
+merge the adapters of each version.
+
 Invariant: every worker gets its own model copy and its own tokenizer copy (fast tokenizers are
 not safe to share across threads); weights then move only through `Weights` payloads.
 """
@@ -169,7 +173,8 @@ def make_sampler(
 
 def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer:
     """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
-    there when kl_beta > 0)."""
+    there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
+    reference copy is made: the reference is the model with its adapters off."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
@@ -193,7 +198,12 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         max_consecutive_skips=t.max_consecutive_skips,
         temperature=r.temperature,
         torch_threads=threads,
+        lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
     )
+    if t.lora is not None:
+        from relayrl.models.lora import wrap
+
+        return LocalTrainer(wrap(model, t.lora), settings, device=device)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
@@ -296,6 +306,10 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
         dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
     model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
+    if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
+        from relayrl.models.lora import check_targets
+
+        check_targets(model, cfg.train.lora)
     trainer_threads, sampler_threads = worker_threads(cfg)
     base = (model, tokenizer)
     return Compute(

@@ -22,7 +22,9 @@ Invariants:
   (its first token's). Its RNG stays seeded by the version the call started with. Greedy
   evaluation and multi-turn turns hold the weights for their whole call;
 - a weight load is all or nothing: the payload is checked (names, shapes) before any tensor is
-  copied, so a bad payload leaves the previous version intact;
+  copied, so a bad payload leaves the previous version intact; a LoRA run's payload (adapters
+  only) is merged into the base weights kept at the first one, W = W0 + scaling · B · A, never onto
+  an already merged weight (`relayrl.models.lora.AdapterMerger`);
 - a cancelled call does not return before its worker-thread work has stopped (sampling checks an
   abort flag between decode steps), so cancellation never leaves compute running behind the caller;
 - sampling is reproducible: each request draws from its own RNG, seeded by (run seed, the
@@ -63,6 +65,7 @@ from relayrl.backends.local.generation import (
     sample_turns,
 )
 from relayrl.backends.protocols import Sampler
+from relayrl.models.lora import AdapterMerger, is_adapter_payload
 from relayrl.threads import ThreadHost
 from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
 
@@ -143,6 +146,7 @@ class SamplerCompute:
         self.turn_stats = TurnStats()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._merger: AdapterMerger | None = None  # made by the first adapter payload (a LoRA run)
         state = model.state_dict()
         self._shapes = {name: tuple(t.shape) for name, t in state.items()}
         # Tied parameters (e.g. lm_head.weight = embed_tokens.weight) may be absent from a payload.
@@ -274,13 +278,23 @@ class SamplerCompute:
     def load_weights(self, weights: Weights, abort: threading.Event | None = None) -> None:
         """Copy `weights.payload` (a state dict of tensors) into the model and take its version,
         all or nothing (the payload is checked first). The sender may reuse its tensors after.
-        Waits for the running forward pass, if any, and holds the next one until it is done."""
+        Waits for the running forward pass, if any, and holds the next one until it is done.
+        A LoRA run's payload holds adapters only: they are merged into the base weights
+        (`relayrl.models.lora.AdapterMerger`)."""
         if abort is not None and abort.is_set():
             return
         where = f"LocalSampler replica {self.replica}, weights version {weights.version}"
         payload = weights.payload
         if not isinstance(payload, dict) or not all(isinstance(t, torch.Tensor) for t in payload.values()):
             raise TypeError(f"{where}: payload must be dict[str, torch.Tensor], got {type(payload).__name__}")
+        if is_adapter_payload(payload):
+            if self._merger is None:
+                self._merger = AdapterMerger(self.model)
+            with self.gate.load(weights.version):
+                self._sessions.clear()  # computed with the weights about to be replaced
+                self._session_bytes = 0
+                self._merger.merge(payload, where)  # checks everything before changing a weight
+            return
         unexpected = sorted(set(payload) - set(self._shapes))
         missing = sorted(set(self._shapes) - set(payload) - self._aliases)
         wrong = sorted(n for n, t in payload.items() if n in self._shapes and tuple(t.shape) != self._shapes[n])

@@ -16,6 +16,13 @@ importance weight (algorithms/losses.py says exactly what each computes and repo
 and the reference model have dropout off (`disable_dropout`): the trainer runs them in train
 mode, the samplers in eval mode, and on-policy their log-probs must agree (ratio 1).
 
+LoRA (train.lora): the model is a peft model (`relayrl.models.lora.wrap`); the optimizer holds its
+adapters only (the only parameters that require gradients), the KL reference is the same model
+with its adapters off (`disable_adapter`, no second copy), the exported weights and the
+checkpoint's "model" hold the adapters only (`adapter_payload`). The adapters' dropout stays on in
+training when train.lora.dropout > 0 (allowed with algorithm.tis_cap only: on-policy the ratio is
+then not 1).
+
 Devices: the policy (and reference) model live on the trainer's device (`device`; default: where
 the model already is); a micro-batch, collated on the CPU, is moved there once, whole, at the start
 of its `train_step`. Exported weights stay on that device (an in-process sampler copies them onto
@@ -46,6 +53,7 @@ from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
 from relayrl.models.loading import disable_dropout
+from relayrl.models.lora import adapter_payload, is_peft_model, load_adapter_payload, peft_base, restore_adapter_dropout
 from relayrl.threads import ThreadHost
 from relayrl.types import TrainBatch, Weights
 
@@ -64,6 +72,7 @@ class TrainerSettings:
     torch_threads: int = 0
     on_nonfinite: str = "skip"  # a step whose loss or gradient is not finite: "skip" its update, or "fail"
     max_consecutive_skips: int = 10  # under "skip": more skipped steps in a row than this fail the run
+    lora_dropout: float = 0.0  # a LoRA model's adapter dropout, kept on in training (train.lora.dropout)
 
 
 class NonFiniteStepError(RunFailed, FloatingPointError):
@@ -108,8 +117,9 @@ class TrainerCompute:
         ref_model: PreTrainedModel | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if settings.loss.kl_beta > 0 and ref_model is None:
-            raise ValueError("algorithm.kl_beta > 0 needs a reference model")
+        self._adapters = is_peft_model(model)  # LoRA: only adapters train, travel and are checkpointed
+        if settings.loss.kl_beta > 0 and ref_model is None and not self._adapters:
+            raise ValueError("algorithm.kl_beta > 0 needs a reference model (or LoRA adapters, the reference being the model without them)")
         if settings.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {settings.max_consecutive_skips}")
         if device is not None:  # before the optimizer is made: its parameters are the ones on the device
@@ -117,8 +127,13 @@ class TrainerCompute:
             if ref_model is not None:
                 torch.nn.Module.to(ref_model, device)
         self.model = disable_dropout(model).train()  # train mode, but log-probs as the samplers' eval mode gives
+        if self._adapters and settings.lora_dropout > 0:
+            restore_adapter_dropout(model, settings.lora_dropout)
         self.ref_model = disable_dropout(ref_model).eval() if ref_model is not None else None
         self.device: torch.device = model.device
+        # what computes the log-probs: a peft model's wrapped model (its adapters injected; the
+        # packed forward needs the plain causal LM's base model and head)
+        self._net: PreTrainedModel = peft_base(model) if self._adapters else model
         self.settings = settings
         self.version = 0
         self._optimizer = torch.optim.AdamW(
@@ -165,7 +180,10 @@ class TrainerCompute:
     # -- the worker thread's calls -------------------------------------------------------------
     def load_state(self, directory: Path) -> int:
         state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if self._adapters:
+            load_adapter_payload(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
         self._scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
@@ -185,11 +203,14 @@ class TrainerCompute:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)  # once, every tensor of the micro-batch
         cfg = self.settings.loss
-        logp, entropy = token_logprobs(self.model, batch, self.settings.temperature)
+        logp, entropy = token_logprobs(self._net, batch, self.settings.temperature)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref, _ = token_logprobs(self.ref_model, batch, self.settings.temperature)
+        elif self._adapters and cfg.kl_beta > 0:  # the reference: the base model, adapters off
+            with torch.no_grad(), self.model.disable_adapter():
+                ref, _ = token_logprobs(self._net, batch, self.settings.temperature)
         out = policy_loss(
             logp,
             batch.old_logprobs,
@@ -277,7 +298,9 @@ class TrainerCompute:
         return self.version
 
     def export(self) -> Weights:
-        """The model's weights now, as the version it holds."""
+        """The model's weights now, as the version it holds (with LoRA: its adapters only)."""
+        if self._adapters:
+            return Weights(version=self.version, payload=adapter_payload(self.model))
         with torch.no_grad():
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return Weights(version=self.version, payload=state)
