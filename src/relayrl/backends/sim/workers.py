@@ -8,6 +8,9 @@ Invariant: given the same sequence of calls, outputs are a pure function of the 
 rate of sampled answers rises with the policy version, so rewards have variance and "learning" is
 visible. `get_metrics` reads the trainer's metrics slot when the fetch lands, and that slot is
 overwritten by the next `optim_step`, exactly the hazard step-boundary rule 2 guards against.
+Several updates per step (`train.ppo_epochs`, `train.minibatches_per_step`) are simulated inside
+`optim_step`, as the local trainer makes them: the step's micro-batches trained again
+(`sim.train_step` each, for every pass after the first) and one `sim.optim_step` per update.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import random
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from relayrl.backends.protocols import Sampler, Trainer
@@ -136,11 +139,14 @@ class _Accum:
     trajectories: int = 0
     adv_sum: float = 0.0
     microbatches: int = 0
+    minibatches: set[int] = field(default_factory=set)
+    later: int = 0  # micro-batches not of the first minibatch (trained in optim_step's first pass)
 
 
 class SimTrainer(Trainer):
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, ppo_epochs: int = 1) -> None:
         self._cfg = cfg
+        self._epochs = ppo_epochs
         self.version = 0
         self._accum = _Accum()
         self._slot: dict[str, float] = {}
@@ -155,13 +161,19 @@ class SimTrainer(Trainer):
         self._accum.trajectories += batch.num_sequences
         self._accum.adv_sum += sum(abs(a) for a in batch.advantages)
         self._accum.microbatches += 1
+        self._accum.minibatches.add(batch.minibatch)
+        self._accum.later += batch.minibatch > 0
 
     async def optim_step(self) -> int:
         self.calls.append(("optim_step", self.version))
         if self._accum.microbatches == 0:
             raise RuntimeError("optim_step called with no accumulated train_step")
-        await _sleep(self._cfg.optim_step)
         acc = self._accum
+        updates = self._epochs * len(acc.minibatches)
+        # the updates after the first: every micro-batch trained again per pass after the first (the
+        # first pass's other minibatches too), one optimizer step each
+        retrained = (self._epochs - 1) * acc.microbatches + acc.later
+        await _sleep(self._cfg.optim_step * updates + self._cfg.train_step * retrained)
         self._slot = {
             "step": float(self.version),
             "loss": -acc.adv_sum / max(1, acc.trajectories) * 0.1,
@@ -169,6 +181,7 @@ class SimTrainer(Trainer):
             "tokens": float(acc.tokens),
             "microbatches": float(acc.microbatches),
             "learning_rate": 1e-6,
+            **({"updates": float(updates)} if updates > 1 else {}),
         }
         self._accum = _Accum()
         self.version += 1
