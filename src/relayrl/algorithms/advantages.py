@@ -107,9 +107,7 @@ def _mean_std(rewards: Sequence[float]) -> tuple[float, float] | None:
     return mean, math.sqrt(var)
 
 
-def step_advantages(
-    rewards: Sequence[float], group_centred: Sequence[float], scored: Sequence[bool], kind: AdvantageKind
-) -> list[float]:
+def step_advantages(rewards: Sequence[float], group_centred: Sequence[float], scored: Sequence[bool], kind: AdvantageKind) -> list[float]:
     """The step's advantages, flat over its groups' trajectories: `rewards`, the per-group stage's
     `group_centred` advantages (r − mean_g) and `scored` flags, one each. "grpo" (batch scaling):
     group_centred / (std_step + ε); "reinforce_pp": (r − mean_step) / (std_step + ε); the step's
