@@ -37,7 +37,7 @@ def _stage(groups: list[Group], kind: str, scale: str) -> list[float]:
         for t, a in zip(g.trajectories, group_advantages([t.reward for t in g.trajectories], stage_kind(kind, scale), flags)):  # type: ignore[arg-type]
             t.advantage = a
     if needs_step(kind, scale):  # type: ignore[arg-type]
-        finish_step_advantages(groups, kind)  # type: ignore[arg-type]
+        finish_step_advantages(groups, kind=kind)  # type: ignore[arg-type]
     return [t.advantage for g in groups for t in g.trajectories]
 
 

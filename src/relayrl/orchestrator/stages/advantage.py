@@ -64,7 +64,7 @@ def filter_reason(
     return None
 
 
-def finish_step_advantages(groups: list[Group], kind: AdvantageKind) -> None:
+def finish_step_advantages(groups: list[Group], *, kind: AdvantageKind) -> None:
     """Set the advantages of a step's trajectories that depend on the whole step (batch std
     scaling of "grpo", "reinforce_pp"; algorithms/advantages.py `step_advantages`)."""
     trajs = [t for g in groups for t in g.trajectories]

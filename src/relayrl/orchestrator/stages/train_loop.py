@@ -208,7 +208,7 @@ class TrainLoop:
         ready_at = self._tracer.now()
         # a failed reward call trains nothing: its trajectory is logged, never packed (orchestrator/stages/advantage.py)
         if self._step_advantage is not None:  # advantages over the whole step (batch std scaling, REINFORCE++)
-            finish_step_advantages(groups, self._step_advantage)
+            finish_step_advantages(groups, kind=self._step_advantage)
         trajectories = [t for g in groups for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
         spec = self._packing
         pack_plan = plan(trajectories, spec.row_tokens, spec.rows_per_microbatch, spec.share_prompt, spec.minibatches)
