@@ -134,9 +134,10 @@ class LossOutput:
     - `logprob_diff_mean` / `_max`: |current trainer log-prob − behaviour (sampler) log-prob|.
     - `ratio_*`: exp(logp − old_logp), the current policy over the behaviour policy.
     - `clip_frac_low`: share of tokens with A < 0 and r < 1 − ε_low (clipped: no gradient);
-      `clip_frac_high`: A > 0 and r > 1 + ε_high. PPO mode only (None with `tis_cap`).
+      `clip_frac_high`: A > 0 and r > 1 + ε_high, r the clipped ratio. PPO mode, or with
+      `tis_cap` given `prox_logprobs` (else None: r = 1 there).
     - `clip_frac_dual`: share of tokens with A < 0 and r > c, where the dual clip bounds the loss
-      at −A·c (no gradient). PPO mode with `clip_ratio_c` only (else None).
+      at −A·c (no gradient). With `clip_ratio_c`, where clip fractions are reported (else None).
     - `tis_weight_mean`: mean truncated-IS weight; `tis_capped_frac`: share of tokens whose
       weight the cap bound. With `tis_cap` only (else None).
     - `entropy_mean`: mean of the given per-token entropy; None when not given.
