@@ -7,8 +7,15 @@ of G completions of c tokens costs P + G·c tokens instead of G·(P + c). The co
 mask lets each completion see the shared prompt and its own earlier tokens only, so the
 per-token log-probs (and their gradients) are those of G separate sequences.
 
+With several minibatches per step (`train.minibatches_per_step` = m > 1) the step's groups, in
+order, go to minibatch k = (their position) mod m, each minibatch is planned on its own and its
+micro-batches follow the previous one's: a micro-batch holds one minibatch's trajectories only, a
+group is never split, and each micro-batch carries its minibatch's loss normalisers (policy
+tokens, sequences with a policy token) instead of the step's.
+
 Invariant: every trajectory of the step is placed in exactly one row, no row's laid-out length
-(`layout_tokens`) exceeds the budget, and every row belongs to exactly one micro-batch.
+(`layout_tokens`) exceeds the budget, every row belongs to exactly one micro-batch, and every
+micro-batch to exactly one minibatch.
 """
 
 from __future__ import annotations
@@ -91,12 +98,56 @@ def _units(trajectories: Sequence[Trajectory], budget: int, share_prompt: bool) 
     return units
 
 
-def plan(trajectories: Sequence[Trajectory], row_budget: int, rows_per_microbatch: int, share_prompt: bool = False) -> PackPlan:
+def plan(
+    trajectories: Sequence[Trajectory], row_budget: int, rows_per_microbatch: int, share_prompt: bool = False, minibatches: int = 1
+) -> PackPlan:
+    """Rows and micro-batches of a step's trajectories (listed group by group); with
+    `minibatches` > 1, one plan per minibatch of groups, in minibatch order (module docstring)."""
+    if minibatches > 1:
+        return _plan_minibatches(trajectories, row_budget, rows_per_microbatch, share_prompt, minibatches)
     units = _units(trajectories, row_budget, share_prompt)
     unit_rows = first_fit_decreasing([segment_tokens(trajectories, u) for u in units], row_budget)
     rows = [[i for u in unit_row for i in units[u]] for unit_row in unit_rows]
     microbatches = [list(range(i, min(i + rows_per_microbatch, len(rows)))) for i in range(0, len(rows), rows_per_microbatch)]
     return PackPlan(rows=rows, microbatches=microbatches, row_budget=row_budget, share_prompt=share_prompt)
+
+
+def minibatch_slices(trajectories: Sequence[Trajectory], minibatches: int) -> list[list[int]]:
+    """Indices of `trajectories` per minibatch: the groups, in order of first appearance, go to
+    minibatch (position mod `minibatches`); empty minibatches are dropped."""
+    order: dict[int, int] = {}
+    slices: list[list[int]] = [[] for _ in range(minibatches)]
+    for i, t in enumerate(trajectories):
+        slices[order.setdefault(t.group_id, len(order)) % minibatches].append(i)
+    return [s for s in slices if s]
+
+
+def _plan_minibatches(
+    trajectories: Sequence[Trajectory], row_budget: int, rows_per_microbatch: int, share_prompt: bool, minibatches: int
+) -> PackPlan:
+    rows: list[list[int]] = []
+    microbatches: list[list[int]] = []
+    minibatch: list[int] = []
+    tokens: list[int] = []
+    sequences: list[int] = []
+    for k, members in enumerate(minibatch_slices(trajectories, minibatches)):
+        sub = plan([trajectories[i] for i in members], row_budget, rows_per_microbatch, share_prompt)
+        offset = len(rows)
+        rows.extend([members[i] for i in row] for row in sub.rows)
+        microbatches.extend([r + offset for r in mb] for mb in sub.microbatches)
+        minibatch.extend([k] * len(sub.microbatches))
+        policy = [trajectories[i].policy_tokens for i in members]
+        tokens.append(sum(policy))
+        sequences.append(len(policy) - policy.count(0))
+    return PackPlan(
+        rows=rows,
+        microbatches=microbatches,
+        row_budget=row_budget,
+        share_prompt=share_prompt,
+        minibatch=minibatch,
+        minibatch_tokens=tokens,
+        minibatch_sequences=sequences,
+    )
 
 
 def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], pack_plan: PackPlan) -> MicroBatch:
@@ -108,8 +159,13 @@ def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], 
         mb_rows.append(list(range(len(mb_trajs), len(mb_trajs) + len(row))))
         mb_trajs.extend([trajectories[t] for t in row])
     row_lengths = [layout_tokens(mb_trajs, row, pack_plan.share_prompt) for row in mb_rows]
-    policy = [t.policy_tokens for t in trajectories]  # the step's, once
     real = sum(row_lengths)
+    minibatch = pack_plan.minibatch[index] if pack_plan.minibatch else 0
+    if pack_plan.minibatch:  # its minibatch's normalisers
+        norm_tokens, norm_sequences = pack_plan.minibatch_tokens[minibatch], pack_plan.minibatch_sequences[minibatch]
+    else:
+        policy = [t.policy_tokens for t in trajectories]  # the step's, once
+        norm_tokens, norm_sequences = sum(policy), len(policy) - policy.count(0)
     return MicroBatch(
         step=step,
         index=index,
@@ -124,7 +180,8 @@ def build_microbatch(step: int, index: int, trajectories: Sequence[Trajectory], 
             sequence_tokens=sum([t.num_tokens for t in mb_trajs]),
         ),
         num_tokens=real,
-        step_completion_tokens=sum(policy),
-        step_sequences=len(policy) - policy.count(0),
+        step_completion_tokens=norm_tokens,
+        step_sequences=norm_sequences,
         share_prompt=pack_plan.share_prompt,
+        minibatch=minibatch,
     )

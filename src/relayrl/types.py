@@ -257,6 +257,11 @@ class PackPlan:
     microbatches: list[list[int]]  # indices into `rows`, per micro-batch
     row_budget: int
     share_prompt: bool = False  # a group's completions share one copy of its prompt in a row
+    # train.minibatches_per_step > 1 (packing.py): per micro-batch its minibatch, and per minibatch
+    # its policy tokens and sequences with a policy token (its loss normalisers); empty: one minibatch
+    minibatch: list[int] = field(default_factory=list)
+    minibatch_tokens: list[int] = field(default_factory=list)
+    minibatch_sequences: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -273,7 +278,9 @@ class TrainBatch:
     computes and reports with, never trajectories or texts (see `MicroBatch.train_batch`).
 
     `payload` is what the backend's collator made (e.g. tensors of token ids, positions, masks,
-    sampler log-probs, advantages, loss-token indices); `advantages` holds one per sequence."""
+    sampler log-probs, advantages, loss-token indices); `advantages` holds one per sequence.
+    With `train.minibatches_per_step` > 1 the normalisers are its minibatch's (`minibatch`: which
+    of the step's optimizer updates per pass it belongs to), not the whole step's."""
 
     step: int
     index: int
@@ -281,8 +288,9 @@ class TrainBatch:
     num_tokens: int  # laid-out tokens (a shared prompt once), no padding
     num_sequences: int
     advantages: list[float]
-    step_completion_tokens: int  # the policy's completion tokens over the whole step: the loss normaliser for accumulation
-    step_sequences: int  # trajectories of the step with at least one policy token
+    step_completion_tokens: int  # the policy's completion tokens over the whole step (its minibatch): the loss normaliser for accumulation
+    step_sequences: int  # trajectories of the step (its minibatch) with at least one policy token
+    minibatch: int = 0
 
 
 @dataclass(slots=True)
@@ -296,10 +304,11 @@ class MicroBatch:
     rows: list[list[int]]  # indices into `trajectories`, per packed row
     padding: PaddingStats
     num_tokens: int
-    step_completion_tokens: int = 0  # the policy's completion tokens over the whole step: the loss normaliser
-    step_sequences: int = 0  # trajectories of the step with at least one policy token
+    step_completion_tokens: int = 0  # the policy's completion tokens over the whole step (its minibatch): the loss normaliser
+    step_sequences: int = 0  # trajectories of the step (its minibatch) with at least one policy token
     share_prompt: bool = False  # rows are laid out as segments sharing a prompt (packing.segments)
     payload: object = None
+    minibatch: int = 0  # which of the step's minibatches it belongs to (train.minibatches_per_step)
 
     @property
     def min_version(self) -> int:
@@ -317,6 +326,7 @@ class MicroBatch:
             advantages=[t.advantage for t in self.trajectories],
             step_completion_tokens=self.step_completion_tokens,
             step_sequences=self.step_sequences,
+            minibatch=self.minibatch,
         )
 
 

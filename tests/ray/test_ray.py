@@ -195,3 +195,28 @@ def test_multiturn_episodes_on_ray_actors(cluster: RayCluster, tmp_path: Path) -
     assert actor_turns and any(s.lane == "env" and s.name == "env_step" for s in all_spans)
     for t in result.records[-1].trajectories:
         assert t.turns and t.policy_version == min(turn.policy_version for turn in t.turns)
+
+
+@pytest.mark.slow
+def test_several_updates_per_step_on_the_ray_trainer_actor(cluster: RayCluster, tmp_path: Path) -> None:
+    """The trainer actor wraps the local trainer: ppo_epochs × minibatches_per_step updates inside
+    each step's one optim_step, the trace still checked (one commit per step)."""
+    cfg = load_config(
+        None,
+        [
+            "run.backend=local",
+            "run.steps=2",
+            "eval.enabled=false",
+            "rollout.groups_per_step=2",
+            "rollout.num_generations=2",
+            "train.ppo_epochs=2",
+            "train.minibatches_per_step=2",
+            "orchestrator.release_memory=false",
+            "ray.enabled=true",
+            "ray.address=auto",
+        ],
+    )
+    asyncio.run(asyncio.wait_for(build_program(cfg, run_dir=tmp_path / "run").run(), 120))
+    assert check_run_dir(tmp_path / "run").ok
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/updates"]) for r in rows] == [(1, 4.0), (2, 4.0)]

@@ -1,4 +1,19 @@
-"""Group-relative advantages: GRPO, Dr.GRPO and RLOO.
+"""Advantages: group-relative (GRPO, Dr.GRPO, RLOO) and step-level (GRPO with batch std scaling,
+REINFORCE++).
+
+Per trajectory i of group g with reward r_i, over the scored members (below):
+- "grpo", scale_rewards "group": (r_i − mean_g) / (std_g + ε), std_g with n − 1 (GRPO);
+- "grpo", "batch": (r_i − mean_g) / (std_step + ε), std_step the std (n − 1) of every scored
+  reward of the step, raw (TRL's scale_rewards = "batch");
+- "grpo", "none", and "drgrpo": r_i − mean_g (Dr. GRPO, Liu et al. 2025);
+- "rloo": r_i − mean of the group's other members (leave-one-out);
+- "reinforce_pp": (r_i − mean_step) / (std_step + ε) over the step's scored rewards, no group
+  baseline (REINFORCE++, Hu 2025; OpenRLHF's `reinforce_plus_plus`). It whitens the sequence
+  reward only: its per-token KL penalty (algorithm.kl_in_reward) is added per token in the
+  trainer, after this.
+ε = 1e-6. The step-level ones need the step's groups: the advantage stage sets the group-centred
+part (or 0 for reinforce_pp) and the train loop finishes them when it takes the step's groups
+(`step_advantages`).
 
 Invariant: advantages are computed within one group only, over its *scored* members, are always
 finite, and sum to zero for every estimator when the group has at least two scored members. A
@@ -18,14 +33,15 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-AdvantageKind = Literal["grpo", "drgrpo", "rloo"]
+AdvantageKind = Literal["grpo", "drgrpo", "rloo", "reinforce_pp"]
+ScaleRewards = Literal["group", "batch", "none"]
 EPS = 1e-6
 
 
 def group_advantages(rewards: Sequence[float], kind: AdvantageKind = "grpo", scored: Sequence[bool] | None = None) -> list[float]:
     """One advantage per reward. `scored[i]` False: member i's reward call failed (advantage 0,
     no part in the statistics; see the module docstring); None: every member was scored."""
-    if kind not in ("grpo", "drgrpo", "rloo"):
+    if kind not in ("grpo", "drgrpo", "rloo", "reinforce_pp"):
         raise ValueError(f"unknown advantage estimator {kind!r} (algorithm.advantage)")
     if scored is not None and not all(scored):
         if len(scored) != len(rewards):
@@ -42,6 +58,8 @@ def group_advantages(rewards: Sequence[float], kind: AdvantageKind = "grpo", sco
     if n < 2:
         return [0.0] * n
     mean = total / n
+    if kind == "reinforce_pp":  # finished over the step (`step_advantages`)
+        return [0.0] * n
     if kind == "drgrpo":
         out = [r - mean for r in rewards]
     elif kind == "rloo":
@@ -63,3 +81,49 @@ def rewards_tie(rewards: Sequence[float], scored: Sequence[bool] | None = None) 
         rewards = [r for r, s in zip(rewards, scored) if s]
     finite = [r for r in rewards if math.isfinite(r)]
     return all(r == finite[0] for r in finite[1:]) if finite else True
+
+
+def stage_kind(kind: AdvantageKind, scale_rewards: ScaleRewards) -> AdvantageKind:
+    """What the per-group stage computes: "grpo" scaled by the step ("batch") or not at all
+    ("none") is r − mean_g there, i.e. "drgrpo"'s formula."""
+    return "drgrpo" if kind == "grpo" and scale_rewards != "group" else kind
+
+
+def needs_step(kind: AdvantageKind, scale_rewards: ScaleRewards) -> bool:
+    """Whether advantages are finished over the step's groups (`step_advantages`)."""
+    return kind == "reinforce_pp" or (kind == "grpo" and scale_rewards == "batch")
+
+
+def _mean_std(rewards: Sequence[float]) -> tuple[float, float] | None:
+    """Mean and std (n − 1) of finite `rewards`; None with fewer than two or a spread that overflows."""
+    values = [r for r in rewards if math.isfinite(r)]
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    var = sum((r - mean) * (r - mean) for r in values) / (n - 1)
+    if not math.isfinite(var):
+        return None
+    return mean, math.sqrt(var)
+
+
+def step_advantages(rewards: Sequence[float], group_centred: Sequence[float], scored: Sequence[bool], kind: AdvantageKind) -> list[float]:
+    """The step's advantages, flat over its groups' trajectories: `rewards`, the per-group stage's
+    `group_centred` advantages (r − mean_g) and `scored` flags, one each. "grpo" (batch scaling):
+    group_centred / (std_step + ε); "reinforce_pp": (r − mean_step) / (std_step + ε); the step's
+    statistics over its scored finite rewards. Unscored members keep 0; a step with fewer than two
+    scored rewards gets 0 throughout. Always finite."""
+    if not len(rewards) == len(group_centred) == len(scored):
+        raise ValueError(f"{len(rewards)} rewards, {len(group_centred)} advantages and {len(scored)} scored flags")
+    counted = [s and math.isfinite(r) for r, s in zip(rewards, scored)]
+    stats = _mean_std([r for r, c in zip(rewards, counted) if c])
+    if stats is None:
+        return [0.0] * len(rewards)
+    mean, std = stats
+    if kind == "reinforce_pp":
+        out = [(r - mean) / (std + EPS) if c else 0.0 for r, c in zip(rewards, counted)]
+    elif kind == "grpo":
+        out = [a / (std + EPS) if c else 0.0 for a, c in zip(group_centred, counted)]
+    else:
+        raise ValueError(f"advantage estimator {kind!r} is not finished over the step (algorithm.advantage)")
+    return [a if math.isfinite(a) else 0.0 for a in out]

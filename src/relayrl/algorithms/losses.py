@@ -31,11 +31,15 @@ behaviour policy's `old_logp` (the sampler's, which drew the token), one objecti
       pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high))
       pg_t  = min(pg_t, −A·c)   where A < 0                    (dual-clip, on the PPO ratio r_t)
       pg_t  = pg_t · w_t
-  relayrl updates once per batch, so r_t = 1 where the gradient is taken and neither clip binds:
-  the gradient is the truncated-IS policy gradient −A·w_t·∇logp, correcting staleness and the
+  On a step's first update r_t = 1 where the gradient is taken and neither clip binds: the
+  gradient is the truncated-IS policy gradient −A·w_t·∇logp, correcting staleness and the
   sampler/trainer mismatch with a bounded weight (≤ tis_cap) instead of a clip — the weight is
   what bounds a wild token here. Clip fractions (dual-clip's too) are therefore not reported in
   this mode (they would read 0); `tis_weight_mean` and `tis_capped_frac` say what the weight did.
+  With several updates per step (`train.ppo_epochs`, `train.minibatches_per_step`) the updates
+  after the first pass `prox_logprobs`, the policy's log-probs before the step's first update:
+  logp.detach() above is replaced by them, so r_t moves away from 1, the clip binds and its
+  fractions are reported (against π_prox).
 
 In both modes `ratio_*` is exp(logp − old_logp), the current policy over the behaviour policy, and
 
@@ -130,9 +134,10 @@ class LossOutput:
     - `logprob_diff_mean` / `_max`: |current trainer log-prob − behaviour (sampler) log-prob|.
     - `ratio_*`: exp(logp − old_logp), the current policy over the behaviour policy.
     - `clip_frac_low`: share of tokens with A < 0 and r < 1 − ε_low (clipped: no gradient);
-      `clip_frac_high`: A > 0 and r > 1 + ε_high. PPO mode only (None with `tis_cap`).
+      `clip_frac_high`: A > 0 and r > 1 + ε_high, r the clipped ratio. PPO mode, or with
+      `tis_cap` given `prox_logprobs` (else None: r = 1 there).
     - `clip_frac_dual`: share of tokens with A < 0 and r > c, where the dual clip bounds the loss
-      at −A·c (no gradient). PPO mode with `clip_ratio_c` only (else None).
+      at −A·c (no gradient). With `clip_ratio_c`, where clip fractions are reported (else None).
     - `tis_weight_mean`: mean truncated-IS weight; `tis_capped_frac`: share of tokens whose
       weight the cap bound. With `tis_cap` only (else None).
     - `entropy_mean`: mean of the given per-token entropy; None when not given.
@@ -184,6 +189,7 @@ def policy_loss(
     num_seqs_in_step: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    prox_logprobs: torch.Tensor | None = None,
 ) -> LossOutput:
     """The policy loss of one micro-batch (see the module docstring for both modes).
 
@@ -192,7 +198,9 @@ def policy_loss(
     token's sequence (>= 0 on loss tokens, unique per sequence within this call).
     `num_tokens_in_step` / `num_seqs_in_step` are the step-wide normalisers (completion tokens /
     sequences with at least one completion token, over all micro-batches of the step); when None
-    this call's own counts are used, i.e. the micro-batch is the whole step.
+    this call's own counts are used, i.e. the micro-batch is the whole step. `prox_logprobs`
+    (decoupled mode only): the proximal policy's log-probs when it is not the current policy (an
+    update after the step's first); None = logprobs.detach().
     """
     shape = logprobs.shape
     for name, t in (
@@ -202,6 +210,7 @@ def policy_loss(
         ("seq_index", seq_index),
         ("ref_logprobs", ref_logprobs),
         ("entropy", entropy),
+        ("prox_logprobs", prox_logprobs),
     ):
         if t is not None and t.shape != shape:
             raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
@@ -214,7 +223,9 @@ def policy_loss(
     adv = torch.where(mask, advantages.to(logprobs.dtype), zero)
     behaviour = old_logprobs.detach().to(logprobs.dtype)
     decoupled = cfg.tis_cap is not None
-    anchor = logprobs.detach() if decoupled else behaviour  # what the clipped ratio is taken against
+    proximal = logprobs.detach() if prox_logprobs is None else prox_logprobs.detach().to(logprobs.dtype)
+    anchor = proximal if decoupled else behaviour  # what the clipped ratio is taken against
+    clip_stats = not decoupled or prox_logprobs is not None  # on the first update of decoupled PPO r = 1: no clip binds
 
     # Masked positions get log-ratio 0 *before* exp, so garbage there cannot become inf/NaN in
     # the forward pass nor in the backward pass.
@@ -259,10 +270,11 @@ def policy_loss(
             torch.where(mask, r, torch.full_like(r, torch.inf)).min() if n_tokens else one,
             torch.where(mask, r, torch.full_like(r, -torch.inf)).max() if n_tokens else one,
         ]
+        rc = ratio.detach()  # the clipped ratio (= r without tis_cap)
         optional: list[torch.Tensor | None] = [
-            None if decoupled else ((adv < 0) & (r < 1.0 - cfg.clip_eps_low) & mask).sum() / denom,
-            None if decoupled else ((adv > 0) & (r > 1.0 + cfg.clip_eps_high) & mask).sum() / denom,
-            None if decoupled or cfg.clip_ratio_c is None else ((adv < 0) & (r > cfg.clip_ratio_c) & mask).sum() / denom,
+            None if not clip_stats else ((adv < 0) & (rc < 1.0 - cfg.clip_eps_low) & mask).sum() / denom,
+            None if not clip_stats else ((adv > 0) & (rc > 1.0 + cfg.clip_eps_high) & mask).sum() / denom,
+            None if not clip_stats or cfg.clip_ratio_c is None else ((adv < 0) & (rc > cfg.clip_ratio_c) & mask).sum() / denom,
             None if entropy is None else torch.where(mask, entropy.detach().to(logprobs.dtype), zero).sum() / denom,
             None if kl is None else kl.detach().sum() / denom,
             None if tis_weight is None else torch.where(mask, tis_weight, zero).sum() / denom,

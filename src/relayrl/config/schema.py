@@ -368,10 +368,19 @@ resume needs."""
 class AlgorithmConfig(_Section):
     """The policy-gradient loss: advantages, clipping, aggregation, KL and importance weights."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    """Group-relative advantages: "grpo" (r − mean) / std; "drgrpo" r − mean (Dr. GRPO, Liu et al.
-    2025), which also makes loss_aggregation default to "seq_mean_token_sum_norm", the paper's
-    constant normaliser (an explicit loss_aggregation is kept); "rloo" leave-one-out mean."""
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantages: "grpo" (r − mean_group) / std (the std per scale_rewards); "drgrpo" Dr. GRPO (Liu
+    et al. 2025) as the paper defines it: r − mean_group, no std (scale_rewards "none"), with the
+    paper's constant loss normaliser (loss_aggregation "seq_mean_token_sum_norm", brought unless
+    set; another is refused: for r − mean with another normaliser use "grpo" with scale_rewards =
+    "none"); "rloo" leave-one-out mean (no std); "reinforce_pp" REINFORCE++ (OpenRLHF):
+    (r − mean_step) / std_step over the step's scored rewards, no group baseline (scale_rewards
+    "batch"), meant with the per-token KL penalty of algorithm.kl_in_reward."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """How "grpo" scales group-centred rewards r − mean_group: "group" by the group's std (GRPO),
+    "batch" by the std of the whole step's scored rewards (TRL's scale_rewards = "batch"), "none"
+    not at all (= Dr. GRPO's advantage). Unset, it follows advantage: "none" with "drgrpo" and
+    "rloo", "batch" with "reinforce_pp"; another value with those is refused."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards all tie (no learning signal; counted as filtered) and sample
     others in their place."""
@@ -385,9 +394,11 @@ class AlgorithmConfig(_Section):
     however far its ratio r = π/π_sampler exceeds c (no gradient there); must be > 1; 0 = off
     (None is read as 0, so a run directory's config.toml, which has no null, keeps it off)."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """"token_mean" (default; with advantage = "drgrpo": "seq_mean_token_sum_norm"),
-    "seq_mean_token_mean" (per-sequence means), "seq_mean_token_sum_norm" (a constant normaliser:
-    rollout.max_new_tokens × max_turns per sequence); see algorithms/losses.py."""
+    """"token_mean" (default; with advantage = "drgrpo": "seq_mean_token_sum_norm", the only one it
+    takes), "seq_mean_token_mean" (per-sequence means), "seq_mean_token_sum_norm" (a constant
+    normaliser per sequence, the generation budget: rollout.max_new_tokens; with an environment
+    rollout.max_new_tokens × max_turns, at most rollout.max_total_tokens); see
+    algorithms/losses.py."""
     kl_beta: float = Field(0.0, ge=0.0)
     """KL to a frozen reference; 0 = off (no reference kept)."""
     tis_cap: float | None = Field(None, gt=0.0)
@@ -410,6 +421,27 @@ class AlgorithmConfig(_Section):
         normaliser; advantage = "drgrpo" brings the second unless loss_aggregation is set."""
         if self.advantage == "drgrpo" and "loss_aggregation" not in self.model_fields_set:
             self.loss_aggregation = "seq_mean_token_sum_norm"
+        if self.advantage == "drgrpo" and self.loss_aggregation != "seq_mean_token_sum_norm":
+            raise ValueError(
+                f"algorithm.advantage = 'drgrpo' takes the paper's constant normaliser, not algorithm.loss_aggregation = "
+                f"{self.loss_aggregation!r}: leave loss_aggregation unset, or use advantage = 'grpo' with scale_rewards = 'none'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _advantage_scaling(self) -> AlgorithmConfig:
+        """scale_rewards applies to "grpo"; the other estimators fix it ("none" for drgrpo and rloo,
+        "batch" for reinforce_pp), set here when unset so that config.toml says what runs."""
+        fixed: dict[str, Literal["group", "batch", "none"]] = {"drgrpo": "none", "rloo": "none", "reinforce_pp": "batch"}
+        if self.advantage not in fixed:
+            return self
+        if "scale_rewards" not in self.model_fields_set:
+            self.scale_rewards = fixed[self.advantage]
+        elif self.scale_rewards != fixed[self.advantage]:
+            raise ValueError(
+                f"algorithm.scale_rewards = {self.scale_rewards!r} does not apply to algorithm.advantage = {self.advantage!r}, "
+                f"which scales as {fixed[self.advantage]!r}: leave scale_rewards unset, or use advantage = 'grpo' with it"
+            )
         return self
 
 
@@ -467,6 +499,14 @@ class TrainConfig(_Section):
     """The learning rate after warm-up: constant, or decayed over run.steps (linear or cosine)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradients are clipped to this global norm."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over a step's data: a step makes ppo_epochs × minibatches_per_step optimizer updates,
+    all inside its one optim_step (one commit, version + 1), against the policy before its first
+    update (the proximal policy of tis_cap; clipped PPO stays against the sampler's log-probs)."""
+    minibatches_per_step: int = Field(1, ge=1)
+    """Optimizer updates per pass: the step's groups are split into this many minibatches (group k
+    goes to minibatch k mod minibatches_per_step; a group is never split), each update normalised
+    by its own minibatch's tokens or sequences; at most rollout.groups_per_step."""
     on_nonfinite: Literal["skip", "fail"] = "skip"
     """A step whose loss or gradient is NaN/inf: "skip" its update (counted: train/skipped_nonfinite,
     train/nonfinite_steps; the run goes on) or "fail" the run naming the step."""
@@ -692,6 +732,11 @@ class Config(_Section):
                     f"train.row_tokens={self.train.row_tokens} is smaller than the longest "
                     f"trajectory (sim.prompt_tokens + rollout.max_new_tokens = {longest})"
                 )
+        if self.train.minibatches_per_step > self.rollout.groups_per_step:
+            raise ValueError(
+                f"train.minibatches_per_step = {self.train.minibatches_per_step} exceeds rollout.groups_per_step = "
+                f"{self.rollout.groups_per_step}: a minibatch holds whole groups, so one would be empty"
+            )
         if self.task.kind == "jsonl" and not self.task.path:
             raise ValueError("task.path must name a JSONL file when task.kind = 'jsonl'")
         if self.task.environment is not None and "reward_functions" not in self.task.model_fields_set:

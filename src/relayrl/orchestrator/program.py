@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.algorithms.advantages import needs_step, stage_kind
 from relayrl.backends.bundle import Backend
 from relayrl.errors import UserError
 from relayrl.models.export import MODEL_DIR, MODEL_STATE, ModelSaveFailed, write_model
@@ -260,7 +261,7 @@ class Program:
                             ready,
                             self.ledger,
                             window,
-                            kind=cfg.algorithm.advantage,
+                            kind=stage_kind(cfg.algorithm.advantage, cfg.algorithm.scale_rewards),
                             dynamic_sampling=cfg.algorithm.dynamic_sampling,
                             row_tokens=cfg.train.row_tokens,
                         ),
@@ -313,7 +314,9 @@ class Program:
                         row_tokens=cfg.train.row_tokens,
                         rows_per_microbatch=cfg.train.rows_per_microbatch,
                         share_prompt=cfg.train.share_prompt,
+                        minibatches=cfg.train.minibatches_per_step,
                     ),
+                    step_advantage=cfg.algorithm.advantage if needs_step(cfg.algorithm.advantage, cfg.algorithm.scale_rewards) else None,
                     hooks=StepHooks(
                         on_step_begin=on_step_begin,
                         commit_figures=commit_figures,

@@ -28,10 +28,21 @@ the model already is); a micro-batch, collated on the CPU, is moved there once, 
 of its `train_step`. Exported weights stay on that device (an in-process sampler copies them onto
 its own; the Ray transport brings them to the CPU); checkpoints load onto the CPU first.
 
-Invariants: exactly one optimizer update per `optim_step`, which overwrites the metrics slot with
-that step's figures and returns the new policy version (= number of updates so far) — or none,
-for a step whose loss or gradient is not finite (skipped, or the run fails under "fail"); more
-than `max_consecutive_skips` skipped steps in a row fail the run (the count is checkpointed).
+Several updates per step (`ppo_epochs` × `minibatches_per_step` > 1): the step's micro-batches
+arrive grouped by minibatch (packing.py). Those of minibatch 0 are trained as they arrive, as with
+one update, and their log-probs kept; the others get a no-grad forward on arrival. Either way
+each is kept (its collated payload, where it came, e.g. the CPU) with its *proximal* log-probs:
+the policy's before the step's first update. `optim_step` applies the first update (minibatch 0,
+pass 1), then runs the remaining ones in order, pass by pass, minibatch by minibatch: forward and
+backward of the minibatch's micro-batches against the kept proximal log-probs (decoupled PPO's
+π_prox; clipped PPO keeps the sampler's log-probs as its old policy), gradient clipping and an
+optimizer step each. The learning rate schedule advances once per step.
+
+Invariants: one `optim_step` per step, which makes 1 (or `ppo_epochs` × minibatches) optimizer
+updates, overwrites the metrics slot with that step's figures and returns the new policy version
+(= number of steps so far); an update whose loss or gradient is not finite is not applied (the
+step counts as skipped, or the run fails under "fail"); more than `max_consecutive_skips` skipped
+steps in a row fail the run (the count is checkpointed).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from relayrl.algorithms.losses import LossConfig, policy_loss
+from relayrl.algorithms.losses import MAX_LOG_RATIO, LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.protocols import Trainer
@@ -73,6 +84,12 @@ class TrainerSettings:
     on_nonfinite: str = "skip"  # a step whose loss or gradient is not finite: "skip" its update, or "fail"
     max_consecutive_skips: int = 10  # under "skip": more skipped steps in a row than this fail the run
     lora_dropout: float = 0.0  # a LoRA model's adapter dropout, kept on in training (train.lora.dropout)
+    ppo_epochs: int = 1  # passes over a step's data (train.ppo_epochs)
+    minibatches_per_step: int = 1  # optimizer updates per pass (train.minibatches_per_step)
+
+    @property
+    def several_updates(self) -> bool:
+        return self.ppo_epochs > 1 or self.minibatches_per_step > 1
 
 
 class NonFiniteStepError(RunFailed, FloatingPointError):
@@ -92,6 +109,19 @@ class _StepStats:
     sums: dict[str, float] = field(default_factory=dict)
     maxes: dict[str, float] = field(default_factory=dict)
     mins: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A micro-batch of a step with several updates, kept for the updates after the first, with
+    its proximal log-probs (the policy's before the step's first update, per loss token)."""
+
+    batch: TrainBatch
+    proximal: torch.Tensor
+
+
+# per pass, these statistics are reported as `<key>_epoch<pass>` (several updates per step only)
+EPOCH_STATS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "ppo_kl")
 
 
 def lr_multiplier(step: int, settings: TrainerSettings) -> float:
@@ -122,6 +152,10 @@ class TrainerCompute:
             raise ValueError("algorithm.kl_beta > 0 needs a reference model (or LoRA adapters, the reference being the model without them)")
         if settings.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {settings.max_consecutive_skips}")
+        if settings.ppo_epochs < 1 or settings.minibatches_per_step < 1:
+            raise ValueError(
+                f"train.ppo_epochs and train.minibatches_per_step must be >= 1, got {settings.ppo_epochs}, {settings.minibatches_per_step}"
+            )
         if device is not None:  # before the optimizer is made: its parameters are the ones on the device
             torch.nn.Module.to(model, device)  # (transformers' own `to` types badly)
             if ref_model is not None:
@@ -143,7 +177,8 @@ class TrainerCompute:
             betas=settings.betas,
         )
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
-        self._stats = _StepStats()
+        self._stats = _StepStats()  # the step's first pass (today's figures)
+        self._kept: list[_Kept] = []  # several updates per step: the step's micro-batches so far
         self._nonfinite_steps = 0  # steps whose update was skipped (loss or gradient not finite)
         self._consecutive_skips = 0  # ... of them, the last ones in a row
         self._slot: dict[str, float] = {}
@@ -197,11 +232,31 @@ class TrainerCompute:
     def train_step(self, tb: TrainBatch, abort: threading.Event | None = None) -> None:
         if abort is not None and abort.is_set():
             return
+        batch = self._on_device(tb)
+        if not self.settings.several_updates:
+            self._accumulate(tb, batch, self._stats)
+            return
+        if tb.minibatch == 0:  # the step's first update: trained now, its log-probs are the proximal ones
+            proximal = self._accumulate(tb, batch, self._stats)[0]
+        else:
+            with torch.no_grad():
+                proximal, _ = token_logprobs(self._net, batch, self.settings.temperature)
+        self._kept.append(_Kept(tb, proximal.detach()))
+
+    def _on_device(self, tb: TrainBatch) -> PackedBatch:
         batch = tb.payload
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"micro-batch {tb.step}/{tb.index} was not collated by the TorchCollator")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)  # once, every tensor of the micro-batch
+        return batch
+
+    def _accumulate(
+        self, tb: TrainBatch, batch: PackedBatch, st: _StepStats, proximal: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """Forward and backward of one micro-batch, its figures added to `st`; `proximal`: the
+        proximal policy's log-probs when it is no longer the current one (an update after the
+        step's first). Returns the current log-probs, detached, and the loss."""
         cfg = self.settings.loss
         logp, entropy = token_logprobs(self._net, batch, self.settings.temperature)
         ref = None
@@ -222,15 +277,21 @@ class TrainerCompute:
             num_seqs_in_step=float(max(1, tb.step_sequences)),
             ref_logprobs=ref,
             entropy=entropy,
+            prox_logprobs=proximal,
         )
         out.loss.backward()
-        st = self._stats
-        st.loss += float(out.loss.detach())
+        loss = float(out.loss.detach())
+        st.loss += loss
         st.tokens += batch.num_real_tokens
         st.loss_tokens += out.num_tokens
         st.microbatches += 1
         n = out.num_tokens
-        for key, value in out.metrics().items():
+        metrics = out.metrics()
+        if proximal is not None:  # k3 estimate of KL(π_prox ‖ π) at this update's start
+            with torch.no_grad():
+                delta = (logp.detach() - proximal).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+                metrics["ppo_kl"] = float((torch.exp(delta) - delta - 1.0).sum()) / max(1, n)
+        for key, value in metrics.items():
             if key in ("loss", "num_loss_tokens"):
                 continue
             if key.endswith("_max"):
@@ -239,33 +300,68 @@ class TrainerCompute:
                 st.mins[key] = min(st.mins.get(key, math.inf), value)
             else:
                 st.sums[key] = st.sums.get(key, 0.0) + value * n
+        return logp.detach(), loss
+
+    def _update(self, loss: float) -> tuple[float, bool]:
+        """Clip the accumulated gradient and apply it; a non-finite loss or gradient norm applies
+        nothing (under "fail" the run fails). Returns the norm and whether it was applied."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
+        if finite:
+            self._optimizer.step()
+        elif self.settings.on_nonfinite == "fail":  # nothing of this step reaches the weights or the optimizer's moments
+            self._optimizer.zero_grad(set_to_none=True)
+            self._stats, self._kept = _StepStats(), []
+            raise NonFiniteStepError(
+                f"step {self.version}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite "
+                "(train.on_nonfinite = 'fail'; 'skip' skips such a step's update and goes on)"
+            )
+        self._optimizer.zero_grad(set_to_none=True)
+        return grad_norm, finite
+
+    def _later_updates(self) -> tuple[list[tuple[float, bool, float]], list[_StepStats]]:
+        """The step's updates after the first (several updates per step), pass by pass, minibatch
+        by minibatch, against the kept proximal log-probs: per update (gradient norm, applied,
+        loss), and per pass after the first its figures (the first pass's go to `self._stats`)."""
+        minibatches = sorted({k.batch.minibatch for k in self._kept})
+        updates: list[tuple[float, bool, float]] = []
+        passes = [self._stats] + [_StepStats() for _ in range(1, self.settings.ppo_epochs)]
+        for epoch, st in enumerate(passes):
+            for k in minibatches[1:] if epoch == 0 else minibatches:  # the first pass's first minibatch: the first update
+                loss = 0.0
+                for kept in self._kept:
+                    if kept.batch.minibatch == k:
+                        loss += self._accumulate(kept.batch, self._on_device(kept.batch), st, kept.proximal)[1]
+                grad_norm, applied = self._update(loss)
+                updates.append((grad_norm, applied, loss))
+        return updates, passes[1:]
 
     def optim_step(self) -> int:
         if self._stats.microbatches == 0:
             raise RuntimeError("optim_step with no accumulated train_step")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
         lr = self._scheduler.get_last_lr()[0]
-        finite = math.isfinite(grad_norm) and math.isfinite(self._stats.loss)
-        if finite:
-            self._optimizer.step()
+        first_loss = self._stats.loss
+        grad_norm, finite = self._update(first_loss)
+        updates = [(grad_norm, finite, first_loss)]
+        passes = [self._stats]
+        several = self.settings.several_updates
+        if several:
+            more, later_passes = self._later_updates()
+            updates += more
+            passes += later_passes
+        skipped = [u for u in updates if not u[1]]
+        if not skipped:
             self._consecutive_skips = 0
-        else:  # nothing of this step reaches the weights or the optimizer's moments
-            self._optimizer.zero_grad(set_to_none=True)
-            loss = self._stats.loss
-            if self.settings.on_nonfinite == "fail":
-                self._stats = _StepStats()
-                raise NonFiniteStepError(
-                    f"step {self.version}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite "
-                    "(train.on_nonfinite = 'fail'; 'skip' skips such a step's update and goes on)"
-                )
+        else:
             self._consecutive_skips += 1
             limit = self.settings.max_consecutive_skips
             if self._consecutive_skips > limit:
-                self._stats = _StepStats()
+                self._stats, self._kept = _StepStats(), []
+                norm, _, loss = skipped[0]
                 raise NonFiniteStepError(
                     f"step {self.version}: {self._consecutive_skips} steps in a row had a non-finite loss or gradient norm "
-                    f"(this one: loss {loss}, gradient norm {grad_norm}), more than train.max_consecutive_skips = {limit}: "
+                    f"(this one: loss {loss}, gradient norm {norm}), more than train.max_consecutive_skips = {limit}: "
                     "their updates were all skipped (train.on_nonfinite = 'skip'), so the run is not training"
                 )
             self._nonfinite_steps += 1
@@ -275,21 +371,30 @@ class TrainerCompute:
         self._optimizer.zero_grad(set_to_none=True)
         st = self._stats
         denom = max(1, st.loss_tokens)
+        per_pass = len(updates) // len(passes)
         slot: dict[str, float] = {
             "step": float(self.version),
-            "loss": st.loss,
-            "grad_norm": grad_norm,
+            "loss": st.loss if not several else sum(u[2] for u in updates[:per_pass]) / per_pass,  # the first pass's mean update loss
+            "grad_norm": grad_norm if not several else sum(u[0] for u in updates) / len(updates),
             "learning_rate": float(lr),
             "tokens": float(st.tokens),
             "completion_tokens": float(st.loss_tokens),
             "microbatches": float(st.microbatches),
-            "skipped_nonfinite": 0.0 if finite else 1.0,
+            "skipped_nonfinite": 0.0 if not skipped else 1.0,
             "nonfinite_steps": float(self._nonfinite_steps),
         }
-        slot.update({k: v / denom for k, v in st.sums.items()})
+        slot.update({k: v / denom for k, v in st.sums.items() if k != "ppo_kl"})
         slot.update(st.maxes)
         slot.update(st.mins)
-        self._stats = _StepStats()
+        if several:
+            slot["updates"] = float(sum(1 for u in updates if u[1]))
+            for epoch, pst in enumerate(passes, start=1):
+                for key in EPOCH_STATS:
+                    if key in pst.sums:
+                        slot[f"{key}_epoch{epoch}"] = pst.sums[key] / max(1, pst.loss_tokens)
+            last = passes[-1]
+            slot["ppo_kl"] = last.sums.get("ppo_kl", 0.0) / max(1, last.loss_tokens)
+        self._stats, self._kept = _StepStats(), []
         self.version += 1
         snapshot = self.export()
         with self._slot_lock:

@@ -23,7 +23,7 @@ def sim_sampler(cfg: Config, replica: int) -> SimSampler:
 
 def sim_trainer(cfg: Config) -> SimTrainer:
     """The trainer (a factory: run in the process that hosts it)."""
-    return SimTrainer(cfg.sim)
+    return SimTrainer(cfg.sim, ppo_epochs=cfg.train.ppo_epochs)
 
 
 def sim_decode(tokens: list[int]) -> str:

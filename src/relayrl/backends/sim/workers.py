@@ -13,6 +13,9 @@ generation counts from the next simulated token on: the call's first token is dr
 starts, token k at start + generate_base + generate_per_request × requests + generate_per_token × k,
 and each token's version is the newest loaded by then (`Completion.versions`); what the call
 draws stays a function of the version it started with.
+Several updates per step (`train.ppo_epochs`, `train.minibatches_per_step`) are simulated inside
+`optim_step`, as the local trainer makes them: the step's micro-batches trained again
+(`sim.train_step` each, for every pass after the first) and one `sim.optim_step` per update.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from relayrl.backends.protocols import Sampler, Trainer
@@ -175,11 +178,14 @@ class _Accum:
     trajectories: int = 0
     adv_sum: float = 0.0
     microbatches: int = 0
+    minibatches: set[int] = field(default_factory=set)
+    later: int = 0  # micro-batches not of the first minibatch (trained in optim_step's first pass)
 
 
 class SimTrainer(Trainer):
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, ppo_epochs: int = 1) -> None:
         self._cfg = cfg
+        self._epochs = ppo_epochs
         self.version = 0
         self._accum = _Accum()
         self._slot: dict[str, float] = {}
@@ -194,13 +200,19 @@ class SimTrainer(Trainer):
         self._accum.trajectories += batch.num_sequences
         self._accum.adv_sum += sum(abs(a) for a in batch.advantages)
         self._accum.microbatches += 1
+        self._accum.minibatches.add(batch.minibatch)
+        self._accum.later += batch.minibatch > 0
 
     async def optim_step(self) -> int:
         self.calls.append(("optim_step", self.version))
         if self._accum.microbatches == 0:
             raise RuntimeError("optim_step called with no accumulated train_step")
-        await _sleep(self._cfg.optim_step)
         acc = self._accum
+        updates = self._epochs * len(acc.minibatches)
+        # the updates after the first: every micro-batch trained again per pass after the first (the
+        # first pass's other minibatches too), one optimizer step each
+        retrained = (self._epochs - 1) * acc.microbatches + acc.later
+        await _sleep(self._cfg.optim_step * updates + self._cfg.train_step * retrained)
         self._slot = {
             "step": float(self.version),
             "loss": -acc.adv_sum / max(1, acc.trajectories) * 0.1,
@@ -208,6 +220,7 @@ class SimTrainer(Trainer):
             "tokens": float(acc.tokens),
             "microbatches": float(acc.microbatches),
             "learning_rate": 1e-6,
+            **({"updates": float(updates)} if updates > 1 else {}),
         }
         self._accum = _Accum()
         self.version += 1

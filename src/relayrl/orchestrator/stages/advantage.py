@@ -11,6 +11,10 @@ zero-variance test included (a group whose scored members all tie is filtered as
 whose members all failed is filtered as `all_failed`). The train loop packs only the scored
 trajectories, so a failed one adds no token to the loss or its normaliser; it stays in its group
 to be logged (status `failed`) and counted (the ledger's `trajectories_failed`).
+
+Step-level advantages ("grpo" with scale_rewards = "batch", "reinforce_pp") need the step's groups:
+this stage sets their group-centred part (r − mean_g; 0 for reinforce_pp) and the train loop
+finishes them with `finish_step_advantages` when it takes a step's groups, before packing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import itertools
 import operator
 
-from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie
+from relayrl.algorithms.advantages import AdvantageKind, group_advantages, rewards_tie, step_advantages
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.types import FilterReason, Group, Trajectory, TrajectoryStatus
@@ -58,6 +62,15 @@ def filter_reason(
     if dynamic_sampling and rewards_tie([t.reward for t in trajs], flags):
         return FilterReason.ZERO_VARIANCE
     return None
+
+
+def finish_step_advantages(groups: list[Group], *, kind: AdvantageKind) -> None:
+    """Set the advantages of a step's trajectories that depend on the whole step (batch std
+    scaling of "grpo", "reinforce_pp"; algorithms/advantages.py `step_advantages`)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    values = step_advantages([t.reward for t in trajs], [t.advantage for t in trajs], scored(trajs), kind)
+    for traj, adv in zip(trajs, values):
+        traj.advantage = adv
 
 
 async def advantage_stage(

@@ -2,7 +2,9 @@
 
 Steps are numbered from 1: step N trains from policy version N − 1 and its commit makes version
 N (the number every file, message and trace event uses). Per step N: take `groups_per_step`
-groups (filtering too-stale ones), plan the packing, pack each micro-batch in the packing thread
+groups (filtering too-stale ones), finish the advantages that need the whole step (batch std
+scaling, REINFORCE++), plan the packing (one plan per minibatch with `minibatches_per_step` > 1:
+the trainer makes its several updates inside the step's one optim_step), pack each micro-batch in the packing thread
 while the previous one trains, then commit. The end-of-step work of N (metrics fetch, reduction,
 logging, callbacks, memory release) is deferred:
 
@@ -41,10 +43,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from relayrl.algorithms.advantages import AdvantageKind
 from relayrl.backends.protocols import Collator, Trainer
 from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.orchestrator.ledger import Ledger
-from relayrl.orchestrator.stages.advantage import scored
+from relayrl.orchestrator.stages.advantage import finish_step_advantages, scored
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
@@ -104,6 +107,7 @@ class PackingSpec:
     row_tokens: int
     rows_per_microbatch: int
     share_prompt: bool
+    minibatches: int = 1  # train.minibatches_per_step: a micro-batch never mixes two
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -163,8 +167,10 @@ class TrainLoop:
         overlap: bool,
         packing: PackingSpec,
         hooks: StepHooks,
+        step_advantage: AdvantageKind | None = None,  # finished over each step's groups when taken (advantage.py)
     ) -> None:
         self._start_step = start_step
+        self._step_advantage = step_advantage
         self._steps = steps
         self._trainer = trainer
         self._collator = collator
@@ -201,9 +207,11 @@ class TrainLoop:
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
         ready_at = self._tracer.now()
         # a failed reward call trains nothing: its trajectory is logged, never packed (orchestrator/stages/advantage.py)
+        if self._step_advantage is not None:  # advantages over the whole step (batch std scaling, REINFORCE++)
+            finish_step_advantages(groups, kind=self._step_advantage)
         trajectories = [t for g in groups for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
         spec = self._packing
-        pack_plan = plan(trajectories, spec.row_tokens, spec.rows_per_microbatch, spec.share_prompt)
+        pack_plan = plan(trajectories, spec.row_tokens, spec.rows_per_microbatch, spec.share_prompt, spec.minibatches)
         first = self._start_pack(step, 0, trajectories, pack_plan)
         return _Prepared(step, groups, trajectories, pack_plan, first, waited, ready_at)
 
