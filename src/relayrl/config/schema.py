@@ -380,6 +380,35 @@ class AlgorithmConfig(_Section):
     tis_cap: float | None = Field(None, gt=0.0)
     """None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
     weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The importance ratio: "token" (PPO, per token) or "sequence" (GSPO, Zheng et al. 2025: one
+    ratio per sequence, exp of the mean per-token log-ratio, clipped per sequence with clip_eps_low
+    / clip_eps_high, which GSPO sets tiny, e.g. 3e-4 / 4e-4). "sequence" makes loss_aggregation
+    default to "seq_mean_token_mean" (any other is refused) and refuses tis_cap."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus: the loss gets −entropy_coef × the mean entropy of the policy's tokens (with
+    its gradient); 0 = off."""
+    top_entropy_quantile: float = Field(1.0, gt=0.0, le=1.0)
+    """TRL's entropy-quantile masking (Wang et al. 2025): only the policy tokens whose entropy is in
+    the top fraction of the micro-batch's keep their policy-gradient term; 1 = off."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimator of the KL to the reference (kl_beta > 0): with d = log π − log π_ref,
+    "k1" d, "k2" d²/2, "k3" exp(−d) + d − 1."""
+    kl_in_reward: bool = False
+    """The KL (kl_beta × kl_estimator, detached) as a per-token reward penalty: each token's
+    advantage loses the sum of it over the sequence's tokens from there on (OpenRLHF / verl
+    use_kl_in_reward), and no KL loss term; needs kl_beta > 0."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong penalty: a trajectory whose policy tokens L exceed L_max − overlong_buffer
+    (L_max = rollout.max_new_tokens × rollout.max_turns) gets reward −overlong_penalty × (L −
+    (L_max − overlong_buffer)) / overlong_buffer added before advantages (reward part
+    `overlong`); 0 = off; at most L_max."""
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    """The largest overlong penalty (at L = L_max), with overlong_buffer > 0."""
+    mask_truncated: bool = False
+    """Completions cut at the token limit (finish reason "length") take no part in the loss (not
+    packed; counted as train/truncated_masked) but keep their place in their group's advantage
+    statistics (DAPO's overlong filtering)."""
 
     @field_validator("clip_ratio_c")
     @classmethod
@@ -395,8 +424,25 @@ class AlgorithmConfig(_Section):
     def _drgrpo_aggregation(self) -> AlgorithmConfig:
         """Dr. GRPO is two changes together: no std scaling (the advantage) and a constant loss
         normaliser; advantage = "drgrpo" brings the second unless loss_aggregation is set."""
-        if self.advantage == "drgrpo" and "loss_aggregation" not in self.model_fields_set:
+        if self.advantage == "drgrpo" and "loss_aggregation" not in self.model_fields_set and self.ratio_level == "token":
             self.loss_aggregation = "seq_mean_token_sum_norm"
+        return self
+
+    @model_validator(mode="after")
+    def _objective_options(self) -> AlgorithmConfig:
+        """GSPO's aggregation and the combinations the objective refuses (algorithms/losses.py)."""
+        if self.ratio_level == "sequence":
+            if self.tis_cap is not None:
+                raise ValueError("algorithm.ratio_level = 'sequence' (GSPO) clips against the sampler: algorithm.tis_cap must be unset")
+            if "loss_aggregation" in self.model_fields_set and self.loss_aggregation != "seq_mean_token_mean":
+                raise ValueError(
+                    f"algorithm.ratio_level = 'sequence' (GSPO) needs algorithm.loss_aggregation = 'seq_mean_token_mean', "
+                    f"got {self.loss_aggregation!r}"
+                )
+            if self.loss_aggregation != "seq_mean_token_mean":
+                self.loss_aggregation = "seq_mean_token_mean"
+        if self.kl_in_reward and self.kl_beta == 0.0:
+            raise ValueError("algorithm.kl_in_reward needs algorithm.kl_beta > 0 (the penalty's weight)")
         return self
 
 
@@ -664,6 +710,12 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"
                 " over the nucleus, the trainer's do not): set rollout.top_p = 1 or rollout.engine = 'hf'"
+            )
+        longest_policy = self.rollout.max_new_tokens * self.rollout.max_turns
+        if self.algorithm.overlong_buffer > longest_policy:
+            raise ValueError(
+                f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds rollout.max_new_tokens × "
+                f"rollout.max_turns = {longest_policy}"
             )
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")

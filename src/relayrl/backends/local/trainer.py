@@ -185,7 +185,7 @@ class TrainerCompute:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)  # once, every tensor of the micro-batch
         cfg = self.settings.loss
-        logp, entropy = token_logprobs(self.model, batch, self.settings.temperature)
+        logp, entropy = token_logprobs(self.model, batch, self.settings.temperature, entropy_grad=cfg.entropy_coef > 0)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
