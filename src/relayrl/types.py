@@ -36,6 +36,7 @@ class FilterReason(StrEnum):
     # a trajectory longer than a packed row (train.row_tokens), or a prompt that leaves no room for
     # rollout.max_new_tokens in the model's context (never sampled)
     TOO_LONG = "too_long"
+    ALL_TRUNCATED = "all_truncated"  # algorithm.mask_truncated: every scored trajectory was cut at the token limit
 
 
 @dataclass(slots=True, frozen=True)
@@ -178,6 +179,10 @@ class Trajectory:
     loss_mask: list[int] | None = None
     env_reward: float | None = None  # the environment's reward parts summed (None: no environment)
     env_time: float = 0.0  # seconds its environment steps took
+    overlong_penalty: float = 0.0  # DAPO's soft overlong penalty (≤ 0), already in `reward` (algorithms/shaping.py)
+    # with algorithm.turn_discount: each policy turn's advantage (`advantage` is the first's);
+    # None: every token of the trajectory has `advantage`
+    turn_advantages: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -334,6 +339,7 @@ class StepRecord:
     metrics_fetch_time: float = 0.0
     trainer_metrics: dict[str, float] = field(default_factory=dict)
     commit_time: float = 0.0  # run clock, seconds
+    truncated_masked: int | None = None  # algorithm.mask_truncated: truncated trajectories left out of the loss
 
     @property
     def trajectories(self) -> list[Trajectory]:

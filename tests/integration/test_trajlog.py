@@ -61,6 +61,8 @@ def _row(step: int, trained_version: int, t: Trajectory, status: str) -> dict[st
         "status": status,
         "error": t.error,
         "replica": t.replica,
+        "overlong_penalty": t.overlong_penalty,
+        "finish_reason": t.finish_reason,
     }
 
 

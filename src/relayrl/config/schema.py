@@ -409,6 +409,11 @@ class AlgorithmConfig(_Section):
     """Completions cut at the token limit (finish reason "length") take no part in the loss (not
     packed; counted as train/truncated_masked) but keep their place in their group's advantage
     statistics (DAPO's overlong filtering)."""
+    turn_discount: float | None = Field(None, ge=0.0, le=1.0)
+    """Multi-turn credit (task.environment): unset (default) = the trajectory's reward is summed
+    into one advantage for all its turns; γ in [0, 1] = each action's advantage comes from the
+    discounted return of its turn's and later turns' rewards, G_k = Σ_{j≥k} γ^(j−k)·r_j, normalised
+    by the group's first-turn returns (docs/environments.md)."""
 
     @field_validator("clip_ratio_c")
     @classmethod
@@ -712,6 +717,8 @@ class Config(_Section):
                 " over the nucleus, the trainer's do not): set rollout.top_p = 1 or rollout.engine = 'hf'"
             )
         longest_policy = self.rollout.max_new_tokens * self.rollout.max_turns
+        if self.algorithm.turn_discount is not None and self.task.environment is None:
+            raise ValueError("algorithm.turn_discount needs a multi-turn environment (task.environment)")
         if self.algorithm.overlong_buffer > longest_policy:
             raise ValueError(
                 f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds rollout.max_new_tokens × "
