@@ -63,6 +63,7 @@ def _row(step: int, trained_version: int, t: Trajectory, status: str) -> dict[st
         "replica": t.replica,
         "overlong_penalty": t.overlong_penalty,
         "finish_reason": t.finish_reason,
+        "turn_advantages": t.turn_advantages or [],
     }
 
 

@@ -108,6 +108,8 @@ def trajectory_schema() -> pa.Schema:
             # and why the completion ended ("stop" or "length": cut at the token limit)
             ("overlong_penalty", pa.float64()),
             ("finish_reason", pa.string()),
+            # algorithm.turn_discount: each policy turn's advantage (empty: one advantage for all)
+            ("turn_advantages", pa.list_(pa.float64())),
         ]
     )
 
@@ -165,6 +167,7 @@ def trajectory_table(step: int, trained_version: int, trajectories: list[Traject
         "turn_versions": _token_lists(turn_versions),
         "overlong_penalty": [t.overlong_penalty for t in ts],
         "finish_reason": [t.finish_reason for t in ts],
+        "turn_advantages": [t.turn_advantages or [] for t in ts],
     }
     schema = trajectory_schema()
     arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=schema.field(name).type) for name, c in columns.items()]
