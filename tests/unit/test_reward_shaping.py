@@ -35,7 +35,7 @@ def test_overlong_penalty_enters_the_reward_before_advantages() -> None:
     # 7 tokens, L_max − buffer = 6: −1·(7 − 6)/2; the failed member is not scored: untouched
     assert [t.reward for t in group.trajectories] == pytest.approx([1.0, 0.5, 1.0])
     assert [t.overlong_penalty for t in group.trajectories] == pytest.approx([0.0, -0.5, 0.0])
-    set_advantages(group, "drgrpo", flags)
+    set_advantages(group, flags, kind="drgrpo")
     assert [t.advantage for t in group.trajectories] == pytest.approx([0.25, -0.25, 0.0])  # the tie is broken
     # dynamic sampling sees the shaped rewards: the group no longer ties
     assert filter_reason(group, dynamic_sampling=True, counted=flags) is None
@@ -45,7 +45,7 @@ def test_mask_truncated_keeps_truncated_in_the_baseline_but_not_in_the_loss() ->
     members = [_with_length(3, 1.0), _with_length(8, 0.0, finish="length", sample=1), _with_length(2, 0.5, sample=2)]
     group = Group(0, members)
     flags = scored(members)
-    set_advantages(group, "drgrpo", flags)
+    set_advantages(group, flags, kind="drgrpo")
     # the group's mean is over all three rewards (DAPO keeps truncated samples in the group statistics)
     assert [t.advantage for t in members] == pytest.approx([0.5, -0.5, 0.0])
     assert trainable(members, mask_truncated=True) == [members[0], members[2]]
@@ -83,19 +83,19 @@ def test_turn_advantages_by_hand() -> None:
     # mean 0.25, sample std 0.25
     group = Group(0, [_episode([0.0, 1.0], 1.0, 0), _episode([0.0], 0.0, 1), _episode([0.0, 0.0, 1.0], 1.0, 2)])
     flags = scored(group.trajectories)
-    set_advantages(group, "grpo", flags, turn_discount=0.5)
+    set_advantages(group, flags, kind="grpo", turn_discount=0.5)
     got = [t.turn_advantages for t in group.trajectories]
     expected = [[1.0, 3.0], [-1.0], [0.0, 1.0, 3.0]]
     for g, e in zip(got, expected):
         assert g == pytest.approx(e, rel=1e-4)
     assert [t.advantage for t in group.trajectories] == pytest.approx([1.0, -1.0, 0.0], rel=1e-4)  # the first turn's
-    set_advantages(group, "drgrpo", flags, turn_discount=0.5)
+    set_advantages(group, flags, kind="drgrpo", turn_discount=0.5)
     assert [t.turn_advantages for t in group.trajectories] == [
         pytest.approx([0.25, 0.75]),
         pytest.approx([-0.25]),
         pytest.approx([0.0, 0.25, 0.75]),
     ]
-    set_advantages(group, "rloo", flags, turn_discount=0.5)  # baseline: the mean of the others' G_0
+    set_advantages(group, flags, kind="rloo", turn_discount=0.5)  # baseline: the mean of the others' G_0
     assert group.trajectories[0].turn_advantages == pytest.approx([0.5 - 0.125, 1.0 - 0.125])
 
 
@@ -109,7 +109,7 @@ def test_turn_advantages_tie_and_failed_members_are_zero() -> None:
 
 def test_no_turn_discount_keeps_one_advantage_per_trajectory() -> None:
     group = Group(0, [_episode([0.0, 1.0], 1.0, 0), _episode([0.0], 0.0, 1)])
-    set_advantages(group, "drgrpo", scored(group.trajectories))
+    set_advantages(group, scored(group.trajectories), kind="drgrpo")
     assert [t.advantage for t in group.trajectories] == pytest.approx([0.5, -0.5])
     assert all(t.turn_advantages is None for t in group.trajectories)
 

@@ -7,10 +7,12 @@ Invariant: only positions with `loss_mask > 0` (completion tokens) contribute to
 gradient or any statistic — whatever finite or non-finite values the other positions hold — and
 with explicit step normalisers (`num_tokens_in_step`, `num_seqs_in_step`) the sum of the losses
 of a step's micro-batches equals the loss of the whole step computed at once, so accumulating
-gradients over micro-batches is exact.
+gradients over micro-batches is exact (per-sequence quantities are exact too: a sequence's tokens
+are always in one call) — except under `top_entropy_quantile` < 1, whose threshold is each call's
+own (TRL's is its forward batch's).
 
 Per completion token t of sequence s, with advantage A, the current policy's log-prob logp and the
-behaviour policy's `old_logp` (the sampler's, which drew the token), one objective in two modes:
+behaviour policy's `old_logp` (the sampler's, which drew the token), one objective in three modes:
 
 - `tis_cap` unset — clipped PPO against the behaviour policy (DAPO clip-higher), dual-clipped:
       r_t   = exp(logp − old_logp)
@@ -36,7 +38,6 @@ behaviour policy's `old_logp` (the sampler's, which drew the token), one objecti
   sampler/trainer mismatch with a bounded weight (≤ tis_cap) instead of a clip — the weight is
   what bounds a wild token here. Clip fractions (dual-clip's too) are therefore not reported in
   this mode (they would read 0); `tis_weight_mean` and `tis_capped_frac` say what the weight did.
-
 - `ratio_level = "sequence"` — GSPO (Zheng et al., 2025; verl's `loss_mode = "gspo"`, TRL's
   `importance_sampling_level = "sequence"`): one length-normalised importance ratio per sequence,
   clipped per sequence, in the token-level gradient form of the paper's GSPO-token:
@@ -49,7 +50,8 @@ behaviour policy's `old_logp` (the sampler's, which drew the token), one objecti
   GSPO's objective (1/G)Σ_i min(s_i·A_i, clip(s_i)·A_i) and its gradient; a sequence's tokens are
   always in one call (`seq_index`; the packer never splits a trajectory across micro-batches).
   Only against the behaviour policy: `tis_cap` is refused with it. `seq_ratio_min` / `_max`
-  report s_i; the clip fractions are then shares of tokens whose sequence was clipped.
+  report s_i; the clip fractions are then shares of tokens whose sequence was clipped. Where A
+  varies within a sequence (kl_in_reward, per-turn credit) this is GSPO-token with per-token A_t.
 
 In every mode `ratio_*` is exp(logp − old_logp), the current policy over the behaviour policy.
 

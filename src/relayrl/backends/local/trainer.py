@@ -185,7 +185,10 @@ class TrainerCompute:
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)  # once, every tensor of the micro-batch
         cfg = self.settings.loss
-        logp, entropy = token_logprobs(self.model, batch, self.settings.temperature, entropy_grad=cfg.entropy_coef > 0)
+        if cfg.entropy_coef > 0:  # an entropy bonus: the entropy with its gradient
+            logp, entropy = token_logprobs(self.model, batch, self.settings.temperature, entropy_grad=True)
+        else:
+            logp, entropy = token_logprobs(self.model, batch, self.settings.temperature)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():

@@ -49,7 +49,7 @@ def truncated(traj: Trajectory) -> bool:
     return traj.finish_reason == "length"
 
 
-def trainable(trajectories: list[Trajectory], mask_truncated: bool = False) -> list[Trajectory]:
+def trainable(trajectories: list[Trajectory], *, mask_truncated: bool = False) -> list[Trajectory]:
     """The trajectories the train loop packs: the scored ones, less the truncated ones under
     `mask_truncated`."""
     return [t for t in trajectories if t.status is not TrajectoryStatus.FAILED and not (mask_truncated and truncated(t))]
@@ -135,12 +135,12 @@ async def advantage_stage(
             if reason is not None:
                 ledger.filtered(group, reason, window)
                 continue
-            set_advantages(group, kind, flags, shaping.turn_discount)
+            set_advantages(group, flags, kind=kind, turn_discount=shaping.turn_discount)
             ledger.kept()
             await outbox.put(group)
 
 
-def set_advantages(group: Group, kind: AdvantageKind, counted: list[bool], turn_discount: float | None = None) -> None:
+def set_advantages(group: Group, counted: list[bool], *, kind: AdvantageKind, turn_discount: float | None = None) -> None:
     """Each trajectory's advantage (and, with `turn_discount` and multi-turn trajectories, its
     per-turn advantages; see algorithms/shaping.py)."""
     trajs = group.trajectories
