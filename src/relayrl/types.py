@@ -36,6 +36,7 @@ class FilterReason(StrEnum):
     # a trajectory longer than a packed row (train.row_tokens), or a prompt that leaves no room for
     # rollout.max_new_tokens in the model's context (never sampled)
     TOO_LONG = "too_long"
+    ALL_TRUNCATED = "all_truncated"  # algorithm.mask_truncated: every scored trajectory was cut at the token limit
 
 
 @dataclass(slots=True, frozen=True)
@@ -197,6 +198,10 @@ class Trajectory:
     # landed during its generation (`policy_version` is then the oldest, the first segment's);
     # None: every token was sampled by `policy_version`
     versions: list[tuple[int, int]] | None = None
+    overlong_penalty: float = 0.0  # DAPO's soft overlong penalty (≤ 0), already in `reward` (algorithms/shaping.py)
+    # with algorithm.turn_discount: each policy turn's advantage (`advantage` is the first's);
+    # None: every token of the trajectory has `advantage`
+    turn_advantages: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -363,6 +368,7 @@ class StepRecord:
     metrics_fetch_time: float = 0.0
     trainer_metrics: dict[str, float] = field(default_factory=dict)
     commit_time: float = 0.0  # run clock, seconds
+    truncated_masked: int | None = None  # algorithm.mask_truncated: truncated trajectories left out of the loss
 
     @property
     def trajectories(self) -> list[Trajectory]:

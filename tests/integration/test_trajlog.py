@@ -61,6 +61,9 @@ def _row(step: int, trained_version: int, t: Trajectory, status: str) -> dict[st
         "status": status,
         "error": t.error,
         "replica": t.replica,
+        "overlong_penalty": t.overlong_penalty,
+        "finish_reason": t.finish_reason,
+        "turn_advantages": t.turn_advantages or [],
     }
 
 

@@ -7,10 +7,12 @@ Invariant: only positions with `loss_mask > 0` (completion tokens) contribute to
 gradient or any statistic — whatever finite or non-finite values the other positions hold — and
 with explicit step normalisers (`num_tokens_in_step`, `num_seqs_in_step`) the sum of the losses
 of a step's micro-batches equals the loss of the whole step computed at once, so accumulating
-gradients over micro-batches is exact.
+gradients over micro-batches is exact (per-sequence quantities are exact too: a sequence's tokens
+are always in one call) — except under `top_entropy_quantile` < 1, whose threshold is each call's
+own (TRL's is its forward batch's).
 
 Per completion token t of sequence s, with advantage A, the current policy's log-prob logp and the
-behaviour policy's `old_logp` (the sampler's, which drew the token), one objective in two modes:
+behaviour policy's `old_logp` (the sampler's, which drew the token), one objective in three modes:
 
 - `tis_cap` unset — clipped PPO against the behaviour policy (DAPO clip-higher), dual-clipped:
       r_t   = exp(logp − old_logp)
@@ -40,11 +42,48 @@ behaviour policy's `old_logp` (the sampler's, which drew the token), one objecti
   after the first pass `prox_logprobs`, the policy's log-probs before the step's first update:
   logp.detach() above is replaced by them, so r_t moves away from 1, the clip binds and its
   fractions are reported (against π_prox).
+- `ratio_level = "sequence"` — GSPO (Zheng et al., 2025; verl's `loss_mode = "gspo"`, TRL's
+  `importance_sampling_level = "sequence"`): one length-normalised importance ratio per sequence,
+  clipped per sequence, in the token-level gradient form of the paper's GSPO-token:
+      s_i   = exp((1/|y_i|)·Σ_{t∈i} (logp_t − old_logp_t))          (eq. for s_i(θ))
+      r_t   = sg[s_i] · π_t / sg[π_t]                               (value s_i, gradient s_i·∇logp_t)
+      pg_t  = max(−A·r_t, −A·clip(r_t, 1 − ε_low, 1 + ε_high)), dual-clip as above
+  with `clip_eps_low` / `clip_eps_high` (and `clip_ratio_c`) acting on s_i: GSPO's ranges are
+  tiny (the paper: 3e-4 / 4e-4), because s_i is a geometric mean over the sequence. With the
+  "seq_mean_token_mean" aggregation (required) and one advantage per sequence this is exactly
+  GSPO's objective (1/G)Σ_i min(s_i·A_i, clip(s_i)·A_i) and its gradient; a sequence's tokens are
+  always in one call (`seq_index`; the packer never splits a trajectory across micro-batches).
+  Only against the behaviour policy: `tis_cap` is refused with it. `seq_ratio_min` / `_max`
+  report s_i; the clip fractions are then shares of tokens whose sequence was clipped. Where A
+  varies within a sequence (kl_in_reward, per-turn credit) this is GSPO-token with per-token A_t.
 
-In both modes `ratio_*` is exp(logp − old_logp), the current policy over the behaviour policy, and
+In every mode `ratio_*` is exp(logp − old_logp), the current policy over the behaviour policy.
 
-    kl_t  = exp(ref − logp) − (ref − logp) − 1                            (k3; only if beta > 0)
-    ℓ_t   = pg_t + beta·kl_t
+Entropy-quantile masking (`top_entropy_quantile` = ρ < 1; TRL's option, Wang et al. 2025 "Beyond
+the 80/20 rule"): only the tokens whose entropy H_t is at least the (1 − ρ)-quantile of the
+entropies of this call's (the micro-batch's) loss tokens keep pg_t (TRL takes the quantile over
+the whole forward batch's completion tokens, as here; `torch.quantile`, linear interpolation);
+the others get pg_t = 0 but still count in the normaliser and keep their KL and entropy terms.
+`entropy_masked_frac` is the share of loss tokens masked.
+
+KL to the frozen reference (`kl_beta` = β > 0), with d_t = logp − ref and one of Schulman's
+estimators (`kl_estimator`; "Approximating KL divergence", 2020):
+
+    k1_t = d_t        k2_t = ½·d_t²        k3_t = exp(−d_t) + d_t − 1 (default)
+
+and either a loss term (default) or, with `kl_in_reward`, a per-token reward penalty (OpenRLHF's
+and verl's `use_kl_in_reward`): the advantage becomes the undiscounted return-to-go of the
+detached penalty,
+
+    A_t ← A_t − β·Σ_{t' ≥ t, t' ∈ s} sg[kl_t']                         (no KL loss term)
+
+over the sequence's loss tokens, in their order in the call (completion order).
+`kl_reward_penalty_mean` is the mean of β·Σ_{t'≥t} kl_t' subtracted.
+
+    ℓ_t   = pg_t + β·kl_t·[not kl_in_reward] − c_H·H_t                     (c_H = `entropy_coef`)
+
+The entropy bonus −c_H·H_t needs an `entropy` tensor that carries the gradient (the trainer
+computes one when `entropy_coef` > 0; otherwise its entropy is a detached statistic).
 
 Aggregation (`LossConfig.aggregation`):
 - "token_mean" (default): Σ_t ℓ_t / num_tokens_in_step — every completion token of the step
@@ -65,6 +104,10 @@ import torch
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[Aggregation, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+RatioLevel = Literal["token", "sequence"]
+RATIO_LEVELS: tuple[RatioLevel, ...] = ("token", "sequence")
+KlEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[KlEstimator, ...] = ("k1", "k2", "k3")
 
 # statistics a call reports only when they apply (see LossOutput)
 OPTIONAL_STATS = (
@@ -75,6 +118,10 @@ OPTIONAL_STATS = (
     "kl_mean",
     "tis_weight_mean",
     "tis_capped_frac",
+    "seq_ratio_min",
+    "seq_ratio_max",
+    "entropy_masked_frac",
+    "kl_reward_penalty_mean",
 )
 # |log ratio| beyond this is clamped before exp so a wild token cannot overflow to inf.
 MAX_LOG_RATIO = 20.0
@@ -89,12 +136,19 @@ class LossConfig:
     - `aggregation`: see the module docstring.
     - `max_completion_tokens`: the constant normaliser of "seq_mean_token_sum_norm" (required
       there; usually the sampler's max new tokens).
-    - `kl_beta`: weight of the k3 KL estimate to a frozen reference policy; 0 turns it off.
+    - `kl_beta`: weight of the KL estimate to a frozen reference policy; 0 turns it off.
+    - `kl_estimator`: "k1", "k2" or "k3" (default); `kl_in_reward`: the KL as a per-token reward
+      penalty folded into the advantage (return-to-go) instead of a loss term (needs kl_beta > 0).
     - `tis_cap`: None = clipped PPO against the behaviour policy; a cap = decoupled PPO with a
       truncated importance weight min(π_prox / π_behaviour, tis_cap) (see the module docstring).
       Only the policy-gradient term is weighted, not the KL term.
     - `clip_ratio_c`: dual-clip bound c (> 1): a token with A < 0 loses at most −A·c; None = off.
       Applied to the PPO ratio in both modes (see the module docstring).
+    - `ratio_level`: "token" (PPO) or "sequence" (GSPO: needs aggregation "seq_mean_token_mean"
+      and no `tis_cap`).
+    - `entropy_coef`: weight c_H >= 0 of the entropy bonus −c_H·H_t; 0 = off.
+    - `top_entropy_quantile`: ρ in (0, 1]: only the loss tokens in the top-ρ entropy quantile of
+      the call keep their policy-gradient term; 1 = off.
     """
 
     clip_eps_low: float = 0.2
@@ -104,6 +158,11 @@ class LossConfig:
     kl_beta: float = 0.0
     tis_cap: float | None = None
     clip_ratio_c: float | None = 3.0
+    ratio_level: RatioLevel = "token"
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    kl_estimator: KlEstimator = "k3"
+    kl_in_reward: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_eps_low < 1.0:
@@ -123,6 +182,20 @@ class LossConfig:
             raise ValueError(f"loss.tis_cap must be > 0 or unset, got {self.tis_cap}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
             raise ValueError(f"loss.clip_ratio_c must be > 1 or unset (dual-clip off), got {self.clip_ratio_c}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"loss.ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        if self.ratio_level == "sequence" and self.tis_cap is not None:
+            raise ValueError("loss.ratio_level = 'sequence' (GSPO) clips against the behaviour policy: loss.tis_cap must be unset")
+        if self.ratio_level == "sequence" and self.aggregation != "seq_mean_token_mean":
+            raise ValueError(f"loss.ratio_level = 'sequence' (GSPO) needs aggregation 'seq_mean_token_mean', got {self.aggregation!r}")
+        if not self.entropy_coef >= 0.0:
+            raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_in_reward and not self.kl_beta > 0.0:
+            raise ValueError(f"loss.kl_in_reward needs loss.kl_beta > 0, got {self.kl_beta}")
 
 
 @dataclass(slots=True)
@@ -141,7 +214,12 @@ class LossOutput:
     - `tis_weight_mean`: mean truncated-IS weight; `tis_capped_frac`: share of tokens whose
       weight the cap bound. With `tis_cap` only (else None).
     - `entropy_mean`: mean of the given per-token entropy; None when not given.
-    - `kl_mean`: mean k3 KL to the reference; None when no `ref_logprobs` were given.
+    - `kl_mean`: mean KL estimate (`kl_estimator`) to the reference; None when no `ref_logprobs`
+      were given.
+    - `seq_ratio_min` / `_max`: GSPO's per-sequence ratio s_i (ratio_level "sequence" only).
+    - `entropy_masked_frac`: share of loss tokens whose policy-gradient term the entropy quantile
+      masked (top_entropy_quantile < 1 only).
+    - `kl_reward_penalty_mean`: mean β·Σ_{t'≥t} kl_t' taken off the advantages (kl_in_reward only).
     """
 
     loss: torch.Tensor
@@ -158,6 +236,10 @@ class LossOutput:
     kl_mean: float | None = None
     tis_weight_mean: float | None = None
     tis_capped_frac: float | None = None
+    seq_ratio_min: float | None = None
+    seq_ratio_max: float | None = None
+    entropy_masked_frac: float | None = None
+    kl_reward_penalty_mean: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics (detached floats); optional statistics only when present."""
@@ -216,9 +298,16 @@ def policy_loss(
             raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
     if cfg.kl_beta > 0 and ref_logprobs is None:
         raise ValueError("policy_loss: loss.kl_beta > 0 needs ref_logprobs")
+    if cfg.top_entropy_quantile < 1.0 and entropy is None:
+        raise ValueError("policy_loss: loss.top_entropy_quantile < 1 needs the per-token entropy")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("policy_loss: loss.entropy_coef > 0 needs the per-token entropy (with its gradient)")
 
     mask = loss_mask > 0
     n_tokens = int(mask.sum().item())
+    per_sequence = cfg.aggregation != "token_mean" or cfg.ratio_level == "sequence" or cfg.kl_in_reward
+    if per_sequence and n_tokens and int(seq_index[mask].min().item()) < 0:
+        raise ValueError("policy_loss: seq_index must be >= 0 on every loss token")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     adv = torch.where(mask, advantages.to(logprobs.dtype), zero)
     behaviour = old_logprobs.detach().to(logprobs.dtype)
@@ -226,10 +315,24 @@ def policy_loss(
     proximal = logprobs.detach() if prox_logprobs is None else prox_logprobs.detach().to(logprobs.dtype)
     anchor = proximal if decoupled else behaviour  # what the clipped ratio is taken against
     clip_stats = not decoupled or prox_logprobs is not None  # on the first update of decoupled PPO r = 1: no clip binds
+    seq = torch.where(mask, seq_index, torch.zeros_like(seq_index)).reshape(-1).long()
+
+    kl: torch.Tensor | None = None
+    penalty: torch.Tensor | None = None
+    if ref_logprobs is not None:
+        d = torch.where(mask, logprobs - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        kl = _kl_estimate(d, cfg.kl_estimator)
+        if cfg.kl_in_reward:  # the detached KL as a per-token reward: its return-to-go leaves the advantage
+            penalty = cfg.kl_beta * _suffix_sums(torch.where(mask, kl.detach(), zero), seq).view(adv.shape)
+            adv = torch.where(mask, adv - penalty, zero)
 
     # Masked positions get log-ratio 0 *before* exp, so garbage there cannot become inf/NaN in
     # the forward pass nor in the backward pass.
     log_ratio = torch.where(mask, logprobs - anchor, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_log_ratio: torch.Tensor | None = None
+    if cfg.ratio_level == "sequence":  # GSPO: value sg[s_i], gradient s_i·∇logp_t
+        seq_log_ratio = _seq_means(log_ratio.detach(), mask, seq).view(adv.shape)
+        log_ratio = torch.where(mask, seq_log_ratio + (logprobs - logprobs.detach()), zero)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
@@ -244,17 +347,23 @@ def policy_loss(
         tis_weight = uncapped.clamp(max=cfg.tis_cap).detach()
         pg = pg * tis_weight
 
+    entropy_kept: torch.Tensor | None = None
+    if cfg.top_entropy_quantile < 1.0 and entropy is not None:  # TRL: the top-ρ entropy tokens keep pg
+        h = entropy.detach().to(torch.float32)
+        entropy_kept = mask
+        if n_tokens:
+            threshold = torch.quantile(h[mask], 1.0 - cfg.top_entropy_quantile)
+            entropy_kept = mask & (h >= threshold)
+        pg = torch.where(entropy_kept, pg, zero)
+
     per_token = pg
-    kl: torch.Tensor | None = None
-    if ref_logprobs is not None:
-        delta = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype) - logprobs, zero)
-        delta = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        kl = torch.exp(delta) - delta - 1.0
-        if cfg.kl_beta > 0:
-            per_token = per_token + cfg.kl_beta * kl
+    if kl is not None and cfg.kl_beta > 0 and not cfg.kl_in_reward:
+        per_token = per_token + cfg.kl_beta * kl
+    if cfg.entropy_coef > 0 and entropy is not None:
+        per_token = per_token - cfg.entropy_coef * torch.where(mask, entropy.to(logprobs.dtype), zero)
 
     per_token = torch.where(mask, per_token, zero)
-    loss = _aggregate(per_token, mask, seq_index, cfg, num_tokens_in_step, num_seqs_in_step)
+    loss = _aggregate(per_token, mask, seq, cfg, num_tokens_in_step, num_seqs_in_step)
 
     # ---- detached statistics, fetched with one device sync ----
     with torch.no_grad():
@@ -262,6 +371,7 @@ def policy_loss(
         delta_b = torch.where(mask, logprobs.detach() - behaviour, zero)
         diff = delta_b.abs()
         r = torch.exp(delta_b.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # current over behaviour, both modes
+        rc = ratio.detach()  # the ratio the clips acted on (= r per token; s_i under GSPO)
         one = torch.ones((), dtype=logprobs.dtype, device=logprobs.device)
         stats = [
             diff.sum() / denom,
@@ -270,15 +380,19 @@ def policy_loss(
             torch.where(mask, r, torch.full_like(r, torch.inf)).min() if n_tokens else one,
             torch.where(mask, r, torch.full_like(r, -torch.inf)).max() if n_tokens else one,
         ]
-        rc = ratio.detach()  # the clipped ratio (= r without tis_cap)
+        s_ratio = None if seq_log_ratio is None else torch.exp(seq_log_ratio)
         optional: list[torch.Tensor | None] = [
             None if not clip_stats else ((adv < 0) & (rc < 1.0 - cfg.clip_eps_low) & mask).sum() / denom,
             None if not clip_stats else ((adv > 0) & (rc > 1.0 + cfg.clip_eps_high) & mask).sum() / denom,
             None if not clip_stats or cfg.clip_ratio_c is None else ((adv < 0) & (rc > cfg.clip_ratio_c) & mask).sum() / denom,
             None if entropy is None else torch.where(mask, entropy.detach().to(logprobs.dtype), zero).sum() / denom,
-            None if kl is None else kl.detach().sum() / denom,
+            None if kl is None else torch.where(mask, kl.detach(), zero).sum() / denom,
             None if tis_weight is None else torch.where(mask, tis_weight, zero).sum() / denom,
             None if uncapped is None or cfg.tis_cap is None else ((uncapped > cfg.tis_cap) & mask).sum() / denom,
+            None if s_ratio is None else (torch.where(mask, s_ratio, torch.full_like(s_ratio, torch.inf)).min() if n_tokens else one),
+            None if s_ratio is None else (torch.where(mask, s_ratio, torch.full_like(s_ratio, -torch.inf)).max() if n_tokens else one),
+            None if entropy_kept is None else (mask & ~entropy_kept).sum() / denom,
+            None if penalty is None else torch.where(mask, penalty, zero).sum() / denom,
         ]
         present = [s for s in optional if s is not None]
         values = torch.stack([s.to(torch.float64) for s in stats + present]).tolist()
@@ -296,23 +410,57 @@ def policy_loss(
     )
 
 
+def _kl_estimate(d: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
+    """Schulman's estimator of KL(π‖π_ref) per token from d = logp − ref (see the module docstring)."""
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return torch.exp(-d) + d - 1.0
+
+
+def _seq_means(values: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Per position (flat), the mean of `values` over the loss tokens of its sequence (`seq`: the
+    flat sequence index, 0 off the mask); 0 where the sequence has no loss token."""
+    flat_mask = mask.reshape(-1).to(values.dtype)
+    size = int(seq.max().item()) + 1 if seq.numel() else 1
+    counts = torch.zeros(size, dtype=values.dtype, device=values.device).scatter_add_(0, seq, flat_mask)
+    sums = torch.zeros(size, dtype=values.dtype, device=values.device).scatter_add_(0, seq, values.reshape(-1) * flat_mask)
+    return (sums / counts.clamp(min=1.0)).gather(0, seq)
+
+
+def _suffix_sums(values: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Per position (flat), Σ of `values` (0 off the mask) over its own and its sequence's later
+    positions, in flat order: the undiscounted return-to-go within each sequence."""
+    flat = values.reshape(-1)
+    if not flat.numel():
+        return flat
+    order = torch.sort(seq, stable=True).indices  # each sequence contiguous, its tokens in order
+    ordered = flat[order]
+    size = int(seq.max().item()) + 1
+    totals = torch.zeros(size, dtype=flat.dtype, device=flat.device).scatter_add_(0, seq, flat)
+    before = torch.cumsum(totals, 0) - totals  # Σ of the earlier sequences (in sorted order)
+    prefix = torch.cumsum(ordered, 0) - ordered - before[seq[order]]  # within the sequence, exclusive
+    out = torch.empty_like(flat)
+    out[order] = totals[seq[order]] - prefix
+    return out
+
+
 def _aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
-    seq_index: torch.Tensor,
+    seq: torch.Tensor,
     cfg: LossConfig,
     num_tokens_in_step: float | None,
     num_seqs_in_step: float | None,
 ) -> torch.Tensor:
-    """Reduce masked per-token losses (zero off the mask) to a scalar, per `cfg.aggregation`."""
+    """Reduce masked per-token losses (zero off the mask) to a scalar, per `cfg.aggregation`
+    (`seq`: the flat sequence index, 0 off the mask)."""
     total = per_token.sum()
     if cfg.aggregation == "token_mean":
         n = float(mask.sum().item()) if num_tokens_in_step is None else float(num_tokens_in_step)
         return total / max(n, 1.0)
 
-    seq = torch.where(mask, seq_index, torch.zeros_like(seq_index)).reshape(-1).long()
-    if mask.any() and int(seq_index[mask].min().item()) < 0:
-        raise ValueError("policy_loss: seq_index must be >= 0 on every loss token")
     size = int(seq.max().item()) + 1 if seq.numel() else 1
     counts = torch.zeros(size, dtype=per_token.dtype, device=per_token.device)
     counts.scatter_add_(0, seq, mask.reshape(-1).to(per_token.dtype))

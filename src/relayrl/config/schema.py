@@ -375,7 +375,7 @@ class AlgorithmConfig(_Section):
     set; another is refused: for r − mean with another normaliser use "grpo" with scale_rewards =
     "none"); "rloo" leave-one-out mean (no std); "reinforce_pp" REINFORCE++ (OpenRLHF):
     (r − mean_step) / std_step over the step's scored rewards, no group baseline (scale_rewards
-    "batch"), meant with the per-token KL penalty of algorithm.kl_in_reward."""
+    "batch"), with the per-token KL penalty of algorithm.kl_in_reward (on by default with kl_beta > 0)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """How "grpo" scales group-centred rewards r − mean_group: "group" by the group's std (GRPO),
     "batch" by the std of the whole step's scored rewards (TRL's scale_rewards = "batch"), "none"
@@ -404,6 +404,41 @@ class AlgorithmConfig(_Section):
     tis_cap: float | None = Field(None, gt=0.0)
     """None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
     weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The importance ratio: "token" (PPO, per token) or "sequence" (GSPO, Zheng et al. 2025: one
+    ratio per sequence, exp of the mean per-token log-ratio, clipped per sequence with clip_eps_low
+    / clip_eps_high, which GSPO sets tiny, e.g. 3e-4 / 4e-4). "sequence" makes loss_aggregation
+    default to "seq_mean_token_mean" (any other is refused) and refuses tis_cap."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus: the loss gets −entropy_coef × the mean entropy of the policy's tokens (with
+    its gradient); 0 = off."""
+    top_entropy_quantile: float = Field(1.0, gt=0.0, le=1.0)
+    """TRL's entropy-quantile masking (Wang et al. 2025): only the policy tokens whose entropy is in
+    the top fraction of the micro-batch's keep their policy-gradient term; 1 = off."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimator of the KL to the reference (kl_beta > 0): with d = log π − log π_ref,
+    "k1" d, "k2" d²/2, "k3" exp(−d) + d − 1."""
+    kl_in_reward: bool = False
+    """The KL (kl_beta × kl_estimator, detached) as a per-token reward penalty: each token's
+    advantage loses the sum of it over the sequence's tokens from there on (OpenRLHF / verl
+    use_kl_in_reward), and no KL loss term; needs kl_beta > 0. Defaults to true with advantage =
+    "reinforce_pp" and kl_beta > 0 (REINFORCE++'s per-token KL penalty)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong penalty: a trajectory whose policy tokens L exceed L_max − overlong_buffer
+    (L_max = rollout.max_new_tokens × rollout.max_turns) gets reward −overlong_penalty × (L −
+    (L_max − overlong_buffer)) / overlong_buffer added before advantages (reward part
+    `overlong`); 0 = off; at most L_max."""
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    """The largest overlong penalty (at L = L_max), with overlong_buffer > 0."""
+    mask_truncated: bool = False
+    """Completions cut at the token limit (finish reason "length") take no part in the loss (not
+    packed; counted as train/truncated_masked) but keep their place in their group's advantage
+    statistics (DAPO's overlong filtering)."""
+    turn_discount: float | None = Field(None, ge=0.0, le=1.0)
+    """Multi-turn credit (task.environment): unset (default) = the trajectory's reward is summed
+    into one advantage for all its turns; γ in [0, 1] = each action's advantage comes from the
+    discounted return of its turn's and later turns' rewards, G_k = Σ_{j≥k} γ^(j−k)·r_j, normalised
+    by the group's first-turn returns (docs/environments.md)."""
 
     @field_validator("clip_ratio_c")
     @classmethod
@@ -419,6 +454,11 @@ class AlgorithmConfig(_Section):
     def _drgrpo_aggregation(self) -> AlgorithmConfig:
         """Dr. GRPO is two changes together: no std scaling (the advantage) and a constant loss
         normaliser; advantage = "drgrpo" brings the second unless loss_aggregation is set."""
+        if self.advantage == "drgrpo" and self.ratio_level == "sequence":
+            raise ValueError(
+                "algorithm.advantage = 'drgrpo' (a constant token normaliser) does not go with algorithm.ratio_level = 'sequence'"
+                " (GSPO averages per sequence): use advantage = 'grpo' with scale_rewards = 'none' for GSPO without std scaling"
+            )
         if self.advantage == "drgrpo" and "loss_aggregation" not in self.model_fields_set:
             self.loss_aggregation = "seq_mean_token_sum_norm"
         if self.advantage == "drgrpo" and self.loss_aggregation != "seq_mean_token_sum_norm":
@@ -442,6 +482,26 @@ class AlgorithmConfig(_Section):
                 f"algorithm.scale_rewards = {self.scale_rewards!r} does not apply to algorithm.advantage = {self.advantage!r}, "
                 f"which scales as {fixed[self.advantage]!r}: leave scale_rewards unset, or use advantage = 'grpo' with it"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _objective_options(self) -> AlgorithmConfig:
+        """GSPO's aggregation, REINFORCE++'s KL in the reward, and the combinations the objective
+        refuses (algorithms/losses.py)."""
+        if self.advantage == "reinforce_pp" and self.kl_beta > 0 and "kl_in_reward" not in self.model_fields_set:
+            self.kl_in_reward = True  # REINFORCE++ = batch-whitened rewards + a per-token KL penalty
+        if self.ratio_level == "sequence":
+            if self.tis_cap is not None:
+                raise ValueError("algorithm.ratio_level = 'sequence' (GSPO) clips against the sampler: algorithm.tis_cap must be unset")
+            if "loss_aggregation" in self.model_fields_set and self.loss_aggregation != "seq_mean_token_mean":
+                raise ValueError(
+                    f"algorithm.ratio_level = 'sequence' (GSPO) needs algorithm.loss_aggregation = 'seq_mean_token_mean', "
+                    f"got {self.loss_aggregation!r}"
+                )
+            if self.loss_aggregation != "seq_mean_token_mean":
+                self.loss_aggregation = "seq_mean_token_mean"
+        if self.kl_in_reward and self.kl_beta == 0.0:
+            raise ValueError("algorithm.kl_in_reward needs algorithm.kl_beta > 0 (the penalty's weight)")
         return self
 
 
@@ -775,6 +835,21 @@ class Config(_Section):
             raise ValueError(
                 f"train.lora.dropout = {self.train.lora.dropout} needs algorithm.tis_cap: the samplers sample without dropout, so the"
                 " trainer's log-probs differ from theirs even on-policy (set train.lora.dropout = 0, or a tis_cap)"
+            )
+        longest_policy = self.rollout.max_new_tokens * self.rollout.max_turns
+        if self.algorithm.turn_discount is not None and self.task.environment is None:
+            raise ValueError("algorithm.turn_discount needs a multi-turn environment (task.environment)")
+        if self.algorithm.turn_discount is not None and (
+            self.algorithm.advantage == "reinforce_pp" or self.algorithm.scale_rewards == "batch"
+        ):
+            raise ValueError(
+                "algorithm.turn_discount normalises each turn's return within its group: it does not go with step-level advantages"
+                f" (algorithm.advantage = {self.algorithm.advantage!r}, algorithm.scale_rewards = {self.algorithm.scale_rewards!r})"
+            )
+        if self.algorithm.overlong_buffer > longest_policy:
+            raise ValueError(
+                f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds rollout.max_new_tokens × "
+                f"rollout.max_turns = {longest_policy}"
             )
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")

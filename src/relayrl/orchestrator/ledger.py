@@ -63,6 +63,8 @@ _CAUSES = {
     "(summary.json's reward_failures, the error column of trajectories/)",
     "too_long": "their prompts or trajectories are too long (the model's context, train.row_tokens)",
     "stale": "they were sampled by policies older than rollout.max_staleness allows",
+    "all_truncated": "every completion of these groups was cut at the token limit and algorithm.mask_truncated leaves them "
+    "out (raise rollout.max_new_tokens)",
 }
 
 

@@ -36,7 +36,7 @@ from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.parts import RunParts
 from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool
-from relayrl.orchestrator.stages.advantage import advantage_stage
+from relayrl.orchestrator.stages.advantage import Shaping, advantage_stage
 from relayrl.orchestrator.stages.dispatch import dispatch_stage
 from relayrl.orchestrator.stages.sample import MultiTurn, Rollout, SingleTurn, sampler_stage
 from relayrl.orchestrator.stages.score import score_stage
@@ -264,6 +264,13 @@ class Program:
                             kind=stage_kind(cfg.algorithm.advantage, cfg.algorithm.scale_rewards),
                             dynamic_sampling=cfg.algorithm.dynamic_sampling,
                             row_tokens=cfg.train.row_tokens,
+                            shaping=Shaping(
+                                max_policy_tokens=cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                                overlong_buffer=cfg.algorithm.overlong_buffer,
+                                overlong_penalty=cfg.algorithm.overlong_penalty,
+                                mask_truncated=cfg.algorithm.mask_truncated,
+                                turn_discount=cfg.algorithm.turn_discount,
+                            ),
                         ),
                         name="advantages",
                     ),
@@ -315,6 +322,7 @@ class Program:
                         rows_per_microbatch=cfg.train.rows_per_microbatch,
                         share_prompt=cfg.train.share_prompt,
                         minibatches=cfg.train.minibatches_per_step,
+                        mask_truncated=cfg.algorithm.mask_truncated,
                     ),
                     step_advantage=cfg.algorithm.advantage if needs_step(cfg.algorithm.advantage, cfg.algorithm.scale_rewards) else None,
                     hooks=StepHooks(

@@ -68,6 +68,12 @@ def reduce_step(record: StepRecord) -> Metrics:
         metrics["first_turn_solved_rate"] = sum(t.turns[0].solved for t in episodes) / n
         metrics["env_time_sec"] = sum(t.env_time for t in episodes)  # summed over the step's episodes
         metrics["policy_tokens_mean"] = sum(t.policy_tokens for t in episodes) / n
+    if record.truncated_masked is not None:  # algorithm.mask_truncated
+        metrics["truncated_masked"] = record.truncated_masked
+    penalties = [t.overlong_penalty for t in trajs if t.overlong_penalty]
+    if penalties:  # algorithm.overlong_buffer: mean over the step's trajectories, and how many were penalised
+        metrics["overlong_penalty_mean"] = sum(penalties) / len(trajs)
+        metrics["overlong_penalised"] = len(penalties)
     for key, value in record.trainer_metrics.items():
         if key != "step":
             metrics[f"train/{key}"] = value

@@ -104,6 +104,12 @@ def trajectory_schema() -> pa.Schema:
             # multi-turn episodes: policy turns (0: a single completion) and each turn's version
             ("turns", pa.int32()),
             ("turn_versions", pa.list_(pa.int32())),
+            # reward shaping (algorithms/shaping.py): DAPO's overlong penalty, already in `reward`;
+            # and why the completion ended ("stop" or "length": cut at the token limit)
+            ("overlong_penalty", pa.float64()),
+            ("finish_reason", pa.string()),
+            # algorithm.turn_discount: each policy turn's advantage (empty: one advantage for all)
+            ("turn_advantages", pa.list_(pa.float64())),
         ]
     )
 
@@ -159,6 +165,9 @@ def trajectory_table(step: int, trained_version: int, trajectories: list[Traject
         "replica": [t.replica for t in ts],
         "turns": turns,
         "turn_versions": _token_lists(turn_versions),
+        "overlong_penalty": [t.overlong_penalty for t in ts],
+        "finish_reason": [t.finish_reason for t in ts],
+        "turn_advantages": [t.turn_advantages or [] for t in ts],
     }
     schema = trajectory_schema()
     arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=schema.field(name).type) for name, c in columns.items()]

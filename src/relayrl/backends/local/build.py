@@ -194,6 +194,11 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         kl_beta=a.kl_beta,
         tis_cap=a.tis_cap,
         clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off
+        ratio_level=a.ratio_level,
+        entropy_coef=a.entropy_coef,
+        top_entropy_quantile=a.top_entropy_quantile,
+        kl_estimator=a.kl_estimator,
+        kl_in_reward=a.kl_in_reward,
     )
     settings = TrainerSettings(
         learning_rate=t.learning_rate,

@@ -15,11 +15,15 @@ position (shared); completion token j > 0 by the completion's own token j − 1.
 
 Multi-turn trajectories (`Trajectory.loss_mask`): observation tokens are laid out like any
 completion token (later actions attend to them) but are no loss tokens: only the policy's tokens
-are listed, so no observation token carries loss or log-probs.
+are listed, so no observation token carries loss or log-probs. A trajectory with
+`turn_advantages` (algorithm.turn_discount) gives each action token its turn's advantage (the
+turn whose span [start, end) holds it); otherwise every token has the trajectory's `advantage`.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -207,7 +211,10 @@ class TorchCollator:
                         source[o : o + k] = [last_prompt if j == 0 else p + j - 1 for j in picked]
                         target[o : o + k] = [comp[j] for j in picked]
                         old[o : o + k] = [traj.sampler_logprobs[j] for j in picked]
-                    adv[o : o + k] = [traj.advantage] * k
+                    if traj.turn_advantages is None:
+                        adv[o : o + k] = [traj.advantage] * k
+                    else:
+                        adv[o : o + k] = _turn_advantages(traj, picked if traj.loss_mask is not None else range(n))
                     seq[o : o + k] = [i] * k
                     p += n
                 segment_id += 1
@@ -232,11 +239,22 @@ class TorchCollator:
         )
 
 
+def _turn_advantages(traj: Trajectory, positions: Sequence[int]) -> list[float]:
+    """Per policy token (its completion position), the advantage of the turn whose span holds it
+    (a position before the first turn's start: the first turn's; after the last's end: the last's)."""
+    assert traj.turn_advantages is not None
+    starts = [turn.start for turn in traj.turns]
+    per_turn = traj.turn_advantages
+    return [per_turn[max(0, bisect.bisect_right(starts, j) - 1)] for j in positions]
+
+
 def _check_trajectory(traj: Trajectory, i: int, mb: MicroBatch) -> None:
     where = f"micro-batch step={mb.step} index={mb.index}, trajectory {i} (group_id={traj.group_id}, sample_index={traj.sample_index})"
     if len(traj.sampler_logprobs) != len(traj.completion_tokens):
         raise ValueError(f"{where}: {len(traj.sampler_logprobs)} sampler_logprobs for {len(traj.completion_tokens)} completion tokens")
     if traj.loss_mask is not None and len(traj.loss_mask) != len(traj.completion_tokens):
         raise ValueError(f"{where}: {len(traj.loss_mask)} loss_mask entries for {len(traj.completion_tokens)} completion tokens")
+    if traj.turn_advantages is not None and (len(traj.turn_advantages) != len(traj.turns) or not traj.turns):
+        raise ValueError(f"{where}: {len(traj.turn_advantages)} turn_advantages for {len(traj.turns)} turns")
     if traj.completion_tokens and not traj.prompt_tokens:
         raise ValueError(f"{where}: empty prompt_tokens; the first completion token has no predictor")

@@ -5,7 +5,9 @@ its log π(token | its sequence's earlier tokens) and the entropy of that next-t
 
 Invariant: packed results equal what one unpacked forward pass per sequence gives (to float
 round-off), because the collator's 4D prefix-tree mask and positions isolate the sequences (see
-`collate`). The log-probs carry gradient; the entropy is always detached (a statistic).
+`collate`). The log-probs carry gradient; the entropy is detached (a statistic) unless
+`entropy_grad` asks for its gradient (an entropy bonus in the loss: backward then keeps each
+chunk's full-vocabulary probabilities).
 Memory: only the positions that predict a loss token get logits — for Qwen2/Qwen3/Llama/Mistral
 the vocabulary projection itself runs on those hidden states only (a prompt's other positions
 never get a full-vocabulary row); other models compute all logits and select. The log-prob is
@@ -56,9 +58,14 @@ CHUNK_ELEMENTS = 1 << 24  # full-vocabulary temporaries per chunk (64 MiB of flo
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(…, V) logits and (…) integer targets → (log-prob of target, detached entropy), both (…).
+    """(…, V) logits and (…) integer targets → (log-prob of target, entropy), both (…); the
+    entropy is detached unless `entropy_grad`.
 
     Computed in float32, `chunk_tokens` vectors of V logits at a time (None: as many as keep the
     temporaries under CHUNK_ELEMENTS); only the entropy and a dtype up-cast need full-vocabulary
@@ -86,6 +93,9 @@ def logprobs_from_logits(
         picked = chunk.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         lse = torch.logsumexp(chunk, dim=-1)
         logps.append(picked - lse)
+        if entropy_grad:
+            ents.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+            continue
         with torch.no_grad():
             detached = chunk.detach()
             probs = torch.softmax(detached, dim=-1)
@@ -95,7 +105,7 @@ def logprobs_from_logits(
 
 
 def token_logprobs(
-    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int | None = None
+    model: CausalLM, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int | None = None, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per loss token (log-prob of `batch.target_ids`, entropy), each (T,) float32, from one
     forward pass over the packed batch. `temperature` must match the sampler's for the log-probs
@@ -124,7 +134,7 @@ def token_logprobs(
     else:
         logits = _logits(model, **inputs)
         predicting = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.source_index)
-    return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_tokens)
+    return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_tokens, entropy_grad)
 
 
 # Causal LMs whose logits are exactly lm_head(base_model(...).last_hidden_state): no soft-capping,

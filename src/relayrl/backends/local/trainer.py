@@ -258,7 +258,10 @@ class TrainerCompute:
         proximal policy's log-probs when it is no longer the current one (an update after the
         step's first). Returns the current log-probs, detached, and the loss."""
         cfg = self.settings.loss
-        logp, entropy = token_logprobs(self._net, batch, self.settings.temperature)
+        if cfg.entropy_coef > 0:  # an entropy bonus: the entropy with its gradient
+            logp, entropy = token_logprobs(self._net, batch, self.settings.temperature, entropy_grad=True)
+        else:
+            logp, entropy = token_logprobs(self._net, batch, self.settings.temperature)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():

@@ -47,7 +47,7 @@ from relayrl.algorithms.advantages import AdvantageKind
 from relayrl.backends.protocols import Collator, Trainer
 from relayrl.orchestrator.deferred import RUN_END, DeferredJobs, before_optim, commit, first_train
 from relayrl.orchestrator.ledger import Ledger
-from relayrl.orchestrator.stages.advantage import finish_step_advantages, scored
+from relayrl.orchestrator.stages.advantage import finish_step_advantages, scored, trainable, truncated
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.packing import build_microbatch, plan
 from relayrl.telemetry.tracer import Tracer
@@ -108,6 +108,7 @@ class PackingSpec:
     rows_per_microbatch: int
     share_prompt: bool
     minibatches: int = 1  # train.minibatches_per_step: a micro-batch never mixes two
+    mask_truncated: bool = False  # algorithm.mask_truncated: truncated trajectories are not packed
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -206,11 +207,15 @@ class TrainLoop:
 
     def _prepare(self, step: int, groups: list[Group], waited: float) -> _Prepared:
         ready_at = self._tracer.now()
-        # a failed reward call trains nothing: its trajectory is logged, never packed (orchestrator/stages/advantage.py)
+        # a failed reward call trains nothing: its trajectory is logged, never packed (orchestrator/stages/advantage.py);
+        # nor, under mask_truncated, does a truncated one
         if self._step_advantage is not None:  # advantages over the whole step (batch std scaling, REINFORCE++)
             finish_step_advantages(groups, kind=self._step_advantage)
-        trajectories = [t for g in groups for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
         spec = self._packing
+        if spec.mask_truncated:
+            trajectories = trainable([t for g in groups for t in g.trajectories], mask_truncated=True)
+        else:
+            trajectories = [t for g in groups for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
         pack_plan = plan(trajectories, spec.row_tokens, spec.rows_per_microbatch, spec.share_prompt, spec.minibatches)
         first = self._start_pack(step, 0, trajectories, pack_plan)
         return _Prepared(step, groups, trajectories, pack_plan, first, waited, ready_at)
@@ -300,6 +305,9 @@ class TrainLoop:
                 prepared, pending = await pending, None
                 prepared.waited = max(0.0, prepared.ready_at - step_start)
             record = StepRecord(step=step, groups=prepared.groups, exposed_generation_time=prepared.waited)
+            if self._packing.mask_truncated:  # scored trajectories left out of the loss for their truncation
+                every = [t for g in prepared.groups for t in g.trajectories]
+                record.truncated_masked = sum(t.status is not TrajectoryStatus.FAILED and truncated(t) for t in every)
             self._on_step_begin(step)
             pack_task = prepared.first_pack
             count = len(prepared.plan.microbatches)
