@@ -364,6 +364,7 @@ class StepRecord:
     packing_time: float = 0.0
     weight_sync_time: float = 0.0
     train_time: float = 0.0
+    optim_time: float = 0.0  # the step's optim_step call (all its optimizer updates)
     loop_lag_max_ms: float = 0.0
     metrics_fetch_time: float = 0.0
     trainer_metrics: dict[str, float] = field(default_factory=dict)

@@ -33,12 +33,15 @@ WAIT_COLOUR = "#b5a98f"
 # Step-time components (metrics.jsonl key, label, colour). Only exposed time is stacked — time the
 # trainer spends computing or waiting — so a bar never rises above step_time_sec (commit to commit):
 # - training: train_time, the trainer's train_step calls;
+# - optimizer: optim_time, the optim_step call (with train.ppo_epochs / minibatches_per_step > 1,
+#   the step's further passes run inside it);
 # - waiting for data: exposed_generation_time, waiting for the step's groups (part of the gap);
 # - rest of the boundary gap: boundary_gap_sec (commit to the next train_step) minus that wait;
-# - other: step_time_sec minus the above (optim_step, waits between micro-batches).
+# - other: step_time_sec minus the above (waits between micro-batches).
 # Packing and weight sync run while the trainer computes: they are drawn as markers, not stacked.
 STEP_COMPONENTS: tuple[tuple[str, str, str], ...] = (
     ("train_time", "training", "#1f77b4"),
+    ("optim_time", "optimizer update(s)", "#17becf"),
     ("exposed_generation_time", "waiting for data (expected while samples are generated)", WAIT_COLOUR),
     ("boundary_gap_sec", "rest of the boundary gap", "#ff7f0e"),
 )
@@ -206,7 +209,7 @@ class StepTimeStack:
 
 
 def step_time_stack(rows: Sequence[Row]) -> StepTimeStack:
-    """Split each step's step_time_sec into exposed parts (see STEP_COMPONENTS): training, then
+    """Split each step's step_time_sec into exposed parts (see STEP_COMPONENTS): training, the optimizer, then
     exposed generation, then the rest of the boundary gap, each clipped to what is left of the
     step, and `other` for the remainder."""
     steps = [s if (s := finite(r.get("step"))) is not None else float(i) for i, r in enumerate(rows)]

@@ -15,6 +15,7 @@ run uses LoRA.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,9 @@ def wrap(model: PreTrainedModel, cfg: LoraConfig) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+    with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing (a FutureWarning)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
 
 
 def _adapted(peft_model: Any) -> dict[str, Any]:

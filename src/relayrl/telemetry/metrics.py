@@ -43,6 +43,7 @@ def reduce_step(record: StepRecord) -> Metrics:
         "weight_sync_time": record.weight_sync_time,
         "packing_time": record.packing_time,
         "train_time": record.train_time,
+        "optim_time": record.optim_time,
         "reward_mean": reward_mean,
         "reward_std": reward_std,
         "num_trajectories": len(trajs),

@@ -51,7 +51,12 @@ class ProgressPrinter(Callback):
         eta = elapsed / max(1, done - (self._first or 1) + 1) * (self._total - done)
         step_time = m.get("step_time_sec")
         train_time = m.get("train_time")
-        busy = train_time / step_time if isinstance(step_time, float) and isinstance(train_time, float) and step_time > 0 else None
+        optim_time = m.get("optim_time", 0.0)  # several updates per step run inside optim_step
+        busy = (
+            (train_time + optim_time) / step_time
+            if isinstance(step_time, float) and isinstance(train_time, float) and isinstance(optim_time, float) and step_time > 0
+            else None
+        )
         gap = m.get("boundary_gap_sec")
         gap_ms = gap * 1e3 if isinstance(gap, float) else None
         return (

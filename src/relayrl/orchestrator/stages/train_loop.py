@@ -355,6 +355,7 @@ class TrainLoop:
             version, queued = await self._optim_step(pending)
             end = tracer.now()
             tracer.complete("trainer", "optim_step", start, end, step=step)
+            record.optim_time = end - start
             record.policy_version = version
             record.step_time_sec = end - step_start
             timed = self._trainer.step_train_time(step)  # a remote trainer's own spans (its calls return early)
