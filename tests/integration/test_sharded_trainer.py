@@ -6,6 +6,7 @@ next call naming the rank."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -43,7 +44,13 @@ def _steps(tok: Any, steps: int = 3) -> list[list[TrainBatch]]:
             p = Prompt(f"p{i}", f"{a}+{b}=", str(a + b))
             trajs.append(
                 trajectory(
-                    sample=i, prompt=p, prompt_tokens=ids, completion_tokens=completion, logprob=-1.5 - 0.1 * i, text="", advantage=rng.uniform(-1, 1)
+                    sample=i,
+                    prompt=p,
+                    prompt_tokens=ids,
+                    completion_tokens=completion,
+                    logprob=-1.5 - 0.1 * i,
+                    text="",
+                    advantage=rng.uniform(-1, 1),
                 )
             )
         pp = plan(trajs, 24, 1, share_prompt=False)
@@ -68,6 +75,10 @@ async def _train(trainer: Any, steps: list[list[TrainBatch]]) -> tuple[list[dict
     return metrics, dict(weights.payload)
 
 
+def _named(name: str, message: str) -> str:
+    return f"{name}: {message}"
+
+
 def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
     from relayrl.backends.local.sharded import ShardedTrainer
 
@@ -79,7 +90,8 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
 
     async def both() -> tuple[Any, Any]:
         try:
-            start = dict((await sharded.export_weights()).payload)
+            start = (await sharded.export_weights()).payload
+            assert isinstance(start, dict)
             for name, value in single.model.state_dict().items():
                 torch.testing.assert_close(start[name], value, rtol=0, atol=0)
             return await _train(sharded, steps), await _train(single, steps)
@@ -97,7 +109,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
         # every key), so both runs hold rounding noise there, which AdamW turns into steps of up
         # to the learning rate in either direction: only bounded by that
         atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
     moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
     assert moved > 1e-4  # the steps changed the weights
 
@@ -162,3 +174,30 @@ def test_a_killed_rank_fails_the_next_call_naming_it() -> None:
 
     asyncio.run(go())
     assert all(not p.is_alive() for p in [r.process for r in trainer._ranks])
+
+
+def test_world_size_needs_the_local_backend_without_ray() -> None:
+    from relayrl.config.schema import ConfigError, load_config
+
+    assert load_config(None, ["run.backend=local", "train.world_size=2"]).train.world_size == 2
+    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs run.backend = 'local' without Ray, not run.backend = 'sim'"):
+        load_config(None, ["run.backend=sim", "train.world_size=2"])
+    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs .* not ray.enabled = true"):
+        load_config(None, ["run.backend=local", "ray.enabled=true", "train.world_size=2"])
+    with pytest.raises(ConfigError, match="train.world_size"):
+        load_config(None, ["train.world_size=0"])
+
+
+@pytest.mark.slow
+def test_bench_trainer_reports_each_world_size_and_shards_the_state() -> None:
+    from relayrl.bench.trainer import run_trainer
+
+    figures = run_trainer([1, 2], model="tiny", steps=2, microbatches=2, row_tokens=64)
+    configs: Any = figures["configs"]
+    assert [c["world_size"] for c in configs] == [1, 2]
+    assert all(c["tokens_per_s"] > 0 for c in configs)
+    one, two = (c["ranks"] for c in configs)
+    whole = one[0]["param_bytes"] + one[0]["optim_bytes"]
+    assert whole == 3 * int(figures["param_bytes"])  # type: ignore[call-overload]
+    for r in two:  # each rank holds about half (dim-0 shards round up)
+        assert 0.4 * whole <= r["param_bytes"] + r["optim_bytes"] <= 0.6 * whole

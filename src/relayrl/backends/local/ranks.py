@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import traceback
+import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,9 @@ from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats
 from relayrl.types import TrainBatch, Weights
 
-#: In a checkpoint directory: the shards (`torch.distributed.checkpoint`, one file per rank)
-#: and rank 0's file of what is not sharded (version, schedule, counts, world size).
-SHARDS_DIR = "trainer-shards"
+#: In a checkpoint directory, beside the shards `torch.distributed.checkpoint` writes there (one
+#: `__<rank>_0.distcp` per rank and its `.metadata`, so the checkpoint's file list covers each):
+#: rank 0's file of what is not sharded (version, schedule, counts, world size).
 META_FILE = "trainer-sharded.pt"
 
 
@@ -124,6 +125,27 @@ class ShardedCompute(TrainerCompute):
         logp, _ = token_logprobs(self.model, batch, self.settings.temperature)
         (logp.sum() * 0.0).backward()
 
+    def memory(self) -> dict[str, float]:
+        """This rank's peak resident memory and the bytes of its shard of the parameters and of
+        the optimizer state (the benchmark's figures)."""
+        import resource
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        params = sum(local(p).numel() * local(p).element_size() for p in self._sharded.values())
+        optim = sum(
+            local(v).numel() * local(v).element_size()
+            for st in self._optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return {
+            "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+            "param_bytes": float(params),
+            "optim_bytes": float(optim),
+        }
+
     # -- checkpoints ---------------------------------------------------------------------------
     def _optim_template(self, fill: bool) -> dict[str, dict[str, Any]]:
         """The optimizer state by parameter name (what a checkpoint holds): the optimizer's own
@@ -131,7 +153,11 @@ class ShardedCompute(TrainerCompute):
         out: dict[str, dict[str, Any]] = {}
         for name, p in self._sharded.items():
             if fill:
-                out[name] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                out[name] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
             else:
                 out[name] = dict(self._optimizer.state[p])
         return out
@@ -139,13 +165,13 @@ class ShardedCompute(TrainerCompute):
     def save_state(self, directory: Path) -> None:
         """Collective on the checkpoint group, thread-safe between a commit and the next
         `optim_step`: each rank writes its shard of the parameters and AdamW moments
-        (`torch.distributed.checkpoint`, directory/trainer-shards), rank 0 the rest (meta file)."""
+        (`torch.distributed.checkpoint`, into `directory`), rank 0 the rest (meta file)."""
         version = self.version
         has_optim = bool(self._optimizer.state)  # empty while every update so far was skipped
         state: dict[str, Any] = {"model": dict(self._sharded)}
         if has_optim:
             state["optim"] = self._optim_template(fill=False)
-        dcp.save(state, checkpoint_id=directory / SHARDS_DIR, process_group=self._ckpt_group)
+        dcp.save(state, checkpoint_id=directory, process_group=self._ckpt_group)
         if self.rank == 0:
             meta = {
                 "version": version,
@@ -164,7 +190,7 @@ class ShardedCompute(TrainerCompute):
         if meta["has_optim"]:
             state["optim"] = self._optim_template(fill=True)
         with torch.no_grad():
-            dcp.load(state, checkpoint_id=directory / SHARDS_DIR)
+            dcp.load(state, checkpoint_id=directory)
         if meta["has_optim"]:
             for name, p in self._sharded.items():
                 self._optimizer.state[p] = state["optim"][name]
@@ -178,6 +204,26 @@ class ShardedCompute(TrainerCompute):
         with self._slot_lock:
             self._snapshot = snapshot
         return self.version
+
+
+def read_full_weights(directory: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """(version, full weights by parameter name) of a sharded trainer state in `directory`, read
+    in this one process (no process group: for the model export). Tied weights appear once."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=True)
+    reader = dcp.FileSystemReader(directory)
+    entries = reader.read_metadata().state_dict_metadata
+    prefix = "model."
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in entries.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return int(meta["version"]), {key[len(prefix) :]: value for key, value in state.items()}
 
 
 def _reply(conn: Connection, lock: threading.Lock, rid: int, ok: bool, value: object) -> None:
@@ -259,6 +305,8 @@ def rank_main(
             elif op == "optim":
                 version = compute.optim_step()
                 value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
+            elif op == "memory":
+                value = compute.memory()
             elif op == "load":
                 version = compute.load_state(Path(arg))
                 value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)

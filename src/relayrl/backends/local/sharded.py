@@ -118,8 +118,8 @@ class ShardedTrainer(Trainer):
         ref_model: PreTrainedModel | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        if world_size < 2:
-            raise ValueError(f"train.world_size = {world_size}: the sharded trainer needs 2 ranks or more")
+        if world_size < 1:
+            raise ValueError(f"train.world_size = {world_size}: the sharded trainer needs a rank at least")
         self.settings = settings
         self.world_size = world_size
         ctx = mp.get_context("spawn")
@@ -176,7 +176,9 @@ class ShardedTrainer(Trainer):
             try:
                 await asyncio.to_thread(rank.conn.send, (rid, op, arg))
             except (OSError, EOFError) as exc:
-                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc}) (train.world_size)") from exc
+                raise RankFailed(
+                    f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc}) (train.world_size)"
+                ) from exc
         return await self._gather(waits)
 
     async def _round(self, batches: list[TrainBatch]) -> None:
@@ -226,14 +228,23 @@ class ShardedTrainer(Trainer):
     async def load_state(self, directory: Path) -> int:
         meta_file = directory / META_FILE
         if not meta_file.is_file():
-            raise RuntimeError(f"{directory} holds no sharded trainer state: it was written with train.world_size = 1, this run has {self.world_size}")
+            raise RuntimeError(
+                f"{directory} holds no sharded trainer state: it was written with train.world_size = 1, this run has {self.world_size}"
+            )
         meta = await asyncio.to_thread(torch.load, meta_file, map_location="cpu", weights_only=True)
         if int(meta["world_size"]) != self.world_size:
-            raise RuntimeError(f"{directory} was written with train.world_size = {meta['world_size']}, this run has {self.world_size}: resume with the same")
+            raise RuntimeError(
+                f"{directory} was written with train.world_size = {meta['world_size']}, this run has {self.world_size}: "
+                "resume with the same"
+            )
         answers = await self._all([("load", str(directory))] * self.world_size)
         version, snapshot, slot = answers[0]
         self._snapshot, self._slot = snapshot, slot
         return int(version)
+
+    async def memory(self) -> list[dict[str, float]]:
+        """Per rank (waiting behind its compute): peak RSS, its shard's parameter and optimizer bytes."""
+        return await self._all([("memory", None)] * self.world_size)
 
     async def close(self) -> None:
         if self._closed:
