@@ -198,6 +198,6 @@ def test_bench_trainer_reports_each_world_size_and_shards_the_state() -> None:
     assert all(c["tokens_per_s"] > 0 for c in configs)
     one, two = (c["ranks"] for c in configs)
     whole = one[0]["param_bytes"] + one[0]["optim_bytes"]
-    assert whole == 3 * int(figures["param_bytes"])  # type: ignore[call-overload]
+    assert whole == pytest.approx(3 * int(figures["param_bytes"]), rel=1e-3)  # type: ignore[call-overload]  # (+ AdamW step counts)
     for r in two:  # each rank holds about half (dim-0 shards round up)
         assert 0.4 * whole <= r["param_bytes"] + r["optim_bytes"] <= 0.6 * whole
