@@ -201,3 +201,40 @@ def test_bench_trainer_reports_each_world_size_and_shards_the_state() -> None:
     assert whole == pytest.approx(3 * int(figures["param_bytes"]), rel=1e-3)  # type: ignore[call-overload]  # (+ AdamW step counts)
     for r in two:  # each rank holds about half (dim-0 shards round up)
         assert 0.4 * whole <= r["param_bytes"] + r["optim_bytes"] <= 0.6 * whole
+
+
+@pytest.mark.slow
+def test_a_run_whose_rank_dies_fails_naming_it_and_resumes_from_its_newest_checkpoint(tmp_path: Path) -> None:
+    """Rank 1 is killed after step 2 (checkpointed): the run fails with the rank named, well
+    within train.call_timeout_s, and `--resume` goes on from step 2 to the end."""
+    from relayrl.backends.local.sharded import RankFailed
+    from relayrl.config.schema import load_config
+    from relayrl.orchestrator.build import build_program
+    from relayrl.orchestrator.deadlines import BoundedTrainer
+    from relayrl.rundir.checkpoint import CHECKPOINTS, complete_checkpoints
+    from relayrl.telemetry.callbacks import Callback
+    from support.simutil import run_checked
+
+    sets = ["run.backend=local", "task.kind=arithmetic", "rollout.num_generations=4", "rollout.groups_per_step=4"]
+    sets += ["orchestrator.release_memory=false", "eval.enabled=false", "orchestrator.checkpoint_every=1", "train.world_size=2"]
+    sets += ["train.torch_threads=1", "rollout.sampler_threads=1", "train.call_timeout_s=600"]
+    run_dir = tmp_path / "run"
+
+    class KillRank(Callback):
+        pid = 0
+
+        def on_step_end(self, step: int, result: object) -> None:
+            if step == 2:
+                assert isinstance(program.trainer, BoundedTrainer)
+                self.pid = program.trainer.inner.pids[1]  # type: ignore[attr-defined]
+                os.kill(self.pid, signal.SIGKILL)
+
+    kill = KillRank()
+    program = build_program(load_config(None, [*sets, "run.steps=4"]), [kill], run_dir=run_dir)
+    with pytest.raises(RankFailed) as failed:
+        asyncio.run(asyncio.wait_for(program.run(), 300))
+    assert str(failed.value) == f"sharded trainer rank 1 (pid {kill.pid}) died (exit code -9)"
+    newest = complete_checkpoints(run_dir / CHECKPOINTS)[-1]  # step 2's, or step 1's if 2's was still being written
+    assert (newest / "trainer-sharded.pt").is_file() and newest.name in ("step-000001", "step-000002")
+    result = run_checked(build_program(load_config(None, [*sets, "run.steps=4"]), run_dir=run_dir, resume=True), timeout=300)
+    assert [r.step for r in result.results] == list(range(int(newest.name[5:]) + 1, 5))

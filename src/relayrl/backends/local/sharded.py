@@ -29,6 +29,7 @@ import itertools
 import socket
 import threading
 import time
+from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,6 @@ class _Rank:
         dead = RankFailed(
             f"sharded trainer rank {self.rank} (pid {self.process.pid}) died"
             + (f" (exit code {code})" if code is not None else f" ({type(exc).__name__})")
-            + " (train.world_size)"
         )
         with self.lock:
             self.dead = dead
@@ -155,15 +155,31 @@ class ShardedTrainer(Trainer):
             self._snapshot, self._slot = answers[0]
             self._ready = True
 
-    @staticmethod
-    async def _gather(waits: list[asyncio.Future[Any]]) -> list[Any]:
-        """Every rank's answer; the first failure (e.g. a dead rank) is raised at once."""
+    async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
+        """Every rank's answer; the first failure is raised at once, as the death of a rank if
+        one died (the others may notice first: their collective with it broke)."""
         try:
             return list(await asyncio.gather(*waits))
+        except RankFailed:
+            raise
+        except Exception as exc:
+            dead = await asyncio.to_thread(self._dead_rank, 2.0)
+            if dead is not None:
+                raise dead from exc
+            raise
         finally:
             for w in waits:
                 if not w.done():
                     w.cancel()
+
+    def _dead_rank(self, grace_s: float) -> RankFailed | None:
+        """The failure of the first rank that has died, waiting up to `grace_s` for one to."""
+        wait_for_any([rank.process.sentinel for rank in self._ranks], timeout=grace_s)
+        for rank in self._ranks:
+            if not rank.process.is_alive():
+                code = rank.process.exitcode
+                return RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}) died (exit code {code})")
+        return None
 
     async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
         """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
@@ -176,9 +192,7 @@ class ShardedTrainer(Trainer):
             try:
                 await asyncio.to_thread(rank.conn.send, (rid, op, arg))
             except (OSError, EOFError) as exc:
-                raise RankFailed(
-                    f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc}) (train.world_size)"
-                ) from exc
+                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
         return await self._gather(waits)
 
     async def _round(self, batches: list[TrainBatch]) -> None:
