@@ -117,19 +117,21 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_the_same_world_size_only(tmp_path: Path) -> None:
     """Save after one step, load into fresh ranks: the next two steps land on the weights of the
-    uninterrupted run exactly; a one-process trainer refuses the checkpoint naming train.world_size."""
+    uninterrupted run exactly; the shards read in one process are the saved version's full
+    weights; a one-process trainer refuses the checkpoint naming train.world_size."""
+    from relayrl.backends.local.ranks import read_full_weights
     from relayrl.backends.local.sharded import ShardedTrainer
 
     torch.set_num_threads(1)
     model, tok = load_model_and_tokenizer(shipped_model_dir())
     steps = _steps(tok)
 
-    async def first() -> dict[str, torch.Tensor]:
+    async def first() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         trainer = ShardedTrainer(model, _settings(), world_size=2)
         try:
-            await _train(trainer, steps[:1])
+            saved = (await _train(trainer, steps[:1]))[1]
             await trainer.save_state(tmp_path)
-            return (await _train(trainer, steps[1:]))[1]
+            return saved, (await _train(trainer, steps[1:]))[1]
         finally:
             await trainer.close()
 
@@ -141,7 +143,11 @@ def test_a_sharded_checkpoint_resumes_on_the_same_world_size_only(tmp_path: Path
         finally:
             await trainer.close()
 
-    continued = asyncio.run(first())
+    saved, continued = asyncio.run(first())
+    version, full = read_full_weights(tmp_path)  # what the model export reads, in one process
+    assert version == 1 and set(full) <= set(saved) and "model.embed_tokens.weight" in full
+    for name, value in full.items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
     version, again = asyncio.run(resumed())
     assert version == 1
     for name, value in continued.items():
