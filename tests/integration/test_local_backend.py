@@ -256,13 +256,15 @@ def test_missing_model_directory_is_named(tmp_path: Path) -> None:
         build_program(cfg, run_dir=tmp_path / "run")
 
 
-def test_a_torch_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_torch_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path, world_size: int) -> None:
     """max_staleness 0, one torch thread: a run that crashes after step k and is resumed from its
     checkpoint trains exactly what the uninterrupted run trains — identical rewards and token
     counts per step, losses within 1e-6 — because each request samples from an RNG of its own
     (run seed, the prompt's index in the prompt stream, version), which a resume reproduces, rather
-    than a replica's stream."""
+    than a replica's stream. The same with a sharded trainer of 2 ranks (sharded checkpoints)."""
     sets = [*QUICK, "run.steps=5", "rollout.max_staleness=0", "train.torch_threads=1", "rollout.sampler_threads=1"]
+    sets += [f"train.world_size={world_size}"]
     sets += ["orchestrator.checkpoint_every=1", "eval.enabled=false", "train.learning_rate=1e-3"]
 
     def rows(run_dir: Path) -> list[dict[str, Any]]:

@@ -449,6 +449,47 @@ def bench_engines(
         out.print(f"  vllm/hf tokens/s: {f['vllm']['tokens_per_s'] / f['hf']['tokens_per_s']:.2f}")
 
 
+@bench_app.command("trainer")
+def bench_trainer(
+    world_size: str = typer.Option("1,2", "--world-size", help="Comma-separated rank counts (train.world_size)."),
+    steps: int = typer.Option(3, help="Steps per configuration (the first warms up)."),
+    model: str = typer.Option("50m", help="Random Qwen2 size: 50m or tiny."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The sharded trainer at each world size on a random Qwen2 (no download): tokens/s, and per
+    rank the peak RSS and the shard's parameter and AdamW bytes (~1/N of the whole)."""
+    from relayrl.bench.trainer import MODELS, run_trainer
+
+    try:
+        sizes = [int(x) for x in world_size.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--world-size {world_size!r}: give rank counts separated by commas, e.g. 1,2")
+    if not sizes or min(sizes) < 1 or model not in MODELS:
+        _fail(f"--world-size {world_size!r} / --model {model!r}: rank counts >= 1 and a model among {', '.join(MODELS)}")
+    figures = _bench(lambda: run_trainer(sizes, model=model, steps=max(2, steps)), as_json)
+    load = cast(dict[str, Any], figures["load"])
+    params = cast(int, figures["params"])
+    out.print(
+        f"random Qwen2 {figures['model']}: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB fp32, AdamW state twice that); "
+        f"{load['steps']} steps of {load['microbatches']} micro-batches x {load['row_tokens']} tokens, "
+        f"{load['threads_per_rank']} thread per rank"
+    )
+    configs = cast(list[dict[str, Any]], figures["configs"])
+    base = configs[0]
+    for c in configs:
+        n = c["world_size"]
+        ranks = c["ranks"]
+        rss = max(r["peak_rss_bytes"] for r in ranks) / 2**20
+        shard = max(r["param_bytes"] + r["optim_bytes"] for r in ranks)
+        whole = params * 4 * 3
+        out.print(
+            f"world_size {n}: {c['tokens_per_s']:8,.0f} tokens/s "
+            f"({c['tokens_per_s'] / base['tokens_per_s']:.2f}x world_size {base['world_size']})   "
+            f"peak RSS per rank {rss:7,.0f} MiB   shard params+AdamW {shard / 2**20:6,.0f} MiB = {shard / whole:.2f} of the whole   "
+            f"start-up {c['startup_s']:.1f} s"
+        )
+
+
 @bench_app.command("weight-sync")
 def bench_weight_sync(
     replicas: int = typer.Option(2, help="Sampler actors that load each version."),

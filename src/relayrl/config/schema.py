@@ -583,8 +583,14 @@ class TrainConfig(_Section):
     Ray the trainer actor asks for one GPU when its device is CUDA (unless ray.trainer_resources
     names GPU) and computes on the GPU Ray gives it (cuda:N is read as cuda). A --resume keeps
 the device."""
+    world_size: int = Field(1, ge=1)
+    """Ranks of the sharded trainer (local backend): 1 = one trainer in the run's process; N > 1 =
+    N local processes of one torch.distributed group (gloo on the CPU, NCCL on CUDA, rank r on
+    cuda:r), each holding 1/N of the parameters, gradients and optimizer state (FSDP2, one unit
+    per decoder layer plus the root). A step equals the one-rank step. Checkpoints are sharded
+    and resume only with the same N."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
-    """Trainer's intra-op threads; 0 = auto: the trainer and the local samplers compute at the same
+    """Trainer's intra-op threads (per rank); 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
     lora: LoraConfig | None = None
     """LoRA adapters on the model (a table: r, alpha, dropout, target_modules; see
@@ -809,6 +815,16 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds train.row_tokens = "
                 f"{self.train.row_tokens}: an episode that long could not be packed"
+            )
+        if self.train.world_size > 1 and (self.run.backend != "local" or self.ray.enabled):
+            where = "ray.enabled = true" if self.run.backend == "local" else f"run.backend = {self.run.backend!r}"
+            raise ValueError(f"train.world_size = {self.train.world_size} needs run.backend = 'local' without Ray, not {where}")
+        if self.train.world_size > 1 and self.train.lora is not None:
+            raise ValueError(f"train.world_size = {self.train.world_size} is not supported with train.lora yet: set train.world_size = 1")
+        if self.train.world_size > 1 and (self.train.ppo_epochs > 1 or self.train.minibatches_per_step > 1):
+            raise ValueError(
+                f"train.world_size = {self.train.world_size} is not supported with several updates per step yet (train.ppo_epochs ="
+                f" {self.train.ppo_epochs}, train.minibatches_per_step = {self.train.minibatches_per_step}): set train.world_size = 1"
             )
         if self.rollout.engine == "vllm" and self.run.backend != "local":
             raise ValueError(f"rollout.engine = 'vllm' needs run.backend = 'local', not {self.run.backend!r}")

@@ -150,7 +150,10 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
     (PEFT format), or with `merged` the model with it merged in. Blocking."""
     check_out(out)
     state_file = state_dir / TRAINER_STATE
-    if not state_file.is_file():
+    sharded = state_dir / "trainer-sharded.pt"  # train.world_size > 1 (backends/local/ranks.py)
+    if sharded.is_file():
+        state_file = sharded
+    elif not state_file.is_file():
         raise ExportError(f"{state_dir}: no trainer state ({TRAINER_STATE}) to export")
     import torch
     from transformers import AutoConfig
@@ -166,9 +169,14 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
     except FileNotFoundError as exc:
         raise ExportError(f"{run_dir}: cannot rebuild the model it trained: {exc} (model.path in {run_dir / 'config.toml'})") from None
     try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        version = int(state["version"])
-        weights = state["model"]
+        if state_file == sharded:
+            from relayrl.backends.local.ranks import read_full_weights
+
+            version, weights = read_full_weights(state_dir)
+        else:
+            state = torch.load(state_file, map_location="cpu", weights_only=True)
+            version = int(state["version"])
+            weights = state["model"]
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
         raise ExportError(f"{state_file}: unreadable trainer state ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
     if version != step:
@@ -187,6 +195,13 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
             model, adapter = adapter.merge_and_unload(), None
     else:
         try:
+            if state_file == sharded:  # a tied weight is stored once: under the name its tensor has there
+                own = model.state_dict()
+                by_ptr = {own[k].data_ptr(): k for k in weights if k in own}
+                weights = {
+                    **weights,
+                    **{k: weights[by_ptr[t.data_ptr()]] for k, t in own.items() if k not in weights and t.data_ptr() in by_ptr},
+                }
             model.load_state_dict(weights)
         except RuntimeError as exc:
             first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)

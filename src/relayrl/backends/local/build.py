@@ -29,7 +29,7 @@ import importlib.util
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -37,14 +37,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import TorchCollator
-from relayrl.backends.local.devices import driver_device, process_device, resolve_device, resolve_dtype
+from relayrl.backends.local.devices import DeviceError, driver_device, process_device, resolve_device, resolve_dtype
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
-from relayrl.backends.protocols import Sampler
+from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+
+if TYPE_CHECKING:
+    from relayrl.backends.local.sharded import ShardedTrainer
 
 _CPU = torch.device("cpu")
 
@@ -181,10 +184,12 @@ def generation_budget(cfg: Config) -> int:
     return min(r.max_new_tokens * r.max_turns, r.max_total_tokens or cfg.train.row_tokens)
 
 
-def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer:
+def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer | ShardedTrainer:
     """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
     there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
-    reference copy is made: the reference is the model with its adapters off."""
+    reference copy is made: the reference is the model with its adapters off. With
+    train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
+    on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
@@ -221,6 +226,16 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         from relayrl.models.lora import wrap
 
         return LocalTrainer(wrap(model, t.lora), settings, device=device)
+    if t.world_size > 1:
+        from relayrl.backends.local.sharded import ShardedTrainer
+
+        if device.type == "cuda" and torch.cuda.device_count() < t.world_size:
+            raise DeviceError(
+                f"train.world_size = {t.world_size} on train.device = {t.device!r} needs one CUDA device per rank, "
+                f"this process sees {torch.cuda.device_count()}"
+            )
+        ref = _frozen_copy(model) if a.kl_beta > 0 else None
+        return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
@@ -308,7 +323,7 @@ class TrainerFactory(_Factory):
 
     key = "train.device"
 
-    def __call__(self) -> LocalTrainer:
+    def __call__(self) -> Trainer:
         model, _, device = self.placed()
         return make_trainer(self.cfg, model, self.args[0], device)
 

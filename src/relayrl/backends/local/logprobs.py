@@ -147,6 +147,10 @@ def _plain_head(model: CausalLM) -> tuple[torch.nn.Module, torch.nn.Module] | No
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):  # sharded (FSDP2): only the root's own forward gathers its parameters
+        return None
     base = getattr(model, "base_model", None)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

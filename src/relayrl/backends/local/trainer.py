@@ -164,6 +164,7 @@ class TrainerCompute:
         if self._adapters and settings.lora_dropout > 0:
             restore_adapter_dropout(model, settings.lora_dropout)
         self.ref_model = disable_dropout(ref_model).eval() if ref_model is not None else None
+        self.wrap_model(self.model)  # before the optimizer is made: it holds the wrapped parameters
         self.device: torch.device = model.device
         # what computes the log-probs: a peft model's wrapped model (its adapters injected; the
         # packed forward needs the plain causal LM's base model and head)
@@ -184,6 +185,19 @@ class TrainerCompute:
         self._slot: dict[str, float] = {}
         self._snapshot: Weights | None = None
         self._slot_lock = threading.Lock()
+
+    # -- hooks a sharded compute (backends/local/ranks.py) overrides --------------------------
+    def wrap_model(self, model: PreTrainedModel) -> None:
+        """Wrap the policy in place before the optimizer is made. Default: nothing (one process)."""
+        return None
+
+    def gather_stats(self, stats: _StepStats) -> _StepStats:
+        """The step's statistics over every process that trained a part of it. Default: this one's."""
+        return stats
+
+    def clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
+        """Clip the gradients to `max_grad_norm`; returns their global norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
 
     # -- thread-safe: read what optim_step published ------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -214,6 +228,8 @@ class TrainerCompute:
 
     # -- the worker thread's calls -------------------------------------------------------------
     def load_state(self, directory: Path) -> int:
+        if (directory / "trainer-sharded.pt").is_file():
+            raise RuntimeError(f"{directory} holds a sharded trainer state (train.world_size > 1); this run has train.world_size = 1")
         state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=True)
         if self._adapters:
             load_adapter_payload(self.model, state["model"])
@@ -309,7 +325,7 @@ class TrainerCompute:
         """Clip the accumulated gradient and apply it; a non-finite loss or gradient norm applies
         nothing (under "fail" the run fails). Returns the norm and whether it was applied."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm))
+        grad_norm = self.clip_gradients(params)
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if finite:
             self._optimizer.step()
@@ -341,6 +357,7 @@ class TrainerCompute:
         return updates, passes[1:]
 
     def optim_step(self) -> int:
+        self._stats = self.gather_stats(self._stats)
         if self._stats.microbatches == 0:
             raise RuntimeError("optim_step with no accumulated train_step")
         lr = self._scheduler.get_last_lr()[0]

@@ -1,0 +1,318 @@
+"""One rank of the sharded trainer (`train.world_size` > 1): the process body the host
+(`relayrl.backends.local.sharded.ShardedTrainer`) starts N of, and `ShardedCompute`, the
+`TrainerCompute` whose policy is wrapped with FSDP2 (`fully_shard`, one unit per decoder layer
+plus the root) so that this rank holds 1/N of the parameters, gradients and optimizer state.
+
+A rank talks to the host over one pipe: requests `(id, op, arg)`, replies `(id, ok, value)`.
+Its main thread runs the compute requests (train, optim, load) one at a time, in order, and every
+rank gets the same sequence of them, so their collectives match; a checkpoint request runs in a
+thread of its own on a separate process group, reading only what the last `optim_step` left
+(the sharded parameters and the optimizer state do not change until the next one, which the host
+sends only after the checkpoint ended), so it never waits behind a train step.
+
+Invariants: a step's loss normaliser is the step's global one and rank gradients are summed (FSDP's
+average times N), so N ranks compute the one-rank step; the metrics and the full weights
+of a version are gathered once, inside `optim_step`, and rank 0 sends them with its reply; a rank
+whose host goes away (its pipe closes) exits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import traceback
+import warnings
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from relayrl.backends.local.collate import PackedBatch
+from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats
+from relayrl.types import TrainBatch, Weights
+
+#: In a checkpoint directory, beside the shards `torch.distributed.checkpoint` writes there (one
+#: `__<rank>_0.distcp` per rank and its `.metadata`, so the checkpoint's file list covers each):
+#: rank 0's file of what is not sharded (version, schedule, counts, world size).
+META_FILE = "trainer-sharded.pt"
+
+
+def _merge(parts: list[_StepStats]) -> _StepStats:
+    out = _StepStats()
+    for st in parts:
+        out.loss += st.loss
+        out.tokens += st.tokens
+        out.loss_tokens += st.loss_tokens
+        out.microbatches += st.microbatches
+        for k, v in st.sums.items():
+            out.sums[k] = out.sums.get(k, 0.0) + v
+        for k, v in st.maxes.items():
+            out.maxes[k] = max(out.maxes.get(k, -math.inf), v)
+        for k, v in st.mins.items():
+            out.mins[k] = min(out.mins.get(k, math.inf), v)
+    return out
+
+
+class ShardedCompute(TrainerCompute):
+    """A `TrainerCompute` on one rank of an initialised process group. Every method that is not
+    thread-safe is a collective: all ranks call it, in the same order."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        ref_model: PreTrainedModel | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        super().__init__(model, settings, ref_model, device)
+        # the sharded parameters, by name, as the optimizer holds them (the module swaps in
+        # unsharded ones during a forward pass, these stay)
+        self._sharded = {name: p for name, p in self.model.named_parameters()}
+        self._ckpt_group = dist.new_group(backend="gloo")  # checkpoints run beside training, on their own group
+        snapshot = self.export()
+        with self._slot_lock:
+            self._snapshot = snapshot
+
+    def wrap_model(self, model: PreTrainedModel) -> None:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise TypeError(f"train.world_size > 1: {type(model).__name__} has no model.layers to shard by decoder layer")
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    def gather_stats(self, stats: _StepStats) -> _StepStats:
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, stats)
+        return _merge(parts)
+
+    def clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
+        grads = [p.grad for p in params if p.grad is not None]
+        # FSDP averaged the ranks' gradients; the loss is normalised per step, so they must add up
+        # (scaled here: gloo has no pre-multiplied sum for set_gradient_divide_factor(1.0))
+        torch._foreach_mul_(grads, float(self.world_size))
+        total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.settings.max_grad_norm, total)
+        return float(total)
+
+    def export(self) -> Weights:
+        """Collective: the full weights, gathered to rank 0 on the CPU (other ranks: an empty payload)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return Weights(version=self.version, payload=state if self.rank == 0 else {})
+
+    def idle_step(self, tb: TrainBatch) -> None:
+        """A round in which this rank has no micro-batch: a forward and backward pass of zero loss
+        on `tb` (another rank's), so the ranks' collectives match; nothing is accumulated."""
+        batch = tb.payload
+        if not isinstance(batch, PackedBatch):
+            raise TypeError(f"micro-batch {tb.step}/{tb.index} was not collated by the TorchCollator")
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        logp, _ = token_logprobs(self.model, batch, self.settings.temperature)
+        (logp.sum() * 0.0).backward()
+
+    def memory(self) -> dict[str, float]:
+        """This rank's peak resident memory and the bytes of its shard of the parameters and of
+        the optimizer state (the benchmark's figures)."""
+        import resource
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        params = sum(local(p).numel() * local(p).element_size() for p in self._sharded.values())
+        optim = sum(
+            local(v).numel() * local(v).element_size()
+            for st in self._optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return {
+            "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+            "param_bytes": float(params),
+            "optim_bytes": float(optim),
+        }
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _optim_template(self, fill: bool) -> dict[str, dict[str, Any]]:
+        """The optimizer state by parameter name (what a checkpoint holds): the optimizer's own
+        tensors, or (`fill`, before a load) zeros of their shapes to load into."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, p in self._sharded.items():
+            if fill:
+                out[name] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+            else:
+                out[name] = dict(self._optimizer.state[p])
+        return out
+
+    def save_state(self, directory: Path) -> None:
+        """Collective on the checkpoint group, thread-safe between a commit and the next
+        `optim_step`: each rank writes its shard of the parameters and AdamW moments
+        (`torch.distributed.checkpoint`, into `directory`), rank 0 the rest (meta file)."""
+        version = self.version
+        has_optim = bool(self._optimizer.state)  # empty while every update so far was skipped
+        state: dict[str, Any] = {"model": dict(self._sharded)}
+        if has_optim:
+            state["optim"] = self._optim_template(fill=False)
+        dcp.save(state, checkpoint_id=directory, process_group=self._ckpt_group)
+        if self.rank == 0:
+            meta = {
+                "version": version,
+                "world_size": self.world_size,
+                "has_optim": has_optim,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups],
+                "scheduler": self._scheduler.state_dict(),
+                "nonfinite_steps": self._nonfinite_steps,
+                "consecutive_skips": self._consecutive_skips,
+            }
+            torch.save(meta, directory / META_FILE)
+
+    def load_state(self, directory: Path) -> int:
+        meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = {"model": dict(self._sharded)}
+        if meta["has_optim"]:
+            state["optim"] = self._optim_template(fill=True)
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=directory)
+        if meta["has_optim"]:
+            for name, p in self._sharded.items():
+                self._optimizer.state[p] = state["optim"][name]
+        for group, saved in zip(self._optimizer.param_groups, meta["param_groups"], strict=True):
+            group.update(saved)
+        self._scheduler.load_state_dict(meta["scheduler"])
+        self.version = int(meta["version"])
+        self._nonfinite_steps = int(meta["nonfinite_steps"])
+        self._consecutive_skips = int(meta["consecutive_skips"])
+        snapshot = self.export()
+        with self._slot_lock:
+            self._snapshot = snapshot
+        return self.version
+
+
+def read_full_weights(directory: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """(version, full weights by parameter name) of a sharded trainer state in `directory`, read
+    in this one process (no process group: for the model export). Tied weights appear once."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=True)
+    reader = dcp.FileSystemReader(directory)
+    entries = reader.read_metadata().state_dict_metadata
+    prefix = "model."
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in entries.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return int(meta["version"]), {key[len(prefix) :]: value for key, value in state.items()}
+
+
+def _reply(conn: Connection, lock: threading.Lock, rid: int, ok: bool, value: object) -> None:
+    with lock:
+        conn.send((rid, ok, value))
+
+
+def _error(exc: BaseException) -> BaseException:
+    """`exc` if it can travel back to the host, else a RuntimeError carrying its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+
+
+def rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Connection,
+    model: PreTrainedModel,
+    settings: TrainerSettings,
+    ref_model: PreTrainedModel | None,
+    device: str,
+) -> None:
+    """The body of rank `rank` (a spawned process)."""
+    lock = threading.Lock()
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(settings.torch_threads or 1)
+    try:
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+        compute = ShardedCompute(model, settings, ref_model, torch.device("cuda", rank) if cuda else torch.device("cpu"))
+        del model, ref_model
+    except BaseException as exc:
+        _reply(conn, lock, 0, False, _error(exc))
+        return
+    _reply(conn, lock, 0, True, (compute.committed_weights(), compute.metrics()))
+
+    work: queue.Queue[tuple[int, str, Any] | None] = queue.Queue()
+
+    def checkpoint(rid: int, directory: str) -> None:
+        try:
+            compute.save_state(Path(directory))
+            _reply(conn, lock, rid, True, None)
+        except BaseException as exc:
+            _reply(conn, lock, rid, False, _error(exc))
+
+    def receive() -> None:  # the pipe's reader: compute requests to the main thread, checkpoints beside it
+        while True:
+            try:
+                rid, op, arg = conn.recv()
+            except (EOFError, OSError):
+                os._exit(1)  # the host is gone
+            if op == "save":
+                threading.Thread(target=checkpoint, args=(rid, arg), name="relayrl-rank-checkpoint", daemon=True).start()
+            elif op == "close":
+                work.put(None)
+                return
+            else:
+                work.put((rid, op, arg))
+
+    threading.Thread(target=receive, name="relayrl-rank-receive", daemon=True).start()
+    while (item := work.get()) is not None:
+        rid, op, arg = item
+        try:
+            value: object = None
+            if op == "train":
+                tb, idle = arg
+                if idle:
+                    compute.idle_step(tb)
+                else:
+                    compute.train_step(tb)
+            elif op == "optim":
+                version = compute.optim_step()
+                value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
+            elif op == "memory":
+                value = compute.memory()
+            elif op == "load":
+                version = compute.load_state(Path(arg))
+                value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            _reply(conn, lock, rid, True, value)
+        except BaseException as exc:
+            _reply(conn, lock, rid, False, _error(exc))
+    dist.destroy_process_group()

@@ -1,0 +1,283 @@
+"""The sharded trainer's host (`train.world_size = N > 1`): one `Trainer` to the orchestrator,
+N rank processes (`relayrl.backends.local.ranks`) behind it.
+
+Launch: the ranks are spawned (`torch.multiprocessing`, start method "spawn") on this machine,
+each given the model, the settings, MASTER_ADDR=127.0.0.1 and a free port, and one pipe; rank r
+joins the process group as rank r (gloo on the CPU, NCCL on CUDA with device cuda:r) and shards
+its copy of the model. Each pipe has a reader thread here that settles the answers.
+
+Rounds: FSDP needs every rank to run each forward and backward pass together, so micro-batches
+are held until there is one per rank (a round) and then sent, the largest first, one per rank;
+the step's last, partial round goes out with `optim_step`, the ranks without a micro-batch
+running a zero-loss pass on another's. Holding rather than waiting for a "final" flag keeps the
+trainer busy while the orchestrator packs the next micro-batches, and needs no change to
+`TrainBatch`; a round's micro-batches come from one packing plan, so their token counts are
+close. The loss normaliser stays the step's (the micro-batch carries it) and rank gradients are
+summed, so N ranks compute the one-rank step.
+
+Invariants: `get_metrics` and `export_weights` answer from what rank 0 sent with the last
+`optim_step` (or `load_state`) reply, and `save_state` runs on the ranks' checkpoint threads, so
+none waits behind a train step; a rank that dies fails every call in flight or made later with a
+`RunFailed` naming the rank (its pipe closes), and `close` ends the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import socket
+import threading
+import time
+from multiprocessing.connection import wait as wait_for_any
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from transformers import PreTrainedModel
+
+from relayrl.backends.local.ranks import META_FILE, rank_main
+from relayrl.backends.local.trainer import TrainerSettings
+from relayrl.backends.protocols import Trainer
+from relayrl.errors import RunFailed
+from relayrl.types import TrainBatch, Weights
+
+
+class RankFailed(RunFailed):
+    """A rank of the sharded trainer died or its connection broke; names the rank."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Rank:
+    """The host's end of one rank: its process, its pipe and the answers awaited from it."""
+
+    def __init__(self, rank: int, process: Any, conn: Any) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self.pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self.lock = threading.Lock()
+        self.dead: RankFailed | None = None
+        self.started = self.expect(0)  # its first answer: ready (or why it could not start)
+        threading.Thread(target=self._read, name=f"relayrl-rank{rank}-reader", daemon=True).start()
+
+    def expect(self, rid: int) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self.lock:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+            else:
+                self.pending[rid] = future
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                rid, ok, value = self.conn.recv()
+            except (EOFError, OSError) as exc:
+                self._died(exc)
+                return
+            with self.lock:
+                future = self.pending.pop(rid, None)
+            if future is None or future.done():  # (cancelled: its caller gave up)
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value if isinstance(value, BaseException) else RuntimeError(str(value)))
+
+    def _died(self, exc: BaseException) -> None:
+        self.process.join(timeout=2.0)
+        code = self.process.exitcode
+        dead = RankFailed(
+            f"sharded trainer rank {self.rank} (pid {self.process.pid}) died"
+            + (f" (exit code {code})" if code is not None else f" ({type(exc).__name__})")
+        )
+        with self.lock:
+            self.dead = dead
+            pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(dead)
+
+
+class ShardedTrainer(Trainer):
+    """`world_size` rank processes training `model` with FSDP2 (see the module)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        world_size: int,
+        ref_model: PreTrainedModel | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"train.world_size = {world_size}: the sharded trainer needs a rank at least")
+        self.settings = settings
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._ids = itertools.count(1)
+        self._ranks: list[_Rank] = []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(
+                target=rank_main,
+                args=(r, world_size, port, child, model, settings, ref_model, str(device)),
+                name=f"relayrl-trainer-rank{r}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._ranks.append(_Rank(r, process, parent))
+        self._ready = False
+        self._held: list[TrainBatch] = []
+        self._train_time: dict[int, float] = {}
+        self._snapshot: Weights | None = None
+        self._slot: dict[str, float] = {}
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, rank 0 first."""
+        return [int(rank.process.pid) for rank in self._ranks]
+
+    async def _start(self) -> None:
+        if not self._ready:
+            answers = await self._gather([asyncio.wrap_future(rank.started) for rank in self._ranks])
+            self._snapshot, self._slot = answers[0]
+            self._ready = True
+
+    async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
+        """Every rank's answer; the first failure is raised at once, as the death of a rank if
+        one died (the others may notice first: their collective with it broke)."""
+        try:
+            return list(await asyncio.gather(*waits))
+        except RankFailed:
+            raise
+        except Exception as exc:
+            dead = await asyncio.to_thread(self._dead_rank, 2.0)
+            if dead is not None:
+                raise dead from exc
+            raise
+        finally:
+            for w in waits:
+                if not w.done():
+                    w.cancel()
+
+    def _dead_rank(self, grace_s: float) -> RankFailed | None:
+        """The failure of the first rank that has died, waiting up to `grace_s` for one to."""
+        wait_for_any([rank.process.sentinel for rank in self._ranks], timeout=grace_s)
+        for rank in self._ranks:
+            if not rank.process.is_alive():
+                code = rank.process.exitcode
+                return RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}) died (exit code {code})")
+        return None
+
+    async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
+        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
+        await self._start()
+        rid = next(self._ids)
+        waits = [asyncio.wrap_future(rank.expect(rid)) for rank in self._ranks]
+        for rank, (op, arg) in zip(self._ranks, args, strict=True):
+            if rank.dead is not None:
+                raise rank.dead
+            try:
+                await asyncio.to_thread(rank.conn.send, (rid, op, arg))
+            except (OSError, EOFError) as exc:
+                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
+        return await self._gather(waits)
+
+    async def _round(self, batches: list[TrainBatch]) -> None:
+        """One forward/backward round: the largest micro-batch to rank 0, and so on; the ranks
+        left without one run a zero-loss pass on the smallest."""
+        ordered = sorted(batches, key=lambda tb: tb.num_tokens, reverse=True)
+        args = [("train", (ordered[r], False)) if r < len(ordered) else ("train", (ordered[-1], True)) for r in range(self.world_size)]
+        start = time.perf_counter()
+        await self._all(args)
+        step = batches[0].step
+        self._train_time[step] = self._train_time.get(step, 0.0) + time.perf_counter() - start
+
+    async def train_step(self, batch: TrainBatch) -> None:
+        """Holds `batch` until a round is full (one per rank), then trains the round."""
+        self._held.append(batch)
+        if len(self._held) == self.world_size:
+            held, self._held = self._held, []
+            await self._round(held)
+        else:
+            await self._start()
+
+    def step_train_time(self, step: int) -> float | None:
+        """Seconds of the step's rounds (a held micro-batch's train_step returns at once)."""
+        return self._train_time.pop(step, None)
+
+    async def optim_step(self) -> int:
+        if self._held:
+            held, self._held = self._held, []
+            await self._round(held)
+        answers = await self._all([("optim", None)] * self.world_size)
+        version, snapshot, slot = answers[0]
+        self._snapshot, self._slot = snapshot, slot
+        return int(version)
+
+    async def get_metrics(self) -> dict[str, float]:
+        return dict(self._slot)
+
+    async def export_weights(self) -> Weights:
+        """The last committed version's full weights, gathered inside `optim_step` (or at start)."""
+        await self._start()
+        assert self._snapshot is not None
+        return self._snapshot
+
+    async def save_state(self, directory: Path) -> None:
+        await self._all([("save", str(directory))] * self.world_size)
+
+    async def load_state(self, directory: Path) -> int:
+        meta_file = directory / META_FILE
+        if not meta_file.is_file():
+            raise RuntimeError(
+                f"{directory} holds no sharded trainer state: it was written with train.world_size = 1, this run has {self.world_size}"
+            )
+        meta = await asyncio.to_thread(torch.load, meta_file, map_location="cpu", weights_only=True)
+        if int(meta["world_size"]) != self.world_size:
+            raise RuntimeError(
+                f"{directory} was written with train.world_size = {meta['world_size']}, this run has {self.world_size}: "
+                "resume with the same"
+            )
+        answers = await self._all([("load", str(directory))] * self.world_size)
+        version, snapshot, slot = answers[0]
+        self._snapshot, self._slot = snapshot, slot
+        return int(version)
+
+    async def memory(self) -> list[dict[str, float]]:
+        """Per rank (waiting behind its compute): peak RSS, its shard's parameter and optimizer bytes."""
+        return await self._all([("memory", None)] * self.world_size)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
+        for rank in self._ranks:
+            try:
+                rank.conn.send((0, "close", None))
+            except (OSError, EOFError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for rank in self._ranks:
+            rank.process.join(timeout=max(0.1, deadline - time.monotonic()))
+        for rank in self._ranks:  # a rank stuck in a collective with a dead one does not leave by itself
+            if rank.process.is_alive():
+                rank.process.kill()
+                rank.process.join(timeout=5.0)
+        for rank in self._ranks:
+            rank.conn.close()

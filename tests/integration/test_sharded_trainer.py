@@ -1,0 +1,250 @@
+"""The sharded trainer (train.world_size = 2, FSDP2 over gloo, two local rank processes): a step
+equals the one-process trainer's step (loss, gradient norm, weights after 3 steps within 1e-5),
+its sharded checkpoint round-trips and refuses another world size, and a killed rank fails the
+next call naming the rank."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from relayrl.algorithms.losses import LossConfig
+from relayrl.backends.local.collate import TorchCollator
+from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
+from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+from relayrl.packing import build_microbatch, plan
+from relayrl.types import Prompt, TrainBatch
+from support.trajectories import trajectory
+
+pytestmark = pytest.mark.torch
+
+
+def _settings() -> TrainerSettings:
+    return TrainerSettings(learning_rate=1e-3, total_steps=10, loss=LossConfig(), warmup_steps=2, lr_schedule="cosine", torch_threads=1)
+
+
+def _steps(tok: Any, steps: int = 3) -> list[list[TrainBatch]]:
+    """`steps` steps of 3 micro-batches each (of different sizes): a full round of 2 and a partial one."""
+    rng = random.Random(0)
+    out: list[list[TrainBatch]] = []
+    for step in range(steps):
+        trajs = []
+        for i in range(10):
+            a, b = rng.randrange(10, 99), rng.randrange(10, 99)
+            ids = tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
+            completion = tok(str(a + b + rng.choice([0, 0, 1])), add_special_tokens=False)["input_ids"][: rng.randrange(1, 4)]
+            p = Prompt(f"p{i}", f"{a}+{b}=", str(a + b))
+            trajs.append(
+                trajectory(
+                    sample=i,
+                    prompt=p,
+                    prompt_tokens=ids,
+                    completion_tokens=completion,
+                    logprob=-1.5 - 0.1 * i,
+                    text="",
+                    advantage=rng.uniform(-1, 1),
+                )
+            )
+        pp = plan(trajs, 24, 1, share_prompt=False)
+        batches = []
+        for index in range(len(pp.microbatches)):
+            mb = build_microbatch(step, index, trajs, pp)
+            mb.payload = TorchCollator(pad_token_id=0).collate(mb)
+            batches.append(mb.train_batch())
+        out.append(batches[: len(batches) - 1 + len(batches) % 2])  # (the normaliser still counts a dropped one: fine for both)
+    assert all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
+    return out
+
+
+async def _train(trainer: Any, steps: list[list[TrainBatch]]) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    metrics = []
+    for batches in steps:
+        for tb in batches:
+            await trainer.train_step(tb)
+        await trainer.optim_step()
+        metrics.append(await trainer.get_metrics())
+    weights = await trainer.export_weights()
+    return metrics, dict(weights.payload)
+
+
+def _named(name: str, message: str) -> str:
+    return f"{name}: {message}"
+
+
+def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
+    from relayrl.backends.local.sharded import ShardedTrainer
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok)
+    sharded = ShardedTrainer(model, _settings(), world_size=2)
+    single = LocalTrainer(load_model_and_tokenizer(shipped_model_dir())[0], _settings())
+
+    async def both() -> tuple[Any, Any]:
+        try:
+            start = (await sharded.export_weights()).payload
+            assert isinstance(start, dict)
+            for name, value in single.model.state_dict().items():
+                torch.testing.assert_close(start[name], value, rtol=0, atol=0)
+            return await _train(sharded, steps), await _train(single, steps)
+        finally:
+            await sharded.close()
+            await single.close()
+
+    (m2, w2), (m1, w1) = asyncio.run(both())
+    for a, b in zip(m2, m1, strict=True):
+        for key in ("loss", "grad_norm", "tokens", "completion_tokens", "microbatches", "learning_rate", "step"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (key, a, b)
+    assert set(w2) == set(w1)
+    for name, value in w1.items():
+        # a key bias's gradient is 0 in exact arithmetic (softmax ignores a constant added to
+        # every key), so both runs hold rounding noise there, which AdamW turns into steps of up
+        # to the learning rate in either direction: only bounded by that
+        atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
+    moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
+    assert moved > 1e-4  # the steps changed the weights
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_the_same_world_size_only(tmp_path: Path) -> None:
+    """Save after one step, load into fresh ranks: the next two steps land on the weights of the
+    uninterrupted run exactly; the shards read in one process are the saved version's full
+    weights; a one-process trainer refuses the checkpoint naming train.world_size."""
+    from relayrl.backends.local.ranks import read_full_weights
+    from relayrl.backends.local.sharded import ShardedTrainer
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok)
+
+    async def first() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        trainer = ShardedTrainer(model, _settings(), world_size=2)
+        try:
+            saved = (await _train(trainer, steps[:1]))[1]
+            await trainer.save_state(tmp_path)
+            return saved, (await _train(trainer, steps[1:]))[1]
+        finally:
+            await trainer.close()
+
+    async def resumed() -> tuple[int, dict[str, torch.Tensor]]:
+        trainer = ShardedTrainer(load_model_and_tokenizer(shipped_model_dir())[0], _settings(), world_size=2)
+        try:
+            version = await trainer.load_state(tmp_path)
+            return version, (await _train(trainer, steps[1:]))[1]
+        finally:
+            await trainer.close()
+
+    saved, continued = asyncio.run(first())
+    version, full = read_full_weights(tmp_path)  # what the model export reads, in one process
+    assert version == 1 and set(full) <= set(saved) and "model.embed_tokens.weight" in full
+    for name, value in full.items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+    version, again = asyncio.run(resumed())
+    assert version == 1
+    for name, value in continued.items():
+        torch.testing.assert_close(again[name], value, rtol=0, atol=0)
+    single = LocalTrainer(load_model_and_tokenizer(shipped_model_dir())[0], _settings())
+    with pytest.raises(RuntimeError, match=r"train.world_size > 1\); this run has train.world_size = 1"):
+        asyncio.run(single.load_state(tmp_path))
+    asyncio.run(single.close())
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_next_call_naming_it() -> None:
+    from relayrl.backends.local.sharded import RankFailed, ShardedTrainer
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok, 1)
+    trainer = ShardedTrainer(model, _settings(), world_size=2)
+
+    async def go() -> None:
+        try:
+            await trainer.export_weights()  # both ranks are up
+            os.kill(trainer.pids[1], signal.SIGKILL)
+            with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) died \(exit code -9\)"):
+                for tb in steps[0]:
+                    await trainer.train_step(tb)
+                await trainer.optim_step()
+        finally:
+            await trainer.close()
+
+    asyncio.run(go())
+    assert all(not p.is_alive() for p in [r.process for r in trainer._ranks])
+
+
+def test_world_size_needs_the_local_backend_without_ray() -> None:
+    from relayrl.config.schema import ConfigError, load_config
+
+    assert load_config(None, ["run.backend=local", "train.world_size=2"]).train.world_size == 2
+    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs run.backend = 'local' without Ray, not run.backend = 'sim'"):
+        load_config(None, ["run.backend=sim", "train.world_size=2"])
+    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs .* not ray.enabled = true"):
+        load_config(None, ["run.backend=local", "ray.enabled=true", "train.world_size=2"])
+    with pytest.raises(ConfigError, match="train.world_size"):
+        load_config(None, ["train.world_size=0"])
+    with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with train.lora"):
+        load_config(None, ["run.backend=local", "train.world_size=2", "train.lora.r=4"])
+    with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with several updates per step"):
+        load_config(None, ["run.backend=local", "train.world_size=2", "train.ppo_epochs=2"])
+
+
+@pytest.mark.slow
+def test_bench_trainer_reports_each_world_size_and_shards_the_state() -> None:
+    from relayrl.bench.trainer import run_trainer
+
+    figures = run_trainer([1, 2], model="tiny", steps=2, microbatches=2, row_tokens=64)
+    configs: Any = figures["configs"]
+    assert [c["world_size"] for c in configs] == [1, 2]
+    assert all(c["tokens_per_s"] > 0 for c in configs)
+    one, two = (c["ranks"] for c in configs)
+    whole = one[0]["param_bytes"] + one[0]["optim_bytes"]
+    assert whole == pytest.approx(3 * int(figures["param_bytes"]), rel=1e-3)  # type: ignore[call-overload]  # (+ AdamW step counts)
+    for r in two:  # each rank holds about half (dim-0 shards round up)
+        assert 0.4 * whole <= r["param_bytes"] + r["optim_bytes"] <= 0.6 * whole
+
+
+@pytest.mark.slow
+def test_a_run_whose_rank_dies_fails_naming_it_and_resumes_from_its_newest_checkpoint(tmp_path: Path) -> None:
+    """Rank 1 is killed after step 2 (checkpointed): the run fails with the rank named, well
+    within train.call_timeout_s, and `--resume` goes on from step 2 to the end."""
+    from relayrl.backends.local.sharded import RankFailed
+    from relayrl.config.schema import load_config
+    from relayrl.orchestrator.build import build_program
+    from relayrl.orchestrator.deadlines import BoundedTrainer
+    from relayrl.rundir.checkpoint import CHECKPOINTS, complete_checkpoints
+    from relayrl.telemetry.callbacks import Callback
+    from support.simutil import run_checked
+
+    sets = ["run.backend=local", "task.kind=arithmetic", "rollout.num_generations=4", "rollout.groups_per_step=4"]
+    sets += ["orchestrator.release_memory=false", "eval.enabled=false", "orchestrator.checkpoint_every=1", "train.world_size=2"]
+    sets += ["train.torch_threads=1", "rollout.sampler_threads=1", "train.call_timeout_s=600"]
+    run_dir = tmp_path / "run"
+
+    class KillRank(Callback):
+        pid = 0
+
+        def on_step_end(self, step: int, result: object) -> None:
+            if step == 2:
+                assert isinstance(program.trainer, BoundedTrainer)
+                self.pid = program.trainer.inner.pids[1]  # type: ignore[attr-defined]
+                os.kill(self.pid, signal.SIGKILL)
+
+    kill = KillRank()
+    program = build_program(load_config(None, [*sets, "run.steps=4"]), [kill], run_dir=run_dir)
+    with pytest.raises(RankFailed) as failed:
+        asyncio.run(asyncio.wait_for(program.run(), 300))
+    assert str(failed.value) == f"sharded trainer rank 1 (pid {kill.pid}) died (exit code -9)"
+    newest = complete_checkpoints(run_dir / CHECKPOINTS)[-1]  # step 2's, or step 1's if 2's was still being written
+    assert (newest / "trainer-sharded.pt").is_file() and newest.name in ("step-000001", "step-000002")
+    result = run_checked(build_program(load_config(None, [*sets, "run.steps=4"]), run_dir=run_dir, resume=True), timeout=300)
+    assert [r.step for r in result.results] == list(range(int(newest.name[5:]) + 1, 5))
