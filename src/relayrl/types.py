@@ -178,6 +178,9 @@ class Trajectory:
     loss_mask: list[int] | None = None
     env_reward: float | None = None  # the environment's reward parts summed (None: no environment)
     env_time: float = 0.0  # seconds its environment steps took
+    # agents (task.agent): the reward the agent returned for its episode (None: it returned None,
+    # or no agent); a trajectory carrying one is not scored by the reward functions
+    agent_reward: float | None = None
 
     @property
     def num_tokens(self) -> int:
