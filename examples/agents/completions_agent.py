@@ -17,7 +17,9 @@ import openai
 
 
 async def agent(ctx: Any) -> float:
-    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+    # the endpoint is plain HTTP on loopback: no TLS, so no CA certificates to load (~70 ms a client)
+    http = openai.DefaultAsyncHttpxClient(verify=False)
+    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, http_client=http) as client:
         question = ctx.prompt.text
         draft = await client.completions.create(model=ctx.model, prompt=question, max_tokens=4)
         first = draft.choices[0].text.strip()

@@ -50,7 +50,9 @@ def calculate(expression: str) -> str:
 
 
 async def agent(ctx: Any) -> float | None:
-    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+    # the endpoint is plain HTTP on loopback: no TLS, so no CA certificates to load (~70 ms a client)
+    http = openai.DefaultAsyncHttpxClient(verify=False)
+    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, http_client=http) as client:
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": "Use the calculate tool, then reply with the number alone."},
             {"role": "user", "content": ctx.prompt.text},

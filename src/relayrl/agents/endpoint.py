@@ -168,7 +168,9 @@ class AgentEndpoint:
         """Listen (uvicorn's servers on the running loop)."""
         s = self.settings
         family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP: asyncio then sets TCP_NODELAY on the accepted connections (with proto 0
+        # it does not, and every response waits ~40 ms for the client's delayed ACK)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((s.host, s.port))
