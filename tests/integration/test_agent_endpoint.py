@@ -68,7 +68,7 @@ def test_the_tool_agent_example_calls_its_tool_in_one_token_exact_sequence() -> 
     sampler = ScriptedSampler(tok, model)
     rollout = make_rollout(tok, load_agent(f"{EXAMPLES}/tool_agent.py:agent"), max_new_tokens=96)
     groups = run(rollout, sampler, samples=1)
-    assert len(sampler.calls) == 2 and sum(len(c) for c in sampler.calls) == 4  # two calls per episode, batched
+    assert sum(len(c) for c in sampler.calls) == 4  # two calls per episode
     for g, prompt in zip(groups, PROMPTS):
         [t] = g.trajectories
         assert t.status is TrajectoryStatus.OK and t.agent_reward is None  # the reward functions score it

@@ -38,7 +38,6 @@ def agent_config(agent: str, *extra: str) -> list[str]:
     return [*QUICK, f"task.agent={json.dumps(agent)}", *extra]
 
 
-@pytest.mark.slow
 def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sampled: list[tuple[list[int], list[int], list[float], int]] = []  # (context, tokens, log-probs, version)
     trained: list[Trajectory] = []
@@ -82,17 +81,32 @@ def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens
     assert two_calls > len(trained) // 2  # the answer call continues the draft's sequence
 
 
-@pytest.mark.slow
-def test_agents_that_fail_are_counted_and_the_run_goes_on(tmp_path: Path) -> None:
+def test_agents_that_fail_are_counted_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sample 0 of every group raises, sample 1 makes two unrelated calls (two training samples of
+    its episode): the run completes, its trace and ledger check out."""
+    trained: list[Trajectory] = []
+    collate = TorchCollator.collate
+
+    def recording_collate(self: TorchCollator, mb: MicroBatch) -> object:
+        trained.extend(mb.trajectories)
+        return collate(self, mb)
+
+    monkeypatch.setattr(TorchCollator, "collate", recording_collate)
     agent = tmp_path / "flaky.py"
     agent.write_text(
         "import importlib.util\n"
         f"spec = importlib.util.spec_from_file_location('example', {str(EXAMPLE)!r})\n"
         "example = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(example)\n"
+        "import openai\n"
         "async def agent(ctx):\n"
         "    if ctx.sample_index == 0:\n"
         "        raise RuntimeError('flaky')\n"
+        "    if ctx.sample_index == 1:  # two calls, the second not extending the first: two samples\n"
+        "        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:\n"
+        "            for prompt in (ctx.prompt.text, '1+' + ctx.prompt.text):\n"
+        "                await client.completions.create(model=ctx.model, prompt=prompt, max_tokens=4)\n"
+        "        return 0.25\n"
         "    return await example.agent(ctx)\n"
     )
     cfg = load_config(None, agent_config(f"{agent}:agent", "run.backend=local", "task.kind=arithmetic", "rollout.max_new_tokens=4"))
@@ -103,6 +117,9 @@ def test_agents_that_fail_are_counted_and_the_run_goes_on(tmp_path: Path) -> Non
     failures = summary["ledger"]["reward_failures"]
     assert set(failures) == {"agent"} and failures["agent"]["raised"] >= 2  # one per group of each step
     assert summary["ledger"]["trajectories_failed"] == failures["agent"]["raised"]
+    split = [t for t in trained if t.sample_index == 1]
+    assert split and all(t.agent_reward == 0.25 and len(t.turns) == 1 for t in split)
+    assert len({(t.group_id, tuple(t.prompt_tokens)) for t in split}) == len(split)  # per group: the two calls' samples
 
 
 def test_under_strict_agents_the_first_failure_fails_the_run(tmp_path: Path) -> None:

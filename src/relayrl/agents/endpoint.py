@@ -16,8 +16,8 @@ recorded in the episode's transcript.
 Invariants:
 - every request needs `Authorization: Bearer <the run's token>` (random per run; 401 otherwise);
 - a request the endpoint cannot serve as asked gets a 4xx JSON error in OpenAI's shape naming the
-  field (`param`), and nothing is sampled or recorded: an unknown episode (404), a finished one or
-  one past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
+  field (`param`), and nothing is sampled or recorded: an unknown or finished episode (404), one
+  past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
   (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
   them), penalties or logit biases, a context beyond the episode's token room (400);
 - a call answered after its episode closed (its agent returned, failed or timed out) is refused
@@ -45,9 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render
 from relayrl.agents.transcript import Choice, Start, Transcript
+from relayrl.errors import UserError
 from relayrl.types import Prompt, TurnRequest, TurnResult
 
-__all__ = ["AgentEndpoint", "AgentEpisode", "EndpointSettings", "SampleFn", "Tokenizer"]
+__all__ = ["AgentEndpoint", "AgentEpisode", "EndpointError", "EndpointSettings", "SampleFn", "Tokenizer"]
 
 # samples one replica's turns: (requests) -> results in the same order (agents' stage batches them)
 SampleFn = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
@@ -92,6 +93,10 @@ class AgentEpisode:
     def sampler_key(self, chain: int) -> str:
         """The sampler's episode name of a KV-cache chain."""
         return f"agent/{self.id}/{chain}"
+
+
+class EndpointError(UserError):
+    """The endpoint cannot listen where rollout.agent_host / agent_port say (one line)."""
 
 
 class HTTPFailure(Exception):
@@ -178,7 +183,9 @@ class AgentEndpoint:
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
-            raise OSError(f"the agents' endpoint cannot listen on {s.host}:{s.port} (rollout.agent_host / agent_port): {exc}") from None
+            raise EndpointError(
+                f"the agents' endpoint cannot listen on {s.host}:{s.port} (rollout.agent_host / agent_port): {exc}"
+            ) from None
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, ws="none")
         config.load()
         server = uvicorn.Server(config)
@@ -437,7 +444,14 @@ class AgentEndpoint:
             )
             for j, chain in enumerate(chains)
         ]
-        results = await episode.sample(asks)
+        try:
+            results = await episode.sample(asks)
+        except Exception as exc:  # the replica failed (the sampler stage handles it) or the rollout ended
+            if not episode.open:
+                raise HTTPFailure(
+                    410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over"
+                ) from None
+            raise HTTPFailure(500, f"sampling failed: {exc}", None, "server_error") from None
         if not episode.open:
             raise HTTPFailure(410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over")
         answered = []

@@ -80,6 +80,7 @@ class TurnBatcher:
         self._tracer = tracer
         self._timeout_s = timeout_s
         self._pending: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+        self._running: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
         self._wake = asyncio.Event()
 
     async def sample(self, asks: list[TurnRequest]) -> list[TurnResult]:
@@ -91,7 +92,17 @@ class TurnBatcher:
 
     async def run(self) -> None:
         """Sample what is pending, call after call, until cancelled; a call that fails fails its
-        callers and raises (the replica's failure)."""
+        callers and raises (the replica's failure). Calls still waiting when it ends fail."""
+        try:
+            await self._serve()
+        finally:
+            for _, future in self._pending + self._running:
+                if not future.done():
+                    future.set_exception(RuntimeError("the agents' rollout on this replica ended"))
+                    future.exception()  # retrieved: its caller is an episode already over
+            self._pending, self._running = [], []
+
+    async def _serve(self) -> None:
         slot, lane = self._slot, f"sampler/{self._slot.replica}"
         while True:
             await self._wake.wait()
@@ -108,6 +119,7 @@ class TurnBatcher:
                 self._pending = later
                 if not batch:
                     continue
+                self._running = batch
                 start = self._tracer.now()
                 what = f"sampler replica {slot.replica}: generate_turns (agents)"
                 try:
@@ -127,6 +139,7 @@ class TurnBatcher:
                 for (_, future), result in zip(batch, results, strict=True):
                     if not future.done():
                         future.set_result(result)
+                self._running = []
 
 
 @dataclass(slots=True)
