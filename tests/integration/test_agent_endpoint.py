@@ -269,3 +269,30 @@ def test_a_sampler_that_fails_fails_the_rollout_as_the_replica_failure() -> None
     sampler = ScriptedSampler(tok, arithmetic, fail=True)
     with pytest.raises(RuntimeError, match="scripted sampler broke"):
         run(make_rollout(tok, load_agent(f"{EXAMPLES}/completions_agent.py:agent")), sampler, PROMPTS[:1], samples=2)
+
+
+def test_a_prompt_of_token_ids_is_sampled_as_sent_and_continues_by_ids() -> None:
+    tok = tiny_tokenizer()
+
+    async def agent(ctx: AgentContext) -> float:
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            ids = tok(ctx.prompt.text, add_special_tokens=False)["input_ids"]
+            first = await client.completions.create(model=ctx.model, prompt=ids)
+            sampled = first.model_dump()["choices"][0]["token_ids"]
+            # the sampled ids (its end-of-sequence token included), then an id sequence no text round-trips to
+            await client.completions.create(model=ctx.model, prompt=[*ids, *sampled, 31, 31, *ids])
+        return 1.0
+
+    sampler = ScriptedSampler(tok, arithmetic)
+    groups = run(make_rollout(tok, agent), sampler, PROMPTS[:1], samples=1)
+    [t] = groups[0].trajectories
+    assert len(t.turns) == 2
+    first, second = sampler.sampled
+    assert second[0] == [
+        *first[0],
+        *first[1],
+        31,
+        31,
+        *first[0],
+    ]  # exactly the ids sent (31, a space, does not survive a round trip through text)
+    assert t.prompt_tokens + t.completion_tokens == second[0] + second[1]

@@ -63,6 +63,8 @@ class Tokenizer(ChatTemplate, Protocol):
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
 
+    def __len__(self) -> int: ...
+
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class EndpointSettings:
@@ -308,15 +310,18 @@ class AgentEndpoint:
         if body.suffix:
             raise HTTPFailure(400, "suffix is not supported", "suffix")
         prompt = body.prompt
-        if isinstance(prompt, list):
-            if not prompt:
-                raise HTTPFailure(400, "prompt is empty", "prompt")
-            text = self._tok.decode(prompt, skip_special_tokens=False)
+        if not prompt:
+            raise HTTPFailure(400, "prompt is empty", "prompt")
+        if isinstance(prompt, list):  # token ids: the context as sent, never re-tokenised
+            if any(i < 0 or i >= len(self._tok) for i in prompt):
+                raise HTTPFailure(400, f"prompt: token ids must lie in [0, {len(self._tok)})", "prompt")
+            ids = [int(i) for i in prompt]
+            start = episode.transcript.context_ids(ids, lambda x: self._tok.decode(x, skip_special_tokens=False))
+            text = self._tok.decode(ids, skip_special_tokens=False)
         else:
-            if not prompt:
-                raise HTTPFailure(400, "prompt is empty", "prompt")
             text = prompt
-        answered, start = await self._sample(episode, text, body.n, max_new, stops)
+            start = episode.transcript.context(text, self._encode)
+        answered = await self._sample(episode, start, body.n, max_new, stops)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         choices = []
         for i, a in enumerate(answered):
@@ -367,7 +372,8 @@ class AgentEndpoint:
         except ChatFormatError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
         parse = bool(body.tools) and body.tool_choice != "none"
-        answered, start = await self._sample(episode, text, body.n, max_new, stops)
+        start = episode.transcript.context(text, self._encode)
+        answered = await self._sample(episode, start, body.n, max_new, stops)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices: list[dict[str, Any]] = []
         for i, a in enumerate(answered):
@@ -418,17 +424,16 @@ class AgentEndpoint:
             events.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"], "logprobs": None}]})
         return _sse(events)
 
-    async def _sample(self, episode: AgentEpisode, text: str, n: int, max_new: int, stops: Sequence[str]) -> tuple[list[_Answered], Start]:
-        """Sample `n` choices of `text` on the episode's replica and record them (see the module)."""
+    async def _sample(self, episode: AgentEpisode, start: Start, n: int, max_new: int, stops: Sequence[str]) -> list[_Answered]:
+        """Sample `n` choices from `start`'s context on the episode's replica and record them (see the module)."""
         s = self.settings
-        start = episode.transcript.context(text, self._encode)
         room = s.max_total_tokens - len(start.context)
         if room < 1:
             raise HTTPFailure(
                 400,
                 f"the context has {len(start.context)} tokens: no room for a completion within the episode's "
                 f"{s.max_total_tokens} tokens (rollout.max_total_tokens, the model's context)",
-                "messages" if text else "prompt",
+                None,
                 "context_length_exceeded",
             )
         max_new = min(max_new, room)
@@ -459,7 +464,7 @@ class AgentEndpoint:
             a = self._answer(result, stops)
             episode.transcript.record(start, a.choice, chain)
             answered.append(a)
-        return answered, start
+        return answered
 
     def _answer(self, result: TurnResult, stops: Sequence[str]) -> _Answered:
         """A sampled completion cut at its first stop string (the tokens up to the one completing it

@@ -11,7 +11,9 @@ The rule (`Transcript.context`): a call whose text starts with a node's text con
 the new text only (a suffix whose first token is the stop token that ended the node's last
 completion drops it: the sampled one stands for it). A call that continues no node (the agent
 rewrote or dropped earlier history, or its first call) starts afresh from the tokens of its whole
-text. Sampling is done on that context, so what is trained is exactly what was sampled.
+text. A completion prompt given as token ids is the context as sent (`Transcript.context_ids`):
+it continues the node whose tokens it starts with. Sampling is done on that context, so what is
+trained is exactly what was sampled.
 
 Invariants:
 - a node's sampled tokens are never re-tokenised: they are the sampler's ids, with its log-probs,
@@ -94,6 +96,19 @@ class Transcript:
             ids = ids[1:]
         chain = parent.chain if not parent.continued else self._new_chain()
         return Start(parent, parent.tokens + ids, suffix, chain)
+
+    def context_ids(self, ids: list[int], decode: Callable[[list[int]], str]) -> Start:
+        """Where a call whose prompt is token ids starts: the ids are the context, unchanged; it
+        continues the node (the longest) whose tokens they start with."""
+        parent = None
+        for node in self.nodes:
+            n = len(node.tokens)
+            if n < len(ids) and ids[:n] == node.tokens and (parent is None or n > len(parent.tokens)):
+                parent = node
+        if parent is None:
+            return Start(None, list(ids), decode(ids), self._new_chain())
+        chain = parent.chain if not parent.continued else self._new_chain()
+        return Start(parent, list(ids), decode(ids[len(parent.tokens) :]), chain)
 
     def _new_chain(self) -> int:
         self._chains += 1
