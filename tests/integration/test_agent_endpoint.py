@@ -296,3 +296,21 @@ def test_a_prompt_of_token_ids_is_sampled_as_sent_and_continues_by_ids() -> None
         *first[0],
     ]  # exactly the ids sent (31, a space, does not survive a round trip through text)
     assert t.prompt_tokens + t.completion_tokens == second[0] + second[1]
+
+
+def test_the_endpoint_listens_on_loopback_with_a_random_token_per_run() -> None:
+    from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings
+
+    tok = tiny_tokenizer()
+    a, b = AgentEndpoint(EndpointSettings(), tok), AgentEndpoint(EndpointSettings(), tok)
+    assert a.token != b.token and len(a.token) >= 32
+
+    async def main() -> str:
+        await a.start()
+        try:
+            return a.url
+        finally:
+            await a.stop()
+
+    url = asyncio.run(main())
+    assert url.startswith("http://127.0.0.1:") and a.port > 0
