@@ -16,7 +16,7 @@ import pytest
 from relayrl.agents.context import AgentContext, load_agent
 from relayrl.orchestrator.stages.agents import AgentError, AgentFailedWarning, agent_failure_reason
 from relayrl.types import Group, Prompt, TrajectoryStatus
-from support.agentutil import ScriptedSampler, chat_tokenizer, make_rollout, requests_for, run_rollout, tiny_tokenizer
+from support.agentutil import ScriptedSampler, chat_tokenizer, make_rollout, requests_for, run_rollout, tiny_tokenizer, tokenizer_of
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 PROMPTS = [Prompt("p0", "23+9=", "32"), Prompt("p1", "7-5=", "2")]
@@ -301,7 +301,7 @@ def test_a_prompt_of_token_ids_is_sampled_as_sent_and_continues_by_ids() -> None
 def test_the_endpoint_listens_on_loopback_with_a_random_token_per_run() -> None:
     from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings
 
-    tok = tiny_tokenizer()
+    tok = tokenizer_of(tiny_tokenizer())
     a, b = AgentEndpoint(EndpointSettings(), tok), AgentEndpoint(EndpointSettings(), tok)
     assert a.token != b.token and len(a.token) >= 32
 
