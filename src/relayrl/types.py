@@ -202,6 +202,9 @@ class Trajectory:
     # with algorithm.turn_discount: each policy turn's advantage (`advantage` is the first's);
     # None: every token of the trajectory has `advantage`
     turn_advantages: list[float] | None = None
+    # agents (task.agent): the reward the agent returned for its episode (None: it returned None,
+    # or no agent); a trajectory carrying one is not scored by the reward functions
+    agent_reward: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,12 +27,14 @@ RESUMABLE_BEFORE = [
     "task.reward_memory_mb",
     "task.reward_cpu_s",
     "task.strict_rewards",
+    "task.strict_agents",  # added with task.agent (issue 22)
     "rollout.sampler_failover",
     "rollout.sampler_threads",
     "rollout.sampler_nice",
     "rollout.episode_cache_mb",
     "rollout.env_step_timeout_s",
     "rollout.strict_environment",
+    "rollout.agent_timeout_s",  # added with task.agent (issue 22)
     "train.torch_threads",
     "orchestrator.overlap_bookkeeping",
     "orchestrator.queue_size",
@@ -122,7 +124,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
 
 def test_resumable_keys_are_the_former_prefixes_keys() -> None:
     assert sorted(resumable_keys()) == sorted(RESUMABLE_BEFORE)
-    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 54
+    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 56
 
 
 def test_resume_changes_reads_the_marks() -> None:

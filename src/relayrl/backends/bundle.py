@@ -37,6 +37,7 @@ class Backend:
     # given the run's tracer once it exists (workers that trace spans of their own: Ray actors)
     attach_tracer: Callable[[Tracer], None]
     host_work: HostWork | None = None  # the sim's simulated bookkeeping cost; None for real backends
+    tokenizer: object | None = None  # the model's tokenizer, orchestrator-side (the agents' endpoint); None: sim
 
     async def close(self) -> None:
         """Close every worker, even when some fail to close (a retired replica may be broken),

@@ -60,6 +60,7 @@ class Compute:
     trainer: Callable[[], Trainer]  # picklable: a host may call it in another process
     samplers: list[Callable[[], Sampler]]  # picklable; replica i is built by samplers[i]
     host_work: HostWork | None = None  # the sim's simulated bookkeeping cost; None for real backends
+    tokenizer: object | None = None  # the model's tokenizer, orchestrator-side (the agents' endpoint); None: sim
 
     def backend(
         self,
@@ -82,6 +83,7 @@ class Compute:
             max_prompt_tokens=self.max_prompt_tokens,
             greedy=greedy,
             host_work=self.host_work,
+            tokenizer=self.tokenizer,
             startup=startup,
             cleanup=cleanup,
             attach_tracer=attach_tracer,

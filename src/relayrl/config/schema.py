@@ -201,6 +201,17 @@ class TaskConfig(_Section):
     """The environment's keyword arguments."""
     observation_template: str = "{observation}"
     """How an observation is shown to the policy before its next turn; {observation} is its text."""
+    agent: str | None = None
+    """Rollouts through an endpoint (agents/): "package.module:function" or
+    "path/to/file.py:function" (anchored as reward files are), an `async def agent(ctx) -> float |
+    None` called once per sample; it talks to the policy only through the OpenAI-compatible
+    endpoint at ctx.base_url (ctx.api_key, ctx.model, ctx.prompt, ctx.sample_index) and returns
+    its reward, or None to let reward_functions score its last completion. Local backend, not
+    with task.environment or Ray."""
+    strict_agents: bool = Field(False, json_schema_extra=RESUMABLE)
+    """An agent that raises, returns something that is not a finite number or None, or runs past
+    rollout.agent_timeout_s fails the run at once instead of its sample (counted like a failed
+    environment, left out of its group's baseline)."""
 
     @field_validator("reward_functions")
     @classmethod
@@ -215,6 +226,12 @@ class TaskConfig(_Section):
     @classmethod
     def _anchor_environment_file(cls, entry: str | None, info: ValidationInfo) -> str | None:
         """`file.py:Class` is anchored as reward function files are."""
+        return None if entry is None else _anchor_file_spec(entry, info)
+
+    @field_validator("agent")
+    @classmethod
+    def _anchor_agent_file(cls, entry: str | None, info: ValidationInfo) -> str | None:
+        """`file.py:function` is anchored as reward function files are."""
         return None if entry is None else _anchor_file_spec(entry, info)
 
     @field_validator("reward_weights")
@@ -353,6 +370,15 @@ resume needs."""
     """Multi-turn episodes: an environment call that raises, returns a non-finite reward or runs
     past env_step_timeout_s fails the run at once instead of its episode (counted like a failed
     reward, left out of its group's baseline). A wrong type returned always fails the run."""
+    agent_timeout_s: float = Field(600.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Agents (task.agent): bound in seconds (0 = none) on one agent call, i.e. one episode; past
+    it the agent is cancelled, its sample failed (see task.strict_agents) and any later call of its
+    episode refused."""
+    agent_host: str = "127.0.0.1"
+    """Agents: the address the endpoint listens on (loopback by default; every request needs the
+    run's token anyway)."""
+    agent_port: int = Field(0, ge=0, le=65535)
+    """Agents: the endpoint's port (0 = a free port chosen when the run starts)."""
 
     @field_validator("device")
     @classmethod
@@ -867,9 +893,23 @@ class Config(_Section):
                 f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds rollout.max_new_tokens × "
                 f"rollout.max_turns = {longest_policy}"
             )
+        if self.task.agent is not None:
+            _check_agent(self)
         if self.task.kind == "reasoning_gym" and not self.task.dataset:
             raise ValueError("task.dataset must name a reasoning-gym dataset when task.kind = 'reasoning_gym' (e.g. \"chain_sum\")")
         return self
+
+
+def _check_agent(cfg: Config) -> None:
+    """What `task.agent` cannot run with (one line naming the key)."""
+    if cfg.task.environment is not None:
+        raise ValueError("task.agent and task.environment are both set: an agent is its own environment, give one of them")
+    if cfg.run.backend != "local":
+        raise ValueError(f"task.agent needs run.backend = 'local' (the {cfg.run.backend!r} backend samples no real tokens)")
+    if cfg.ray.enabled:
+        raise ValueError("task.agent does not run on Ray yet (ray.enabled = true): use the in-process local backend")
+    if cfg.rollout.engine != "hf":
+        raise ValueError(f"task.agent needs rollout.engine = 'hf' (the {cfg.rollout.engine!r} engine runs no agent calls yet)")
 
 
 def config_keys() -> Iterator[tuple[str, type[BaseModel], str, FieldInfo]]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.agents.context import AgentFn, load_agent
 from relayrl.backends.bundle import Backend
 from relayrl.backends.registry import build_backend
 from relayrl.config.schema import Config, ConfigError, load_config, resumable_keys
@@ -70,6 +71,7 @@ class _Checked:
     rewards: list[rewards.ResolvedReward]
     environment: Environment | None
     task: TaskData
+    agent: AgentFn | None = None  # task.agent, imported
 
 
 def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, environment: Environment | None) -> _Checked:
@@ -87,7 +89,8 @@ def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, enviro
         environment = build_environment(cfg.task.environment, cfg.task.environment_config, cfg.rollout.max_turns)
     elif environment is not None and cfg.task.environment is None:
         raise UserError("environment: set task.environment too (its name is recorded in the run's config.toml)")
-    return _Checked(cfg, resolved, environment, build_task(cfg))
+    agent = load_agent(cfg.task.agent) if cfg.task.agent is not None else None
+    return _Checked(cfg, resolved, environment, build_task(cfg), agent)
 
 
 def _backend(checked: _Checked, threads: OrchestratorThreads) -> Backend:
@@ -198,6 +201,7 @@ def _program(
         callbacks=callbacks,
         environment=checked.environment,
         heldout=checked.task.heldout,
+        agent=checked.agent,
     )
     return Program(parts, lock=lock)
 

@@ -19,15 +19,20 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
+from relayrl.agents.context import AgentFn
+from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings, Tokenizer
 from relayrl.backends.bundle import Backend
 from relayrl.config.schema import Config
 from relayrl.envs.base import Environment
+from relayrl.errors import UserError
 from relayrl.eval.heldout import HeldoutEvaluator
 from relayrl.eval.schedule import EvalSchedule
 from relayrl.orchestrator.checkpointing import Checkpointer, CheckpointPolicy, LoggedSteps
 from relayrl.orchestrator.deadlines import BoundedTrainer
 from relayrl.orchestrator.ledger import FilterWatch
+from relayrl.orchestrator.stages.agents import AgentRollout, AgentSettings
 from relayrl.orchestrator.stages.episodes import EpisodeRunner, EpisodeSettings
 from relayrl.orchestrator.state import RunState
 from relayrl.rewards.registry import ResolvedReward
@@ -54,6 +59,7 @@ class RunParts:
     scorer: Scorer
     tracer: Tracer
     episodes: EpisodeRunner | None  # multi-turn episodes (task.environment); None: single completions
+    agents: AgentRollout | None  # rollouts through the endpoint (task.agent)
     logged: LoggedSteps
     bookkeeper: StepBookkeeper
     eval_schedule: EvalSchedule
@@ -77,6 +83,33 @@ def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSetti
     )
 
 
+def agent_rollout(cfg: Config, backend: Backend, agent: AgentFn, tracer: Tracer) -> AgentRollout:
+    """The rollout of a `task.agent` run and its endpoint (not listening yet: the program starts it)."""
+    if backend.tokenizer is None:
+        raise UserError(f"task.agent needs a backend with a tokenizer (run.backend = {cfg.run.backend!r} has none)")
+    r = cfg.rollout
+    model = cfg.model.package or (Path(cfg.model.path).name if cfg.model.path else "tiny-arith")
+    settings = EndpointSettings(
+        host=r.agent_host,
+        port=r.agent_port,
+        model=model,
+        max_new_tokens=r.max_new_tokens,
+        max_total_tokens=episode_settings(cfg, backend.max_prompt_tokens).max_total_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_n=max(16, r.num_generations),
+    )
+    endpoint = AgentEndpoint(settings, cast(Tokenizer, backend.tokenizer))
+    names = AgentSettings(
+        name=cfg.task.agent or "",
+        model=model,
+        timeout_s=r.agent_timeout_s,
+        strict=cfg.task.strict_agents,
+        generate_timeout_s=r.generate_timeout_s,
+    )
+    return AgentRollout(agent, endpoint, names, tracer)
+
+
 def assemble(
     cfg: Config,
     backend: Backend,
@@ -88,6 +121,7 @@ def assemble(
     callbacks: Sequence[Callback] = (),
     environment: Environment | None = None,
     heldout: Sequence[Prompt] = (),
+    agent: AgentFn | None = None,
 ) -> RunParts:
     trainer = BoundedTrainer(backend.trainer, cfg.train.call_timeout_s)
     t = cfg.task
@@ -119,6 +153,7 @@ def assemble(
     if environment is not None:
         limits = episode_settings(cfg, backend.max_prompt_tokens)
         episodes = EpisodeRunner(environment, cfg.task.environment or "", backend.encode_text, limits, threads, tracer)
+    agents = agent_rollout(cfg, backend, agent, tracer) if agent is not None else None
     # the held-out evaluator is the orchestrator's: the backend's greedy engine (built when the
     # run evaluates), rewarded through the run's scorer, judged correct by the task's own check
     # (a scorer of its own, which starts no process and never clips: a check's 1.0 must stay 1.0
@@ -191,6 +226,7 @@ def assemble(
         scorer=scorer,
         tracer=tracer,
         episodes=episodes,
+        agents=agents,
         logged=logged,
         bookkeeper=bookkeeper,
         eval_schedule=eval_schedule,

@@ -96,6 +96,7 @@ class Program:
         self.scorer = parts.scorer
         self.tracer = parts.tracer
         self.episodes = parts.episodes
+        self.agents = parts.agents
         self.bookkeeper = parts.bookkeeper
         self.eval_schedule = parts.eval_schedule
         self.checkpointer = parts.checkpointer
@@ -225,6 +226,8 @@ class Program:
         lag = LoopLagMonitor(cfg.orchestrator.loop_lag_interval_ms / 1e3)
         watchdog = StallWatchdog(cfg.orchestrator.stall_timeout_s, self.run_dir, cfg.orchestrator.stop_grace_s)
         try:
+            if self.agents is not None:
+                await self.agents.endpoint.start()
             if self.state.point is not None:
                 weights = await restore(self.state.point, trainer=self.trainer, publisher=publisher)
                 await self.eval_schedule.owed_on_resume(self.state.point.step, weights)
@@ -341,10 +344,17 @@ class Program:
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         finally:
-            await self.backend.close()
+            try:
+                if self.agents is not None:
+                    await self.agents.endpoint.stop()
+            finally:
+                await self.backend.close()
 
     def _rollout(self) -> Rollout:
-        """Single completions, or multi-turn episodes when the task has an environment."""
+        """Single completions, multi-turn episodes when the task has an environment, or agents'
+        episodes through the endpoint (task.agent)."""
+        if self.agents is not None:
+            return self.agents
         if self.episodes is None:
             return SingleTurn(self.tracer, timeout_s=self.cfg.rollout.generate_timeout_s)
         return MultiTurn(self.episodes, timeout_s=self.cfg.rollout.generate_timeout_s)

@@ -353,6 +353,7 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device),
         trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device),
         samplers=sampler_factories(cfg, base, sampler_threads, rollout_device),
+        tokenizer=copy.deepcopy(tokenizer),
     )
 
 

@@ -7,8 +7,9 @@ Invariant: each sampling call is traced on its replica's lane with the version t
 sampled a token when a weight load landed during the call; the replica number and, for an empty result, the version come from the
 orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s`;
 groups leave in the order the call returned them. An environment's error that fails the run
-(EnvironmentStepError: a wrong type, strict_environment, stuck calls), or a prompt that leaves an
-episode no room, fails it as the task's error, not the replica's. A replica whose `generate` raises is retired
+(EnvironmentStepError: a wrong type, strict_environment, stuck calls), an agent's under
+strict_agents (AgentError), or a prompt that leaves an episode no room, fails it as the task's
+error, not the replica's. A replica whose `generate` raises is retired
 (see `relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas: no group
 is lost or sampled twice. A replica whose worker died and can be restarted (`Sampler.restartable`,
 the Ray backend) re-queues its requests, restarts (the weight publisher loads the version the
@@ -23,6 +24,7 @@ from typing import Protocol
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
+from relayrl.orchestrator.stages.agents import AgentError
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
 from relayrl.telemetry.tracer import Tracer
@@ -94,7 +96,7 @@ async def sampler_stage(
         start = tracer.now()
         try:
             groups = await rollout(slot, requests)
-        except (EnvironmentStepError, EpisodePromptTooLong):
+        except (EnvironmentStepError, EpisodePromptTooLong, AgentError):
             raise
         except Exception as exc:
             tracer.complete(lane, "generate_failed", start, tracer.now(), n=len(requests), error=f"{type(exc).__name__}: {exc}")

@@ -9,7 +9,9 @@ the batch moves on. With `task.strict_rewards` the first failed call fails the r
 `RewardError` naming the function and the trajectory; the batch's other calls are cancelled or
 killed, not awaited), after that call was counted. A trajectory whose environment failed its
 episode (already `failed`, orchestrator/stages/episodes.py) is not scored: it is counted in the
-ledger as a failed call of the function `environment`, by reason, and moves on with reward 0.
+ledger as a failed call of the function `environment`, by reason, and moves on with reward 0; one
+whose agent failed its sample (orchestrator/stages/agents.py) likewise, as the function `agent`.
+A trajectory whose agent returned its reward (`agent_reward`) takes it and is not scored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import operator
 
 from relayrl.orchestrator.ledger import Ledger
+from relayrl.orchestrator.stages.agents import AGENT_FAILURE, agent_failure_reason
 from relayrl.orchestrator.stages.episodes import ENV_FAILURE, env_failure_reason
 from relayrl.rewards.scoring import RewardError, Scorer, strict_error
 from relayrl.types import Group, TrajectoryStatus
@@ -38,8 +41,15 @@ async def score_stage(
         trajectories = [t for g in groups for t in g.trajectories]
         if TrajectoryStatus.FAILED in map(_STATUS, trajectories):  # episodes their environment failed (a C scan)
             reasons = [env_failure_reason(t) for t in trajectories]
-            ledger.count_reward_failures([(ENV_FAILURE, r) for r in reasons if r is not None], sum(r is not None for r in reasons))
-            trajectories = [t for t, r in zip(trajectories, reasons) if r is None]
+            agents = [agent_failure_reason(t) if r is None else None for t, r in zip(trajectories, reasons)]
+            counted = [(ENV_FAILURE, r) for r in reasons if r is not None] + [(AGENT_FAILURE, r) for r in agents if r is not None]
+            ledger.count_reward_failures(counted, len(counted))
+            trajectories = [t for t, r, a in zip(trajectories, reasons, agents) if r is None and a is None]
+        if any(t.agent_reward is not None for t in trajectories):  # agents that returned their reward
+            for t in trajectories:
+                if t.agent_reward is not None:
+                    t.reward = t.agent_reward
+            trajectories = [t for t in trajectories if t.agent_reward is None]
         try:
             failed = await scorer.score(trajectories, strict=strict)
         except RewardError as exc:  # strict_rewards' first failed call, or too many abandoned reward threads

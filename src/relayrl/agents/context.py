@@ -1,0 +1,47 @@
+"""What an agent is given and how `task.agent` is resolved.
+
+Job: `AgentContext` is the one argument of `async def agent(ctx) -> float | None`: `base_url` (the
+episode's OpenAI-compatible base URL, ending in `/v1`), `api_key` (the run's token), `model` (the
+model name to send), `prompt` (the task's `Prompt`: text, answer, metadata) and `sample_index`
+(0..G-1 within its group). `load_agent` imports a `task.agent` entry (`module:function` or
+`file.py:function`, loaded as reward files are: rewards/registry.py).
+
+Invariant: `load_agent` returns an async callable or raises one `UserError` naming `task.agent`
+and the entry; these field names are the interface users' agents depend on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from relayrl.errors import UserError
+from relayrl.rewards.registry import is_async, load_named
+from relayrl.types import Prompt
+
+__all__ = ["AgentContext", "AgentFn", "load_agent"]
+
+
+@dataclass(slots=True, frozen=True)
+class AgentContext:
+    base_url: str
+    api_key: str
+    model: str
+    prompt: Prompt
+    sample_index: int
+
+
+AgentFn = Callable[[AgentContext], Awaitable[object]]
+
+
+def load_agent(spec: str) -> AgentFn:
+    """The agent `spec` names (see the module)."""
+    try:
+        found = load_named(spec)
+    except UserError as exc:
+        raise UserError(f"task.agent = {spec!r}: {exc}") from None
+    if not callable(found) or not is_async(found):
+        kind = "a class" if inspect.isclass(found) else f"a {type(found).__name__}"
+        raise UserError(f"task.agent = {spec!r} is {kind}, not an async function (async def agent(ctx) -> float | None)")
+    return found

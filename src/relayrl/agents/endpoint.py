@@ -1,0 +1,503 @@
+"""The OpenAI-compatible endpoint agents call: FastAPI, served by uvicorn on the run's event loop.
+
+Job: `AgentEndpoint` listens on `rollout.agent_host`:`rollout.agent_port` (127.0.0.1 and a free
+port by default) from `start()` to `stop()` (no task of its own: uvicorn's asyncio servers run on
+the loop; no signal handler is installed). Each agent episode gets its own base URL,
+`http://HOST:PORT/episodes/<id>/v1`, so its calls are attributed without the agent's help, and
+serves `POST .../v1/completions` (a text prompt or token ids) and `POST .../v1/chat/completions`
+(the model's chat template; `tools` in, Qwen2-style `<tool_call>` blocks out as `tool_calls`),
+each with `n`, `max_tokens` (capped by `rollout.max_new_tokens` and the episode's token room),
+`stop`, `logprobs` (the sampled token's) and `stream` (server-sent events; the samplers do not
+stream tokens, so each choice arrives as one chunk once sampled). A call's tokens come from
+`agents/transcript.py`'s rule and are sampled by its episode's replica (the `sample` function the
+agent stage opened the episode with) with that replica's current version; every choice is
+recorded in the episode's transcript.
+
+Invariants:
+- every request needs `Authorization: Bearer <the run's token>` (random per run; 401 otherwise);
+- a request the endpoint cannot serve as asked gets a 4xx JSON error in OpenAI's shape naming the
+  field (`param`), and nothing is sampled or recorded: an unknown or finished episode (404), one
+  past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
+  (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
+  them), penalties or logit biases, a context beyond the episode's token room (400);
+- a call answered after its episode closed (its agent returned, failed or timed out) is refused
+  (410) and not recorded: a closed episode's transcript never changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render
+from relayrl.agents.transcript import Choice, Start, Transcript
+from relayrl.errors import UserError
+from relayrl.types import Prompt, TurnRequest, TurnResult
+
+__all__ = ["AgentEndpoint", "AgentEpisode", "EndpointError", "EndpointSettings", "SampleFn", "Tokenizer"]
+
+# samples one replica's turns: (requests) -> results in the same order (agents' stage batches them)
+SampleFn = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
+
+
+class Tokenizer(ChatTemplate, Protocol):
+    """What the endpoint needs of the model's tokenizer (a Hugging Face one)."""
+
+    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class EndpointSettings:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    model: str = "policy"  # the model name agents send (ctx.model)
+    max_new_tokens: int = 8  # rollout.max_new_tokens: per call, at most
+    max_total_tokens: int = 128  # an episode's sequence (context and sampled), at most
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_n: int = 16  # choices per call, at most
+
+
+@dataclass(slots=True, eq=False)
+class AgentEpisode:
+    """One agent's episode as the endpoint serves it."""
+
+    id: str
+    prompt: Prompt
+    sample: SampleFn
+    rng_key: str
+    deadline: float  # the loop's clock; math.inf: none
+    base_url: str
+    transcript: Transcript = field(default_factory=Transcript)
+    open: bool = True
+    calls: int = 0
+
+    def sampler_key(self, chain: int) -> str:
+        """The sampler's episode name of a KV-cache chain."""
+        return f"agent/{self.id}/{chain}"
+
+
+class EndpointError(UserError):
+    """The endpoint cannot listen where rollout.agent_host / agent_port say (one line)."""
+
+
+class HTTPFailure(Exception):
+    """A request refused: status, message, the field at fault (OpenAI's `param`), error type."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.kind = kind
+
+
+def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatBody(_Common):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+@dataclass(slots=True)
+class _Answered:
+    """One choice as answered: its node's choice, the text the agent gets, why it ended."""
+
+    choice: Choice
+    text: str
+    finish_reason: str
+
+
+class AgentEndpoint:
+    """The endpoint (see the module). `open` an episode per agent call, `close` it when done."""
+
+    def __init__(self, settings: EndpointSettings, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.token = secrets.token_urlsafe(24)
+        self._tok = tokenizer
+        self._episodes: dict[str, AgentEpisode] = {}
+        self._counter = 0
+        self._server: uvicorn.Server | None = None
+        self._socket: socket.socket | None = None
+        self.port = 0
+        self.app = self._build_app()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen (uvicorn's servers on the running loop)."""
+        s = self.settings
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        # proto IPPROTO_TCP: asyncio then sets TCP_NODELAY on the accepted connections (with proto 0
+        # it does not, and every response waits ~40 ms for the client's delayed ACK)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((s.host, s.port))
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise EndpointError(
+                f"the agents' endpoint cannot listen on {s.host}:{s.port} (rollout.agent_host / agent_port): {exc}"
+            ) from None
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=2, ws="none")
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=[sock])
+        self._server, self._socket = server, sock
+        self.port = int(sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        """Stop listening; open connections are closed (running requests get 2 s to finish)."""
+        server, sock = self._server, self._socket
+        self._server = self._socket = None
+        for episode in self._episodes.values():
+            episode.open = False
+        if server is not None and sock is not None:
+            await server.shutdown(sockets=[sock])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        return f"http://{host}:{self.port}"
+
+    # -- episodes -----------------------------------------------------------------------
+    def open(self, name: str, prompt: Prompt, sample: SampleFn, rng_key: str, timeout_s: float = 0.0) -> AgentEpisode:
+        """A new episode whose calls `sample` serves, refused after `timeout_s` (0: never)."""
+        self._counter += 1
+        eid = f"{name.replace('/', '-')}-{self._counter}"
+        deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s > 0 else math.inf
+        episode = AgentEpisode(eid, prompt, sample, rng_key, deadline, f"{self.url}/episodes/{eid}/v1")
+        self._episodes[eid] = episode
+        return episode
+
+    def close(self, episode: AgentEpisode) -> None:
+        """The episode is over: later calls get 410, a call still being sampled is not recorded."""
+        episode.open = False
+        self._episodes.pop(episode.id, None)
+
+    # -- the app ------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = ".".join(loc) or None
+            return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param, "invalid_request_error")
+
+        @app.exception_handler(HTTPFailure)
+        async def _refused(request: Request, exc: HTTPFailure) -> JSONResponse:
+            return _error(exc.status, str(exc), exc.param, exc.kind)
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token.encode()):
+                return _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
+            return await call_next(request)
+
+        @app.get("/episodes/{eid}/v1/models")
+        async def _models(eid: str) -> dict[str, object]:
+            self._episode(eid)
+            return {"object": "list", "data": [{"id": self.settings.model, "object": "model", "owned_by": "relayrl"}]}
+
+        @app.post("/episodes/{eid}/v1/completions", response_model=None)
+        async def _completions(eid: str, body: CompletionBody) -> Any:
+            return await self._complete(self._episode(eid), body)
+
+        @app.post("/episodes/{eid}/v1/chat/completions", response_model=None)
+        async def _chat(eid: str, body: ChatBody) -> Any:
+            return await self._chat(self._episode(eid), body)
+
+        return app
+
+    def _episode(self, eid: str) -> AgentEpisode:
+        episode = self._episodes.get(eid)
+        if episode is None:
+            raise HTTPFailure(404, f"no episode {eid!r} is running (unknown, or over)", None, "not_found_error")
+        if not episode.open or asyncio.get_running_loop().time() > episode.deadline:
+            raise HTTPFailure(410, f"episode {eid!r} is past its deadline (rollout.agent_timeout_s)", None, "episode_over")
+        return episode
+
+    def _check_common(self, body: _Common) -> tuple[int, list[str]]:
+        """(max new tokens asked, stop strings) once the sampling fields are checked."""
+        s = self.settings
+        if body.model != s.model:
+            raise HTTPFailure(400, f"model is {body.model!r}: this endpoint serves {s.model!r} (ctx.model)", "model")
+        for name, value, run in (("temperature", body.temperature, s.temperature), ("top_p", body.top_p, s.top_p)):
+            if value is not None and not math.isclose(value, run, rel_tol=1e-6, abs_tol=1e-9):
+                raise HTTPFailure(
+                    400,
+                    f"{name} = {value} differs from the run's rollout.{name} = {run}: trained tokens are sampled as the trainer "
+                    f"scores them; omit {name} or send {run}",
+                    name,
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise HTTPFailure(400, f"{name} is not supported (it changes the sampling distribution the trainer scores)", name)
+        if body.logit_bias:
+            raise HTTPFailure(400, "logit_bias is not supported (it changes the sampling distribution the trainer scores)", "logit_bias")
+        if body.n > s.max_n:
+            raise HTTPFailure(400, f"n = {body.n}: at most {s.max_n} choices per call", "n")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > 4 or any(not x for x in stops):
+            raise HTTPFailure(400, "stop: at most 4 non-empty strings", "stop")
+        asked = body.max_completion_tokens or body.max_tokens or s.max_new_tokens
+        return min(asked, s.max_new_tokens), stops
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._tok(text, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids]
+
+    async def _complete(self, episode: AgentEpisode, body: CompletionBody) -> Any:
+        max_new, stops = self._check_common(body)
+        if body.echo:
+            raise HTTPFailure(400, "echo is not supported", "echo")
+        if body.best_of not in (None, 1):
+            raise HTTPFailure(400, "best_of is not supported (use n)", "best_of")
+        if body.suffix:
+            raise HTTPFailure(400, "suffix is not supported", "suffix")
+        prompt = body.prompt
+        if not prompt:
+            raise HTTPFailure(400, "prompt is empty", "prompt")
+        if isinstance(prompt, list):  # token ids: the context as sent, never re-tokenised
+            if any(i < 0 or i >= len(self._tok) for i in prompt):
+                raise HTTPFailure(400, f"prompt: token ids must lie in [0, {len(self._tok)})", "prompt")
+            ids = [int(i) for i in prompt]
+            start = episode.transcript.context_ids(ids, lambda x: self._tok.decode(x, skip_special_tokens=False))
+            text = self._tok.decode(ids, skip_special_tokens=False)
+        else:
+            text = prompt
+            start = episode.transcript.context(text, self._encode)
+        answered = await self._sample(episode, start, body.n, max_new, stops)
+        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        choices = []
+        for i, a in enumerate(answered):
+            logprobs = None
+            if body.logprobs is not None:
+                pieces = self._tok.convert_ids_to_tokens(a.choice.tokens)
+                offsets, at = [], len(text)
+                for piece in pieces:
+                    offsets.append(at)
+                    at += len(piece)
+                logprobs = {
+                    "tokens": pieces,
+                    "token_logprobs": list(a.choice.logprobs),
+                    "top_logprobs": [{p: lp} for p, lp in zip(pieces, a.choice.logprobs, strict=True)],
+                    "text_offset": offsets,
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": a.text,
+                    "finish_reason": a.finish_reason,
+                    "logprobs": logprobs,
+                    "token_ids": a.choice.tokens,
+                    "policy_version": a.choice.policy_version,
+                }
+            )
+        usage = _usage(start, answered)
+        if not body.stream:
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.settings.model,
+                "choices": choices,
+                "usage": usage,
+            }
+        chunks: list[dict[str, object]] = []
+        for c in choices:
+            chunks.append({**c, "finish_reason": None})
+            chunks.append({"index": c["index"], "text": "", "finish_reason": c["finish_reason"], "logprobs": None})
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.settings.model}
+        return _sse([{**head, "choices": [chunk]} for chunk in chunks])
+
+    async def _chat(self, episode: AgentEpisode, body: ChatBody) -> Any:
+        max_new, stops = self._check_common(body)
+        try:
+            text = render(self._tok, body.messages, body.tools)
+        except ChatFormatError as exc:
+            raise HTTPFailure(400, str(exc), exc.param) from None
+        parse = bool(body.tools) and body.tool_choice != "none"
+        start = episode.transcript.context(text, self._encode)
+        answered = await self._sample(episode, start, body.n, max_new, stops)
+        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        choices: list[dict[str, Any]] = []
+        for i, a in enumerate(answered):
+            content: str | None = a.text
+            calls: list[dict[str, object]] = []
+            if parse:
+                content, calls = parse_tool_calls(a.text)
+            message: dict[str, object] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            logprobs = None
+            if body.logprobs:
+                pieces = self._tok.convert_ids_to_tokens(a.choice.tokens)
+                logprobs = {
+                    "content": [
+                        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                        for p, lp in zip(pieces, a.choice.logprobs, strict=True)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": "tool_calls" if calls else a.finish_reason,
+                    "logprobs": logprobs,
+                    "token_ids": a.choice.tokens,
+                    "policy_version": a.choice.policy_version,
+                }
+            )
+        usage = _usage(start, answered)
+        if not body.stream:
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.settings.model,
+                "choices": choices,
+                "usage": usage,
+            }
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.settings.model}
+        events: list[dict[str, object]] = []
+        for c in choices:
+            m = c["message"]
+            delta: dict[str, object] = {"role": "assistant", "content": m["content"]}
+            if "tool_calls" in m:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(m["tool_calls"])]
+            events.append({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None, "logprobs": c["logprobs"]}]})
+            events.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"], "logprobs": None}]})
+        return _sse(events)
+
+    async def _sample(self, episode: AgentEpisode, start: Start, n: int, max_new: int, stops: Sequence[str]) -> list[_Answered]:
+        """Sample `n` choices from `start`'s context on the episode's replica and record them (see the module)."""
+        s = self.settings
+        room = s.max_total_tokens - len(start.context)
+        if room < 1:
+            raise HTTPFailure(
+                400,
+                f"the context has {len(start.context)} tokens: no room for a completion within the episode's "
+                f"{s.max_total_tokens} tokens (rollout.max_total_tokens, the model's context)",
+                None,
+                "context_length_exceeded",
+            )
+        max_new = min(max_new, room)
+        episode.calls += 1
+        chains = [start.chain] + [episode.transcript.new_chain() for _ in range(n - 1)]
+        asks = [
+            TurnRequest(
+                episode=episode.sampler_key(chain),
+                context=start.context,
+                rng_key=f"{episode.rng_key}\x00{episode.calls}\x00{j}",
+                max_new_tokens=max_new,
+                prompt=episode.prompt,
+            )
+            for j, chain in enumerate(chains)
+        ]
+        try:
+            results = await episode.sample(asks)
+        except Exception as exc:  # the replica failed (the sampler stage handles it) or the rollout ended
+            if not episode.open:
+                raise HTTPFailure(
+                    410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over"
+                ) from None
+            raise HTTPFailure(500, f"sampling failed: {exc}", None, "server_error") from None
+        if not episode.open:
+            raise HTTPFailure(410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over")
+        answered = []
+        for chain, result in zip(chains, results, strict=True):
+            a = self._answer(result, stops)
+            episode.transcript.record(start, a.choice, chain)
+            answered.append(a)
+        return answered
+
+    def _answer(self, result: TurnResult, stops: Sequence[str]) -> _Answered:
+        """A sampled completion cut at its first stop string (the tokens up to the one completing it
+        are kept and trained), the text the agent gets, and the node's choice."""
+        c = result.completion
+        tokens, logprobs = list(c.tokens), list(c.logprobs)
+        decode = self._tok.decode
+        full = decode(tokens, skip_special_tokens=False)
+        cut = min(((full.find(x), x) for x in stops if x in full), default=None)
+        if cut is not None:
+            at, stop = cut
+            keep = next(k for k in range(1, len(tokens) + 1) if len(decode(tokens[:k], skip_special_tokens=False)) >= at + len(stop))
+            tokens, logprobs = tokens[:keep], logprobs[:keep]
+            text = decode(tokens, skip_special_tokens=False)
+            choice = Choice(tokens, logprobs, text, "stop", result.policy_version, result.replica, ended_on_stop_token=False)
+            return _Answered(choice, full[:at], "stop")
+        on_stop = c.finish_reason == "stop" and bool(tokens)
+        text = decode(tokens[:-1], skip_special_tokens=False) if on_stop else full
+        finish: Literal["stop", "length"] = "stop" if c.finish_reason == "stop" else "length"
+        return _Answered(
+            Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, ended_on_stop_token=on_stop), text, finish
+        )
+
+
+def _usage(start: Start, answered: Sequence[_Answered]) -> dict[str, int]:
+    completion = sum(len(a.choice.tokens) for a in answered)
+    return {"prompt_tokens": len(start.context), "completion_tokens": completion, "total_tokens": len(start.context) + completion}
+
+
+def _sse(events: Sequence[Mapping[str, object]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

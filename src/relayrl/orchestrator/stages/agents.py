@@ -1,0 +1,295 @@
+"""Agent rollouts: each sample is one call of the user's agent, which talks to the policy through
+the endpoint (agents/endpoint.py).
+
+Job: `AgentRollout` is the sampler stage's rollout for `task.agent` runs. For a batch of requests
+taken by one replica (so under the staleness window's credits, as every rollout), it opens one
+endpoint episode per sample, calls `agent(ctx)` for each, all at once, each bounded by
+`rollout.agent_timeout_s`, and routes every call of those episodes to that replica: a
+`TurnBatcher` gathers the calls that arrive while the replica is busy into one `generate_turns`
+call (each bounded by `rollout.generate_timeout_s`, traced on the replica's lane with the version
+that sampled it). When every agent is done, the replica forgets the episodes' caches and each
+episode's transcript becomes its training samples (agents/transcript.py): one trajectory per leaf,
+all of the episode's reward: the agent's return value, or, when it returned None, the reward
+functions' score of the trajectory's last completion (`completion_text`).
+
+Invariants:
+- an agent that raises (anything but a cancellation), runs past `rollout.agent_timeout_s`
+  (cancelled), returns something that is neither None nor a finite number, or made no call,
+  fails its sample: one trajectory `failed` with an `error` "agent: REASON: DETAIL (agent NAME,
+  prompt ID, sample I)", not scored, counted by the score stage (`reward_failures["agent"]`),
+  out of its group's baseline; the run goes on. Under `task.strict_agents` it fails the run
+  (`AgentError`, one line), the task's error: no replica is retired for it;
+- a sampling call that raises or exceeds its bound fails the replica as a `generate` would (the
+  sampler stage retires or restarts it and re-queues the requests); its agents are cancelled;
+- the episodes are closed before their transcripts are read: nothing is recorded afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+
+from relayrl.agents.context import AgentContext, AgentFn
+from relayrl.agents.endpoint import AgentEndpoint
+from relayrl.agents.transcript import Node
+from relayrl.errors import RunFailed, first_error
+from relayrl.orchestrator.deadlines import bounded
+from relayrl.orchestrator.replicas import SamplerSlot
+from relayrl.telemetry.tracer import Tracer
+from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult
+
+__all__ = ["AGENT_FAILURE", "AgentError", "AgentFailedWarning", "AgentRollout", "AgentSettings", "TurnBatcher", "agent_failure_reason"]
+
+#: where the ledger counts the samples an agent failed, and the head of their trajectories' `error`
+AGENT_FAILURE = "agent"
+
+
+def agent_failure_reason(t: Trajectory) -> str | None:
+    """Why `t`'s agent failed its sample (timeout, raised, non_finite, no_calls), None if it did not."""
+    if t.status is not TrajectoryStatus.FAILED or t.error is None or not t.error.startswith(AGENT_FAILURE + ": "):
+        return None
+    return t.error[len(AGENT_FAILURE) + 2 :].split(":", 1)[0]
+
+
+class AgentError(RunFailed):
+    """An agent failed under `task.strict_agents`: one line naming the agent, the prompt and the sample."""
+
+
+class AgentFailedWarning(RuntimeWarning):
+    """The first agent of a run that failed its sample (said once; the rest are counted)."""
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class AgentSettings:
+    name: str  # task.agent
+    model: str  # ctx.model
+    timeout_s: float = 0.0  # rollout.agent_timeout_s (0: none)
+    strict: bool = False  # task.strict_agents
+    generate_timeout_s: float = 0.0  # rollout.generate_timeout_s, on each batched sampling call
+
+
+class TurnBatcher:
+    """One replica's agent calls: those that arrive while it samples go in its next call (an
+    episode chain at most once per call: the sampler keys its cache by it)."""
+
+    def __init__(self, slot: SamplerSlot, tracer: Tracer, timeout_s: float = 0.0) -> None:
+        self._slot = slot
+        self._tracer = tracer
+        self._timeout_s = timeout_s
+        self._pending: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+        self._running: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+        self._wake = asyncio.Event()
+
+    async def sample(self, asks: list[TurnRequest]) -> list[TurnResult]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[TurnResult]] = [loop.create_future() for _ in asks]
+        self._pending.extend(zip(asks, futures, strict=True))
+        self._wake.set()
+        return list(await asyncio.gather(*futures))
+
+    async def run(self) -> None:
+        """Sample what is pending, call after call, until cancelled; a call that fails fails its
+        callers and raises (the replica's failure). Calls still waiting when it ends fail."""
+        try:
+            await self._serve()
+        finally:
+            for _, future in self._pending + self._running:
+                if not future.done():
+                    future.set_exception(RuntimeError("the agents' rollout on this replica ended"))
+                    future.exception()  # retrieved: its caller is an episode already over
+            self._pending, self._running = [], []
+
+    async def _serve(self) -> None:
+        slot, lane = self._slot, f"sampler/{self._slot.replica}"
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+                later: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+                seen: set[str] = set()
+                for ask, future in self._pending:
+                    if future.done():  # its caller went away
+                        continue
+                    (later if ask.episode in seen else batch).append((ask, future))
+                    seen.add(ask.episode)
+                self._pending = later
+                if not batch:
+                    continue
+                self._running = batch
+                start = self._tracer.now()
+                what = f"sampler replica {slot.replica}: generate_turns (agents)"
+                try:
+                    results = await bounded(
+                        slot.worker.generate_turns([a for a, _ in batch]), self._timeout_s, what, "rollout.generate_timeout_s"
+                    )
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"generate_turns returned {len(results)} results for {len(batch)} requests")
+                except Exception as exc:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}"))
+                            future.exception()  # retrieved: the caller may be gone
+                    raise
+                version = min(r.policy_version for r in results)
+                self._tracer.complete(lane, "generate", start, self._tracer.now(), n=len(batch), version=version, agents=True)
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
+                self._running = []
+
+
+@dataclass(slots=True)
+class _Outcome:
+    request: SampleRequest
+    index: int
+    leaves: list[Node]
+    reward: float | None
+    failure: tuple[str, str] | None  # (reason, detail)
+
+
+class AgentRollout:
+    """The rollout of `task.agent` runs (see the module); `endpoint` is started and stopped by the program."""
+
+    def __init__(self, agent: AgentFn, endpoint: AgentEndpoint, settings: AgentSettings, tracer: Tracer) -> None:
+        self.endpoint = endpoint
+        self._agent = agent
+        self._settings = settings
+        self._tracer = tracer
+        self._warned = False
+
+    async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
+        batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s)
+        keys: list[str] = []
+        try:
+            async with asyncio.TaskGroup() as outer:
+                pump = outer.create_task(batcher.run(), name=f"agents/{slot.replica}/turns")
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        tasks = [
+                            tg.create_task(self._episode(batcher, r, i, keys), name=f"agent/{r.group_id}/{i}")
+                            for r in requests
+                            for i in range(r.num_samples)
+                        ]
+                finally:
+                    pump.cancel()
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        await slot.worker.end_episodes(keys)
+        outcomes = [t.result() for t in tasks]
+        version = slot.version
+        by_group: dict[int, list[Trajectory]] = {r.group_id: [] for r in requests}
+        for o in outcomes:
+            by_group[o.request.group_id].extend(self._trajectories(o, slot.replica, version))
+        return [Group(group_id, trajectories) for group_id, trajectories in by_group.items()]
+
+    async def _episode(self, batcher: TurnBatcher, request: SampleRequest, index: int, keys: list[str]) -> _Outcome:
+        s = self._settings
+        episode = self.endpoint.open(
+            f"{request.group_id}/{index}", request.prompt, batcher.sample, f"{request.seed_key}\x00{index}", s.timeout_s
+        )
+        ctx = AgentContext(episode.base_url, self.endpoint.token, s.model, request.prompt, index)
+        failure: tuple[str, str] | None = None
+        reward: float | None = None
+        limit = asyncio.timeout(s.timeout_s if s.timeout_s > 0 else None)
+        try:
+            async with limit:
+                value = await self._agent(ctx)
+            reward, failure = _reward(value)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # the agent's own code: anything it raises fails its sample
+            if isinstance(exc, TimeoutError) and limit.expired():
+                failure = ("timeout", f"no return within rollout.agent_timeout_s = {s.timeout_s:g} s")
+            else:
+                failure = ("raised", _one_line(exc))
+        finally:
+            self.endpoint.close(episode)
+            keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
+        leaves = episode.transcript.leaves
+        if failure is None and not leaves:
+            failure = ("no_calls", "the agent made no call through ctx.base_url")
+        if failure is not None:
+            self._fail(request, index, *failure)
+        return _Outcome(request, index, leaves, reward, failure)
+
+    def _where(self, request: SampleRequest, index: int) -> str:
+        return f"agent {self._settings.name!r}, prompt {request.prompt.prompt_id!r}, sample {index}"
+
+    def _fail(self, request: SampleRequest, index: int, reason: str, detail: str) -> None:
+        if self._settings.strict:
+            raise AgentError(f"{self._where(request, index)}: {reason}: {detail} (task.strict_agents = true)")
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self._where(request, index)} failed: {reason}: {detail}; the sample is failed and counted "
+                "(summary.json reward_failures['agent']), the run goes on; further failures are only counted "
+                "(task.strict_agents = true fails the run instead)",
+                AgentFailedWarning,
+                stacklevel=2,
+            )
+
+    def _trajectories(self, o: _Outcome, replica: int, version: int) -> list[Trajectory]:
+        r = o.request
+        if o.failure is not None:
+            versions = [t.policy_version for leaf in o.leaves for t in leaf.turns]
+            return [
+                Trajectory(
+                    group_id=r.group_id,
+                    sample_index=o.index,
+                    prompt=r.prompt,
+                    prompt_tokens=r.prompt_tokens,
+                    completion_tokens=[],
+                    sampler_logprobs=[],
+                    completion_text="",
+                    policy_version=min(versions, default=version),
+                    replica=replica,
+                    status=TrajectoryStatus.FAILED,
+                    error=f"{AGENT_FAILURE}: {o.failure[0]}: {o.failure[1]} ({self._where(r, o.index)})",
+                    loss_mask=[],
+                )
+            ]
+        out = []
+        for leaf in o.leaves:
+            prompt = leaf.tokens[: leaf.prompt_len]
+            out.append(
+                Trajectory(
+                    group_id=r.group_id,
+                    sample_index=o.index,
+                    prompt=r.prompt,
+                    prompt_tokens=r.prompt_tokens if prompt == r.prompt_tokens else prompt,  # a group's shared prompt: one list
+                    completion_tokens=leaf.tokens[leaf.prompt_len :],
+                    sampler_logprobs=leaf.logprobs,
+                    completion_text=leaf.answer,
+                    policy_version=min(t.policy_version for t in leaf.turns),
+                    replica=leaf.turns[0].replica,
+                    finish_reason=leaf.finish_reason,
+                    turns=leaf.turns,
+                    loss_mask=leaf.mask,
+                    agent_reward=o.reward,
+                )
+            )
+        return out
+
+
+def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
+    """(reward, failure) of what an agent returned: None, or a finite real number."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None, ("raised", f"returned a {type(value).__name__}, not a number or None")
+    try:
+        reward = float(value)
+    except OverflowError:
+        reward = math.inf
+    if not math.isfinite(reward):
+        return None, ("non_finite", f"returned {value!r}")
+    return reward, None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
