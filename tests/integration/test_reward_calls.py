@@ -424,6 +424,10 @@ def _every_field_set() -> Trajectory:
         loss_mask=[1, 1, 0],
         env_reward=0.5,
         env_time=0.01,
+        versions=[(0, 7), (2, 8)],
+        overlong_penalty=-0.1,
+        turn_advantages=[-0.25],
+        agent_reward=0.5,
     )
     defaults = Trajectory(3, 2, t.prompt, [], [], [], "", 0, 0)
     unset = [

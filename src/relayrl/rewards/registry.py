@@ -294,6 +294,8 @@ def trajectory_copy(t: Trajectory) -> Trajectory:
     c.sampler_logprobs = t.sampler_logprobs[:]
     c.turns = [copy.copy(x) for x in t.turns]  # a Turn's fields are immutable
     c.loss_mask = None if t.loss_mask is None else t.loss_mask[:]
+    c.versions = None if t.versions is None else t.versions[:]  # of immutable tuples
+    c.turn_advantages = None if t.turn_advantages is None else t.turn_advantages[:]
     return c
 
 
