@@ -152,6 +152,8 @@ def test_lora_config_is_checked_in_one_line() -> None:
     model, _ = load_model_and_tokenizer(shipped_model_dir())
     with pytest.raises(ConfigError, match=r"^invalid config key 'train.lora.target_modules': 'qkv' is not a linear layer"):
         check_targets(model, LoraConfig(target_modules=["q_proj", "qkv"]))
+    with pytest.raises(ConfigError, match=r"'lm_head' shares its weight with the input embeddings"):  # the tiny model ties them
+        check_targets(model, LoraConfig(target_modules=["q_proj", "lm_head"]))
     cases = {
         "train.lora.r=0": "invalid config key 'train.lora.r'",
         "train.lora.alpha=-1": "invalid config key 'train.lora.alpha'",
@@ -163,6 +165,8 @@ def test_lora_config_is_checked_in_one_line() -> None:
         with pytest.raises(ConfigError, match=message) as info:
             load_config(None, ["run.backend=local", override])
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"train.lora needs run.backend = 'local'"):
+        load_config(None, ["run.backend=sim", "train.lora={}"])
     with pytest.raises(ConfigError, match="train.lora is not supported with rollout.engine = 'vllm'"):
         load_config(None, ["run.backend=local", "rollout.engine=vllm", "train.lora={}"])
     cfg = load_config(None, ["run.backend=local", "train.lora.dropout=0.05", "algorithm.tis_cap=2"])

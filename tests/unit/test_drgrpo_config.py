@@ -61,11 +61,9 @@ def test_the_local_trainer_gets_the_dr_grpo_loss() -> None:
 
 
 def test_the_constant_normaliser_is_the_generation_budget_for_multi_turn_too() -> None:
-    from relayrl.backends.local.build import generation_budget
-
     single = load_config(None, ["run.backend=local", "algorithm.advantage=drgrpo", "rollout.max_new_tokens=12"])
-    assert generation_budget(single) == 12
+    assert single.generation_budget == 12
     turns = ["run.backend=local", "task.environment=arithmetic_feedback", "rollout.max_new_tokens=12", "rollout.max_turns=3"]
     turns.append("train.row_tokens=256")
-    assert generation_budget(load_config(None, turns)) == 36  # every turn's budget
-    assert generation_budget(load_config(None, [*turns, "rollout.max_total_tokens=30"])) == 30  # what an episode can hold
+    assert load_config(None, turns).generation_budget == 36  # every turn's budget
+    assert load_config(None, [*turns, "rollout.max_total_tokens=30"]).generation_budget == 30  # what an episode can hold

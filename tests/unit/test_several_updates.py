@@ -150,3 +150,44 @@ def test_the_default_is_one_update_and_keeps_nothing(tiny: tuple[Any, Any]) -> N
     slot = trainer.metrics()
     assert _adam_steps(trainer) == 1
     assert not any(k == "updates" or k.startswith("ppo_kl") or k.endswith(("_epoch1", "_epoch2")) for k in slot)
+
+
+def test_a_statistic_reported_by_some_updates_is_averaged_over_theirs(tiny: tuple[Any, Any]) -> None:
+    """Decoupled PPO reports clip fractions only once π_prox is not the current policy: with two
+    minibatches, on the second update alone. They are that update's, not diluted by the first
+    update's tokens (which report none)."""
+    base, tok = tiny
+    trajs = _trajectories(tok)
+    loss = LossConfig(tis_cap=2.0)
+    model_a = copy.deepcopy(base)
+    a = TrainerCompute(model_a, _settings(learning_rate=0.05, minibatches_per_step=2, loss=loss))
+    batches = _batches(model_a, tok, trajs, minibatches=2)
+    for tb in batches:
+        a.train_step(tb)
+    a.optim_step()
+    slot = a.metrics()
+
+    # the second update by hand: the policy after the first (one default step on minibatch 0) against π_prox = base
+    model_b = copy.deepcopy(base)
+    b = TrainerCompute(model_b, _settings(learning_rate=0.05, loss=loss))
+    first, second = (sorted(minibatch_slices(trajs, 2)[k]) for k in (0, 1))
+    for tb in _batches(base, tok, [trajs[i] for i in first], minibatches=1):
+        b.train_step(tb)
+    b.optim_step()
+    low = high = tokens = 0.0
+    for tb in (t for t in batches if t.minibatch == 1):
+        batch = tb.payload
+        assert isinstance(batch, PackedBatch)
+        with torch.no_grad():
+            prox = token_logprobs(base, batch, 1.0)[0]
+            logp = token_logprobs(model_b, batch, 1.0)[0]
+        from relayrl.algorithms.losses import policy_loss
+
+        out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.seq_index, loss, prox_logprobs=prox)
+        assert out.clip_frac_low is not None and out.clip_frac_high is not None
+        low += out.clip_frac_low * out.num_tokens
+        high += out.clip_frac_high * out.num_tokens
+        tokens += out.num_tokens
+    assert len(second) and tokens > 0 and low + high > 0  # the clip binds on the second update
+    assert slot["clip_frac_low"] == pytest.approx(low / tokens, abs=1e-6)
+    assert slot["clip_frac_high"] == pytest.approx(high / tokens, abs=1e-6)

@@ -77,8 +77,13 @@ detached penalty,
 
     A_t ← A_t − β·Σ_{t' ≥ t, t' ∈ s} sg[kl_t']                         (no KL loss term)
 
-over the sequence's loss tokens, in their order in the call (completion order).
-`kl_reward_penalty_mean` is the mean of β·Σ_{t'≥t} kl_t' subtracted.
+over the sequence's loss tokens, in their order in the call (completion order), with kl_t' taken
+at the step's proximal policy (the current one on the step's first update; with several updates
+per step the policy before the first, so the penalty, like a reward, stays fixed across the
+step's updates). `kl_reward_penalty_mean` is the mean of β·Σ_{t'≥t} kl_t' subtracted. With
+advantage = "reinforce_pp" this is REINFORCE++'s penalty, with one difference from OpenRLHF:
+the rewards are whitened over the step per sequence before the penalty is taken off, where
+OpenRLHF whitens the per-token returns after it (the KL part is left unnormalised here).
 
     ℓ_t   = pg_t + β·kl_t·[not kl_in_reward] − c_H·H_t                     (c_H = `entropy_coef`)
 
@@ -322,8 +327,9 @@ def policy_loss(
     if ref_logprobs is not None:
         d = torch.where(mask, logprobs - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         kl = _kl_estimate(d, cfg.kl_estimator)
-        if cfg.kl_in_reward:  # the detached KL as a per-token reward: its return-to-go leaves the advantage
-            penalty = cfg.kl_beta * _suffix_sums(torch.where(mask, kl.detach(), zero), seq).view(adv.shape)
+        if cfg.kl_in_reward:  # the KL of the step's proximal policy as a per-token reward: its return-to-go leaves the advantage
+            d_prox = torch.where(mask, proximal - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+            penalty = cfg.kl_beta * _suffix_sums(torch.where(mask, _kl_estimate(d_prox, cfg.kl_estimator), zero), seq).view(adv.shape)
             adv = torch.where(mask, adv - penalty, zero)
 
     # Masked positions get log-ratio 0 *before* exp, so garbage there cannot become inf/NaN in

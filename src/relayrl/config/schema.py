@@ -451,7 +451,8 @@ class AlgorithmConfig(_Section):
     "reinforce_pp" and kl_beta > 0 (REINFORCE++'s per-token KL penalty)."""
     overlong_buffer: int = Field(0, ge=0)
     """DAPO's soft overlong penalty: a trajectory whose policy tokens L exceed L_max − overlong_buffer
-    (L_max = rollout.max_new_tokens × rollout.max_turns) gets reward −overlong_penalty × (L −
+    (L_max = the generation budget: rollout.max_new_tokens; in episodes × max_turns, within
+    rollout.max_total_tokens) gets reward −overlong_penalty × (L −
     (L_max − overlong_buffer)) / overlong_buffer added before advantages (reward part
     `overlong`); 0 = off; at most L_max."""
     overlong_penalty: float = Field(1.0, ge=0.0)
@@ -815,6 +816,17 @@ class Config(_Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    @property
+    def generation_budget(self) -> int:
+        """The most policy tokens one trajectory can hold: rollout.max_new_tokens; with an
+        environment, max_new_tokens × max_turns, bounded by what an episode can hold
+        (rollout.max_total_tokens, 0 = train.row_tokens). Dr. GRPO's constant loss normaliser (the
+        paper's max completion length) and the L_max of the overlong penalty."""
+        r = self.rollout
+        if self.task.environment is None:
+            return r.max_new_tokens
+        return min(r.max_new_tokens * r.max_turns, r.max_total_tokens or self.train.row_tokens)
+
     @model_validator(mode="after")
     def _check_budget(self) -> Config:
         if self.run.backend == "sim":
@@ -869,6 +881,8 @@ class Config(_Section):
                 "rollout.interruptible = true is not supported with rollout.engine = 'vllm' (its loads wait for running"
                 " requests): set rollout.engine = 'hf' or rollout.interruptible = false"
             )
+        if self.train.lora is not None and self.run.backend != "local":
+            raise ValueError(f"train.lora needs run.backend = 'local' (the {self.run.backend!r} backend trains no model)")
         if self.train.lora is not None and self.rollout.engine == "vllm":
             raise ValueError(
                 "train.lora is not supported with rollout.engine = 'vllm' (its samplers load whole models): use rollout.engine = 'hf'"
@@ -878,7 +892,6 @@ class Config(_Section):
                 f"train.lora.dropout = {self.train.lora.dropout} needs algorithm.tis_cap: the samplers sample without dropout, so the"
                 " trainer's log-probs differ from theirs even on-policy (set train.lora.dropout = 0, or a tis_cap)"
             )
-        longest_policy = self.rollout.max_new_tokens * self.rollout.max_turns
         if self.algorithm.turn_discount is not None and self.task.environment is None:
             raise ValueError("algorithm.turn_discount needs a multi-turn environment (task.environment)")
         if self.algorithm.turn_discount is not None and (
@@ -888,10 +901,10 @@ class Config(_Section):
                 "algorithm.turn_discount normalises each turn's return within its group: it does not go with step-level advantages"
                 f" (algorithm.advantage = {self.algorithm.advantage!r}, algorithm.scale_rewards = {self.algorithm.scale_rewards!r})"
             )
-        if self.algorithm.overlong_buffer > longest_policy:
+        if self.algorithm.overlong_buffer > self.generation_budget:
             raise ValueError(
-                f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds rollout.max_new_tokens × "
-                f"rollout.max_turns = {longest_policy}"
+                f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds the most policy tokens a trajectory can"
+                f" hold ({self.generation_budget}: rollout.max_new_tokens, × max_turns within max_total_tokens in episodes)"
             )
         if self.task.agent is not None:
             _check_agent(self)

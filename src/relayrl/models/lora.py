@@ -60,6 +60,13 @@ def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
             f"invalid config key 'train.lora.target_modules': {unknown[0]!r} is not a linear layer of the model "
             f"(its linear layers: {', '.join(sorted(known))})"
         )
+    shared = {p.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in cfg.target_modules and m.weight.data_ptr() in shared:
+            raise ConfigError(
+                f"invalid config key 'train.lora.target_modules': {name.rpartition('.')[2]!r} shares its weight with the"
+                " input embeddings (tied), so merging an adapter into it would change both: leave it out"
+            )
 
 
 def wrap(model: PreTrainedModel, cfg: LoraConfig) -> Any:

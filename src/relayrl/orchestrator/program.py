@@ -268,7 +268,7 @@ class Program:
                             dynamic_sampling=cfg.algorithm.dynamic_sampling,
                             row_tokens=cfg.train.row_tokens,
                             shaping=Shaping(
-                                max_policy_tokens=cfg.rollout.max_new_tokens * cfg.rollout.max_turns,
+                                max_policy_tokens=cfg.generation_budget,
                                 overlong_buffer=cfg.algorithm.overlong_buffer,
                                 overlong_penalty=cfg.algorithm.overlong_penalty,
                                 mask_truncated=cfg.algorithm.mask_truncated,

@@ -174,16 +174,6 @@ def make_sampler(
     )
 
 
-def generation_budget(cfg: Config) -> int:
-    """The most policy tokens one trajectory can hold, Dr. GRPO's constant loss normaliser (the
-    paper's max completion length): rollout.max_new_tokens; with an environment, max_new_tokens ×
-    max_turns, bounded by what an episode can hold (rollout.max_total_tokens, 0 = train.row_tokens)."""
-    r = cfg.rollout
-    if cfg.task.environment is None:
-        return r.max_new_tokens
-    return min(r.max_new_tokens * r.max_turns, r.max_total_tokens or cfg.train.row_tokens)
-
-
 def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer | ShardedTrainer:
     """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
     there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
@@ -195,7 +185,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
         aggregation=a.loss_aggregation,
-        max_completion_tokens=generation_budget(cfg),
+        max_completion_tokens=cfg.generation_budget,
         kl_beta=a.kl_beta,
         tis_cap=a.tis_cap,
         clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off

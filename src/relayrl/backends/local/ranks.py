@@ -56,6 +56,8 @@ def _merge(parts: list[_StepStats]) -> _StepStats:
         out.microbatches += st.microbatches
         for k, v in st.sums.items():
             out.sums[k] = out.sums.get(k, 0.0) + v
+        for k, n in st.weights.items():
+            out.weights[k] = out.weights.get(k, 0) + n
         for k, v in st.maxes.items():
             out.maxes[k] = max(out.maxes.get(k, -math.inf), v)
         for k, v in st.mins.items():
@@ -281,8 +283,8 @@ def rank_main(
         while True:
             try:
                 rid, op, arg = conn.recv()
-            except (EOFError, OSError):
-                os._exit(1)  # the host is gone
+            except Exception:  # the host is gone, or its message does not unpickle: this rank cannot go on
+                os._exit(1)
             if op == "save":
                 threading.Thread(target=checkpoint, args=(rid, arg), name="relayrl-rank-checkpoint", daemon=True).start()
             elif op == "close":

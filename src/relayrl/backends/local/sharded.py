@@ -63,9 +63,16 @@ class _Rank:
         self.conn = conn
         self.pending: dict[int, concurrent.futures.Future[Any]] = {}
         self.lock = threading.Lock()
+        # one message at a time on the pipe: a checkpoint's request is sent while a round's
+        # (megabytes, written in parts) may be on its way, and interleaved writes corrupt both
+        self.send_lock = threading.Lock()
         self.dead: RankFailed | None = None
         self.started = self.expect(0)  # its first answer: ready (or why it could not start)
         threading.Thread(target=self._read, name=f"relayrl-rank{rank}-reader", daemon=True).start()
+
+    def send(self, message: tuple[int, str, Any]) -> None:
+        with self.send_lock:
+            self.conn.send(message)
 
     def expect(self, rid: int) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -80,7 +87,7 @@ class _Rank:
         while True:
             try:
                 rid, ok, value = self.conn.recv()
-            except (EOFError, OSError) as exc:
+            except Exception as exc:  # EOF, a broken pipe, or a message that does not unpickle
                 self._died(exc)
                 return
             with self.lock:
@@ -190,7 +197,7 @@ class ShardedTrainer(Trainer):
             if rank.dead is not None:
                 raise rank.dead
             try:
-                await asyncio.to_thread(rank.conn.send, (rid, op, arg))
+                await asyncio.to_thread(rank.send, (rid, op, arg))
             except (OSError, EOFError) as exc:
                 raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
         return await self._gather(waits)
@@ -269,7 +276,7 @@ class ShardedTrainer(Trainer):
     def _shutdown(self) -> None:
         for rank in self._ranks:
             try:
-                rank.conn.send((0, "close", None))
+                rank.send((0, "close", None))
             except (OSError, EOFError, ValueError):
                 pass
         deadline = time.monotonic() + 5.0

@@ -100,13 +100,16 @@ class NonFiniteStepError(RunFailed, FloatingPointError):
 
 @dataclass(slots=True)
 class _StepStats:
-    """Token-weighted sums over a step's micro-batches."""
+    """Token-weighted sums over a step's micro-batches; `weights[k]`: the loss tokens of the
+    micro-batches that reported statistic k (one that applies only to some of them, e.g. the clip
+    fractions of decoupled PPO on the updates after the step's first, is averaged over those)."""
 
     loss: float = 0.0
     tokens: int = 0
     loss_tokens: int = 0
     microbatches: int = 0
     sums: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, int] = field(default_factory=dict)
     maxes: dict[str, float] = field(default_factory=dict)
     mins: dict[str, float] = field(default_factory=dict)
 
@@ -319,6 +322,7 @@ class TrainerCompute:
                 st.mins[key] = min(st.mins.get(key, math.inf), value)
             else:
                 st.sums[key] = st.sums.get(key, 0.0) + value * n
+                st.weights[key] = st.weights.get(key, 0) + n
         return logp.detach(), loss
 
     def _update(self, loss: float) -> tuple[float, bool]:
@@ -390,7 +394,6 @@ class TrainerCompute:
             self._scheduler.step()  # the schedule follows the run's steps, skipped or not
         self._optimizer.zero_grad(set_to_none=True)
         st = self._stats
-        denom = max(1, st.loss_tokens)
         per_pass = len(updates) // len(passes)
         slot: dict[str, float] = {
             "step": float(self.version),
@@ -403,7 +406,7 @@ class TrainerCompute:
             "skipped_nonfinite": 0.0 if not skipped else 1.0,
             "nonfinite_steps": float(self._nonfinite_steps),
         }
-        slot.update({k: v / denom for k, v in st.sums.items() if k != "ppo_kl"})
+        slot.update({k: v / max(1, st.weights.get(k, 0)) for k, v in st.sums.items() if k != "ppo_kl"})
         slot.update(st.maxes)
         slot.update(st.mins)
         if several:
@@ -411,9 +414,9 @@ class TrainerCompute:
             for epoch, pst in enumerate(passes, start=1):
                 for key in EPOCH_STATS:
                     if key in pst.sums:
-                        slot[f"{key}_epoch{epoch}"] = pst.sums[key] / max(1, pst.loss_tokens)
+                        slot[f"{key}_epoch{epoch}"] = pst.sums[key] / max(1, pst.weights.get(key, 0))
             last = passes[-1]
-            slot["ppo_kl"] = last.sums.get("ppo_kl", 0.0) / max(1, last.loss_tokens)
+            slot["ppo_kl"] = last.sums.get("ppo_kl", 0.0) / max(1, last.weights.get("ppo_kl", 0))
         self._stats, self._kept = _StepStats(), []
         self.version += 1
         snapshot = self.export()
