@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check (issue 20): on a machine with a CUDA GPU, run the default recipe with the trainer and
-# the hf sampler on CUDA, then with the vLLM engine when it can be imported, and print each run's
-# held-out gain, samples/s and trainer busy (from its summary.json). Meant to take under 8 minutes
+# GPU check (issues 20, 21): on a machine with a CUDA GPU, run the default recipe with the trainer
+# and the hf sampler on CUDA, then with the vLLM engine when it can be imported, with LoRA, and
+# with the sharded trainer when there are two GPUs, and print each run's held-out gain, samples/s
+# and trainer busy (from its summary.json); then `relayrl bench trainer --device cuda` (FSDP2 over
+# NCCL on one rank, or 1 and 2 with two GPUs). Meant to take under 8 minutes
 # on one H200 with 16 cores (each run is bounded by RELAYRL_GPU_RUN_LIMIT_S, 240 s); not yet run
 # on a GPU when written. CI stays CPU-only and never runs this.
 #
@@ -86,6 +88,16 @@ elif ! vllm_error="$("$PY" -c 'import vllm' 2>&1)"; then
 else
   run vllm-cuda train.device=cuda rollout.device=cuda rollout.engine=vllm
 fi
+run lora-cuda train.device=cuda rollout.device=cuda train.lora.r=8 train.learning_rate=2e-3
+ngpus="$(echo "$gpus" | grep -c . || true)"
+if [ "$ngpus" -ge 2 ]; then
+  run sharded-cuda train.device=cuda rollout.device=cuda train.world_size=2
+fi
+# the sharded trainer (FSDP2 over NCCL) on the GPUs there are, on a random 52 M Qwen2 (issue 21)
+sizes=1; [ "$ngpus" -ge 2 ] && sizes=1,2
+say "bench trainer --device cuda --world-size $sizes"
+timeout "$RUN_LIMIT_S" "$PY" -m relayrl bench trainer --device cuda --world-size "$sizes" --steps 4 ||
+  say "bench trainer on CUDA failed or ran past ${RUN_LIMIT_S}s"
 
 # -- 4. the figures ----------------------------------------------------------------------------
 "$PY" - "$OUT_DIR" "${names[@]}" <<'EOF'

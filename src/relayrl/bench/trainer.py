@@ -77,14 +77,14 @@ def _steps(vocab: int, steps: int, microbatches: int, row_tokens: int) -> list[l
     return out
 
 
-async def _one(world_size: int, model: Any, steps: list[list[Any]], threads: int) -> dict[str, Any]:
+async def _one(world_size: int, model: Any, steps: list[list[Any]], threads: int, device: str) -> dict[str, Any]:
     from relayrl.algorithms.losses import LossConfig
     from relayrl.backends.local.sharded import ShardedTrainer
     from relayrl.backends.local.trainer import TrainerSettings
 
     settings = TrainerSettings(learning_rate=1e-5, total_steps=len(steps), loss=LossConfig(), torch_threads=threads)
     start = time.perf_counter()
-    trainer = ShardedTrainer(model, settings, world_size)
+    trainer = ShardedTrainer(model, settings, world_size, device=device)
     try:
         await trainer.export_weights()  # ranks up
         startup = time.perf_counter() - start
@@ -105,17 +105,25 @@ async def _one(world_size: int, model: Any, steps: list[list[Any]], threads: int
 
 
 def run_trainer(
-    world_sizes: list[int], *, model: str = "50m", steps: int = 3, microbatches: int = 4, row_tokens: int = 256, threads: int = 1
+    world_sizes: list[int],
+    *,
+    model: str = "50m",
+    steps: int = 3,
+    microbatches: int = 4,
+    row_tokens: int = 256,
+    threads: int = 1,
+    device: str = "cpu",
 ) -> dict[str, object]:
-    """{"model": ..., "params": N, "configs": [figures per world size]} (see the module)."""
+    """{"model": ..., "params": N, "configs": [figures per world size]} (see the module). `device`:
+    "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r)."""
     built = _model(model)
     params = sum(p.numel() for p in built.parameters())
     batches = _steps(built.config.vocab_size, steps, microbatches, row_tokens)
-    configs = [asyncio.run(_one(n, built, batches, threads)) for n in world_sizes]
+    configs = [asyncio.run(_one(n, built, batches, threads, device)) for n in world_sizes]
     return {
         "model": model,
         "params": params,
         "param_bytes": params * 4,
-        "load": {"steps": steps, "microbatches": microbatches, "row_tokens": row_tokens, "threads_per_rank": threads},
+        "load": {"steps": steps, "microbatches": microbatches, "row_tokens": row_tokens, "threads_per_rank": threads, "device": device},
         "configs": configs,
     }

@@ -454,6 +454,7 @@ def bench_trainer(
     world_size: str = typer.Option("1,2", "--world-size", help="Comma-separated rank counts (train.world_size)."),
     steps: int = typer.Option(3, help="Steps per configuration (the first warms up)."),
     model: str = typer.Option("50m", help="Random Qwen2 size: 50m or tiny."),
+    device: str = typer.Option("cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """The sharded trainer at each world size on a random Qwen2 (no download): tokens/s, and per
@@ -466,7 +467,9 @@ def bench_trainer(
         _fail(f"--world-size {world_size!r}: give rank counts separated by commas, e.g. 1,2")
     if not sizes or min(sizes) < 1 or model not in MODELS:
         _fail(f"--world-size {world_size!r} / --model {model!r}: rank counts >= 1 and a model among {', '.join(MODELS)}")
-    figures = _bench(lambda: run_trainer(sizes, model=model, steps=max(2, steps)), as_json)
+    if device not in ("cpu", "cuda"):
+        _fail(f"--device {device!r}: cpu or cuda")
+    figures = _bench(lambda: run_trainer(sizes, model=model, steps=max(2, steps), device=device), as_json)
     load = cast(dict[str, Any], figures["load"])
     params = cast(int, figures["params"])
     out.print(
