@@ -130,7 +130,7 @@ def test_a_turn_interrupted_by_a_load_records_both_versions_in_its_trajectory() 
     calls: list[int] = []
     threads = OrchestratorThreads()
     settings = EpisodeSettings(max_turns=2, max_total_tokens=64, max_new_tokens=4, observation_template="{observation}")
-    runner = EpisodeRunner(Again(), "again", CharEncoder(), settings, threads, Tracer(None, {}))  # type: ignore[arg-type]
+    runner = EpisodeRunner(Again(), "again", CharEncoder(), settings, threads, Tracer(None, {}))
     try:
         (group,) = asyncio.run(runner.run([SampleRequest(0, Prompt("p0", "1+1=", "2"), [1, 2, 3], 1)], turn))
     finally:

@@ -197,9 +197,11 @@ class SamplerCompute:
         ]
 
     def generate_turns(self, requests: Sequence[TurnRequest], abort: threading.Event | None = None) -> list[TurnResult]:
-        """Sample the next turn of every episode (one completion each) with the weights loaded now,
-        continuing each episode's session where it is valid (see the module docstring), and keep
-        every episode's new session. Sessions are changed only when the call succeeds."""
+        """Sample the next turn of every episode (one completion each) with the weights loaded now
+        (interruptible: and, when a load lands meanwhile, the newer ones after it; each result
+        carries its turn's oldest version), continuing each episode's session where it is valid
+        (see the module docstring), and keep every episode's new session. Sessions are changed
+        only when the call succeeds."""
         requests = list(requests)
         if not requests:
             return []

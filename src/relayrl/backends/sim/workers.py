@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,10 +108,10 @@ class SimSampler(Sampler):
         # the outputs are drawn first (the delay depends on their lengths), then the device time passes
         await _sleep(self.generation_delay(len(requests), longest))
         if self._interruptible:
-            self._stamp_versions([c for r in results for c in r.completions], len(results), started, version)
+            self._stamp_versions((c for r in results for c in r.completions), len(results), started, version)
         return results
 
-    def _stamp_versions(self, completions: list[Completion], num_requests: int, started: float, version: int) -> None:
+    def _stamp_versions(self, completions: Iterable[Completion], num_requests: int, started: float, version: int) -> None:
         """Give each completion of a call of `num_requests` requests the versions of its simulated
         tokens (see the module)."""
         c = self._cfg
@@ -164,7 +164,7 @@ class SimSampler(Sampler):
             results.append(TurnResult(req.episode, Completion(tokens, [-rng.random()] * n, text), version, self._replica, cached))
         await _sleep(self.generation_delay(len(requests), longest))
         if self._interruptible:
-            self._stamp_versions([r.completion for r in results], len(requests), started, version)
+            self._stamp_versions((r.completion for r in results), len(requests), started, version)
         return results
 
     async def end_episodes(self, episodes: Sequence[str]) -> None:
