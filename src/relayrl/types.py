@@ -140,8 +140,9 @@ class TurnRequest:
 
 @dataclass(slots=True)
 class TurnResult:
-    """One sampled policy turn: the version that sampled it and how many of its context tokens
-    came from the episode's KV cache instead of being computed again."""
+    """One sampled policy turn: the version that sampled it (with rollout.interruptible the oldest,
+    its first token's; its completion's `versions` then lists the others) and how many of its
+    context tokens came from the episode's KV cache instead of being computed again."""
 
     episode: str
     completion: Completion
@@ -194,9 +195,10 @@ class Trajectory:
     loss_mask: list[int] | None = None
     env_reward: float | None = None  # the environment's reward parts summed (None: no environment)
     env_time: float = 0.0  # seconds its environment steps took
-    # rollout.interruptible: (first completion token index, version) segments when a weight load
-    # landed during its generation (`policy_version` is then the oldest, the first segment's);
-    # None: every token was sampled by `policy_version`
+    # (first completion token index, version) segments when its tokens come from several versions
+    # (rollout.interruptible: a weight load landed during its generation; multi-turn: its turns'
+    # runs, observation tokens in the run before them); `policy_version` is then the oldest, the
+    # first segment's; None: every token was sampled by `policy_version`
     versions: list[tuple[int, int]] | None = None
     overlong_penalty: float = 0.0  # DAPO's soft overlong penalty (≤ 0), already in `reward` (algorithms/shaping.py)
     # with algorithm.turn_discount: each policy turn's advantage (`advantage` is the first's);

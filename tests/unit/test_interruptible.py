@@ -30,7 +30,7 @@ from relayrl.backends.sim.workers import SimSampler
 from relayrl.config.schema import SimConfig, load_config
 from relayrl.errors import UserError
 from relayrl.orchestrator.stages.collect import to_group
-from relayrl.types import Prompt, SampleRequest, Weights, token_versions
+from relayrl.types import Prompt, SampleRequest, TurnRequest, Weights, token_versions
 from support.modelutil import random_qwen2
 
 torch.set_num_threads(1)
@@ -162,6 +162,86 @@ def test_local_sampler_load_does_not_wait_for_a_running_generate(monkeypatch: py
     asyncio.run(main())
 
 
+# -- multi-turn episodes (generate_turns) ------------------------------------------------------
+
+OBSERVATION = [9, 10, 11]
+
+
+def expected_logprobs(old: Qwen2ForCausalLM, new: Qwen2ForCausalLM, sequence: list[int], fed_by_old: int, first: int) -> list[float]:
+    """Log-probs of `sequence[first:]` when its first `fed_by_old` tokens were fed (their keys and
+    values computed) by `old` and every later one by `new`, over that cache: the new weights'
+    log-probs with the old ones' context, what an interrupted generation computes."""
+    seq = torch.tensor([sequence])
+    with torch.inference_mode():
+        cache = old(input_ids=seq[:, :fed_by_old], use_cache=True).past_key_values
+        tail = new(input_ids=seq[:, fed_by_old:-1], use_cache=True, **{_cache_kwarg(old): cache}).logits[0].double()
+        logp = torch.log_softmax(tail, dim=-1)
+        return [logp[i - 1 - fed_by_old, sequence[i]].item() for i in range(first, len(sequence))]
+
+
+def reread_logprobs(model: Qwen2ForCausalLM, sequence: list[int], first: int) -> list[float]:
+    """Log-probs of `sequence[first:]` under `model` reading the whole sequence."""
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([sequence])).logits[0].double(), dim=-1)
+    return [logp[i - 1, sequence[i]].item() for i in range(first, len(sequence))]
+
+
+def turn_compute(old: Qwen2ForCausalLM, interruptible: bool) -> SamplerCompute:
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, eos_token_ids=(999,))  # no EOS: every row runs its budget
+    return SamplerCompute(copy.deepcopy(old), tokenizer(), params, seed=3, interruptible=interruptible)
+
+
+def ask(episode: str, context: list[int], turn: int) -> TurnRequest:
+    return TurnRequest(episode=episode, context=context, rng_key=f"{episode}/{turn}", max_new_tokens=NEW_TOKENS)
+
+
+def test_a_load_mid_turn_gives_the_turn_both_versions_and_the_next_turn_continues_the_kept_cache() -> None:
+    """rollout.interruptible in multi-turn episodes: a load lands between two decode steps of a
+    turn (the turn records both versions, its result the oldest; the log-probs after the swap are
+    the new weights' over the old weights' cache), and the episode's cache survives the load: the
+    next turn reads only its new tokens, with the new weights, over keys and values the old ones
+    computed (the accepted approximation), instead of re-reading its context."""
+    old, new = qwen2(0), qwen2(1)
+    compute = turn_compute(old, interruptible=True)
+    loaders = load_after_pass(compute, Weights(version=1, payload=new.state_dict()), SWAP_AFTER)
+    first = compute.generate_turns([ask("e0", PROMPT, 1), ask("e1", PROMPT, 1)])
+    for loader in loaders:
+        loader.join()
+    assert compute.version == 1
+    p = len(PROMPT)
+    for result in first:
+        c = result.completion
+        assert len(c.tokens) == NEW_TOKENS
+        assert result.policy_version == 0  # the oldest token's: the prefill's
+        assert c.versions == [(0, 0), (SWAP_AFTER, 1)]
+        sequence = PROMPT + c.tokens
+        assert c.logprobs[:SWAP_AFTER] == pytest.approx(reread_logprobs(old, sequence, p)[:SWAP_AFTER], abs=1e-4)
+        after = expected_logprobs(old, new, sequence, p + SWAP_AFTER - 1, p + SWAP_AFTER)
+        assert c.logprobs[SWAP_AFTER:] == pytest.approx(after, abs=1e-4)
+        assert c.logprobs[SWAP_AFTER:] != pytest.approx(reread_logprobs(old, sequence, p + SWAP_AFTER), abs=1e-4)
+    assert sorted(compute.session_episodes) == ["e0", "e1"]  # the load did not drop them
+
+    context = PROMPT + first[0].completion.tokens + OBSERVATION
+    (second,) = compute.generate_turns([ask("e0", context, 2)])
+    assert second.cached_tokens == p + NEW_TOKENS - 1  # continued its session, not re-read
+    assert second.policy_version == 1 and second.completion.versions is None
+    sequence = context + second.completion.tokens
+    kept = expected_logprobs(old, new, sequence, p + SWAP_AFTER - 1, len(context))
+    assert second.completion.logprobs == pytest.approx(kept, abs=1e-4)
+    assert second.completion.logprobs != pytest.approx(reread_logprobs(new, sequence, len(context)), abs=1e-4)
+
+
+@pytest.mark.parametrize("interruptible", [True, False])
+def test_a_load_between_turns_keeps_sessions_only_when_interruptible(interruptible: bool) -> None:
+    compute = turn_compute(qwen2(0), interruptible)
+    (first,) = compute.generate_turns([ask("e0", PROMPT, 1)])
+    compute.load_weights(Weights(version=1, payload=qwen2(1).state_dict()))
+    (second,) = compute.generate_turns([ask("e0", PROMPT + first.completion.tokens + OBSERVATION, 2)])
+    assert (first.policy_version, second.policy_version) == (0, 1)
+    assert second.cached_tokens == (len(PROMPT) + NEW_TOKENS - 1 if interruptible else 0)  # without: re-read, as before
+    assert first.completion.versions is None and second.completion.versions is None
+
+
 def sim(interruptible: bool) -> SimSampler:
     cfg = SimConfig(generate_base=0.0, generate_per_request=0.0, generate_per_token=1.0, length_dist="uniform")
     return SimSampler(cfg, max_new_tokens=16, seed=1, interruptible=interruptible)
@@ -209,7 +289,6 @@ def test_interruptible_has_no_effect_at_staleness_0() -> None:
 @pytest.mark.parametrize(
     ("overrides", "names"),
     [
-        (["task.environment=arithmetic_feedback"], "task.environment"),
         (["run.backend=local", "rollout.engine=vllm"], "rollout.engine = 'vllm'"),
     ],
 )

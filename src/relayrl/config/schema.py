@@ -322,8 +322,10 @@ class RolloutConfig(_Section):
     generation goes on with the new weights, keeping the KV cache of its earlier tokens (the
     approximation PipelineRL and AReaL make). Each token records the version that sampled it and
     its log-prob is that version's; a trajectory's staleness is its oldest token's. No effect at
-    max_staleness = 0 (every round then waits, exactly synchronous). Refused with
-    task.environment (multi-turn episodes) and with engine = "vllm"."""
+    max_staleness = 0 (every round then waits, exactly synchronous). Multi-turn episodes
+    (task.environment) are interrupted inside a turn too, and an episode's KV cache from its earlier
+    turns is kept across loads and continued with the newer weights (the same approximation).
+    Refused with engine = "vllm"."""
     engine: Literal["hf", "vllm"] = "hf"
     """The rollout engine of the local backend: "hf", relayrl's own decode loop on the Hugging Face
     model; "vllm", one vLLM AsyncLLM engine per sampler replica (needs the vllm extra:
@@ -870,11 +872,6 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"
                 " over the nucleus, the trainer's do not): set rollout.top_p = 1 or rollout.engine = 'hf'"
-            )
-        if self.rollout.interruptible and self.task.environment is not None:
-            raise ValueError(
-                "rollout.interruptible = true is not supported with task.environment (multi-turn episodes keep KV caches"
-                " between turns): set rollout.interruptible = false"
             )
         if self.rollout.interruptible and self.rollout.engine == "vllm":
             raise ValueError(

@@ -33,7 +33,11 @@ invariants, besides the ones above (which hold per row):
   so the cache it leaves holds no junk;
 - the returned cache of a row holds exactly the tokens fed (context + sampled tokens but the last,
   which was never fed), in order, unpadded: extending it with later tokens computes what reading
-  the whole sequence at once would.
+  the whole sequence at once would — with the same weights; with a `WeightGate` each forward pass
+  (each prefill, each decode step) holds the gate, so a load lands between two of them: a row's
+  `versions` records which version's logits drew each of its tokens, and its KV cache (and a
+  saved cache it continued) may hold keys and values computed with older weights (the same
+  accepted approximation as within one `sample` call).
 """
 
 from __future__ import annotations
@@ -495,6 +499,7 @@ def sample_turns(
     abort: threading.Event | None = None,
     keep_caches: bool = True,
     stats: TurnStats | None = None,
+    gate: WeightGate | None = None,
 ) -> list[TurnOutput]:
     """Sample one completion per row (a policy turn), in one batch; result[i] is turns[i]'s.
 
@@ -505,6 +510,10 @@ def sample_turns(
     RNG), so what it samples does not depend on the other rows. With `keep_caches` (and a model
     whose layers all keep every token, `supports_row_caches`) each output carries the row's new
     cache. `abort` is checked before every forward pass; once set, `SamplingAborted` is raised.
+
+    With `gate`, every forward pass holds it, as in `sample`: a weight load lands between two
+    passes, and each row's `sequence.versions` lists (first token index, version) of the passes
+    that drew its tokens (a row's first token is drawn by its prefill's logits).
     """
     if not turns:
         return []
@@ -542,28 +551,30 @@ def sample_turns(
 
     parts: list[_Prefilled] = []
     part_of: dict[bool, int] = {}
+    part_version: dict[bool, int] = {}  # the version of each prefill pass (0 without a gate)
     eos = set(params.eos_token_ids)
 
     def prefill(
         cache: DynamicCache, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, computed: int, cached: int
-    ) -> _Prefilled:
+    ) -> tuple[_Prefilled, int]:
         """One prefill forward pass over `input_ids` (rows of `attention`'s width minus the
-        cache's), counted in `stats`."""
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_arg: cache},
-        )
+        cache's), counted in `stats`; returns it and the version of the weights it computed with."""
+        with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_arg: cache},
+            )
         if stats is not None:
             stats.prefill_rows += input_ids.shape[0]
             stats.computed_tokens += computed
             stats.cached_tokens += cached
             stats.padded_tokens += input_ids.numel()
             stats.forward_passes += 1
-        return _Prefilled(cache, attention, out.logits[:, -1, :])
+        return _Prefilled(cache, attention, out.logits[:, -1, :]), version
 
     with torch.inference_mode():
         if fresh:
@@ -571,7 +582,8 @@ def sample_turns(
             input_ids, attention = _left_padded(fresh, pad_token_id, device)
             positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)
             part_of[False] = len(parts)
-            parts.append(prefill(_new_cache(model), input_ids, attention, positions, sum(len(c) for c in fresh), 0))
+            part, part_version[False] = prefill(_new_cache(model), input_ids, attention, positions, sum(len(c) for c in fresh), 0)
+            parts.append(part)
         if continuing:
             _check_abort(abort)
             saved = [turns[i].cache for i in continuing]
@@ -584,7 +596,8 @@ def sample_turns(
             positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)[:, past_attention.shape[-1] :]
             part_of[True] = len(parts)
             computed, reused = sum(len(s) for s in suffixes), sum(len(c.tokens) for c in saved_caches)
-            parts.append(prefill(_cache_from(model, kv), input_ids, attention, positions, computed, reused))
+            part, part_version[True] = prefill(_cache_from(model, kv), input_ids, attention, positions, computed, reused)
+            parts.append(part)
         batch = _merge(model, parts, [(part_of[cont], r) for cont, r in where])
         cache, attention, logits = batch.cache, batch.attention, batch.logits
 
@@ -598,6 +611,7 @@ def sample_turns(
         alive = [True] * n  # batch rows still sampling
         next_pos = attention.sum(dim=-1)  # position of the token each row feeds next
         batch_index = torch.arange(n, device=device)
+        decode_versions: list[int] = []  # decode step k's version: its logits drew every row's token k + 1
         step = 0
         while True:
             per_group = None
@@ -632,9 +646,15 @@ def sample_turns(
             # A stopped row's later columns get attention 0: its cache never holds what it did not sample.
             column = torch.tensor(alive, dtype=torch.long, device=device)[:, None]
             attention = torch.cat([attention, column], dim=-1)
-            out = model(
-                input_ids=tokens[:, None], attention_mask=attention, position_ids=next_pos[:, None], use_cache=True, **{cache_arg: cache}
-            )
+            with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+                out = model(
+                    input_ids=tokens[:, None],
+                    attention_mask=attention,
+                    position_ids=next_pos[:, None],
+                    use_cache=True,
+                    **{cache_arg: cache},
+                )
+            decode_versions.append(version)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
             step += 1
@@ -646,9 +666,22 @@ def sample_turns(
                     saved_out[r] = _extract(cache, attention, b, list(turns[r].context) + tokens_of[r][:-1])
     if stats is not None:
         stats.rows += n
+
+    def segments(r: int) -> list[tuple[int, int]]:
+        """Row r's (first token index, version) runs: its prefill's, then the decode steps'."""
+        if gate is None:
+            return []
+        runs = [(0, part_version[where[r][0]])]
+        for k in range(len(tokens_of[r]) - 1):
+            if decode_versions[k] != runs[-1][1]:
+                runs.append((k + 1, decode_versions[k]))
+        return runs
+
     return [
         TurnOutput(
-            sequence=SampledSequence(tokens=tokens_of[r], logprobs=logprobs_of[r], finish_reason="stop" if stopped[r] else "length"),
+            sequence=SampledSequence(
+                tokens=tokens_of[r], logprobs=logprobs_of[r], finish_reason="stop" if stopped[r] else "length", versions=segments(r)
+            ),
             cache=saved_out[r],
             cached_tokens=len(cached.tokens) if (cached := turns[r].cache) is not None else 0,
         )

@@ -19,8 +19,10 @@ Invariants:
   versions); the generation goes on with the new weights over the KV cache of its earlier
   tokens (the accepted approximation), each token's log-prob is the version's that drew it, each
   completion records its `versions` segments, and the result's `policy_version` is the oldest
-  (its first token's). Its RNG stays seeded by the version the call started with. Greedy
-  evaluation and multi-turn turns hold the weights for their whole call;
+  (its first token's). Its RNG stays seeded by the version the call started with. Multi-turn
+  turns (`generate_turns`) are interrupted the same way: each turn records its own segments and
+  its oldest version. Greedy evaluation holds the weights for its whole call, and so do turns
+  when not interruptible;
 - a weight load is all or nothing: the payload is checked (names, shapes) before any tensor is
   copied, so a bad payload leaves the previous version intact; a LoRA run's payload (adapters
   only) is merged into the base weights kept at the first one, W = W0 + scaling · B · A, never onto
@@ -35,7 +37,10 @@ Invariants:
 - a turn samples what re-reading its whole context would (up to float rounding): an episode's
   session (the KV cache of the tokens it has fed, from its previous turn) is continued only when
   it was computed with the weights loaded now and covers a proper prefix of the turn's context;
-  otherwise the context is read again. A weight load drops every session; at most
+  otherwise the context is read again. A weight load drops every session — except when
+  interruptible: a session then survives loads and is continued with the newer weights (its keys
+  and values computed with older ones: the approximation a load inside one generation already
+  makes, and no turn after a load re-reads its whole context). At most
   `max_sessions` are kept, holding at most `max_session_bytes` of tensors when set, the least
   recently used evicted first (an evicted episode re-reads).
 """
@@ -113,7 +118,9 @@ class SamplerCompute:
     request's RNG with the request's prompt id and the policy version (see the module docstring).
     `max_sessions` bounds the episodes whose KV cache `generate_turns` keeps (0: none, every turn
     re-reads its context), `max_session_bytes` (None: no bound) the bytes their tensors hold.
-    `turn_stats` counts what `generate_turns` prefilled and reused.
+    `turn_stats` counts what `generate_turns` prefilled and reused. `interruptible`: loads may
+    come from another thread while a call runs and land between its forward passes (`generate`
+    always lets them; `generate_turns` only then), and sessions survive loads (see the module).
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class SamplerCompute:
         seed: int = 0,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_session_bytes: int | None = None,
+        interruptible: bool = False,
     ) -> None:
         if max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {max_sessions}")
@@ -142,6 +150,7 @@ class SamplerCompute:
         self.seed = seed
         self.max_sessions = max_sessions
         self.max_session_bytes = max_session_bytes
+        self.interruptible = interruptible
         self._session_bytes = 0  # held by the sessions' tensors
         self.turn_stats = TurnStats()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
@@ -188,9 +197,11 @@ class SamplerCompute:
         ]
 
     def generate_turns(self, requests: Sequence[TurnRequest], abort: threading.Event | None = None) -> list[TurnResult]:
-        """Sample the next turn of every episode (one completion each) with the weights loaded now,
-        continuing each episode's session where it is valid (see the module docstring), and keep
-        every episode's new session. Sessions are changed only when the call succeeds."""
+        """Sample the next turn of every episode (one completion each) with the weights loaded now
+        (interruptible: and, when a load lands meanwhile, the newer ones after it; each result
+        carries its turn's oldest version), continuing each episode's session where it is valid
+        (see the module docstring), and keep every episode's new session. Sessions are changed
+        only when the call succeeds."""
         requests = list(requests)
         if not requests:
             return []
@@ -201,15 +212,21 @@ class SamplerCompute:
                     f"LocalSampler replica {self.replica}: episode {request.episode!r} appears twice in one generate_turns call"
                 )
             seen.add(request.episode)
+        if self.interruptible:  # each forward pass holds the gate: a load lands between two of them
+            return self._generate_turns(requests, self.version, abort, self.gate)
         with self.gate.step() as version:
-            return self._generate_turns(requests, version, abort)
+            return self._generate_turns(requests, version, abort, None)
 
-    def _generate_turns(self, requests: list[TurnRequest], version: int, abort: threading.Event | None) -> list[TurnResult]:
+    def _generate_turns(
+        self, requests: list[TurnRequest], version: int, abort: threading.Event | None, gate: WeightGate | None
+    ) -> list[TurnResult]:
+        """The turns, sampled from RNGs seeded with `version` (the call's first); with `gate`
+        (interruptible) each pass holds it and a turn's result carries its oldest version."""
         inputs: list[TurnInput] = []
         for request in requests:
             session = self._sessions.get(request.episode)
             cache = None
-            if session is not None and session.version == version:
+            if session is not None and (self.interruptible or session.version == version):
                 covered = session.cache.tokens
                 if len(covered) < len(request.context) and request.context[: len(covered)] == covered:
                     cache = session.cache
@@ -222,15 +239,18 @@ class SamplerCompute:
             abort=abort,
             keep_caches=self.max_sessions > 0,
             stats=self.turn_stats,
+            gate=gate,
         )
         completions = self._completions([o.sequence for o in outputs])
         results: list[TurnResult] = []
         for request, output, completion in zip(requests, outputs, completions):
             self._drop(request.episode)
+            runs = output.sequence.versions
             if output.cache is not None:
-                self._sessions[request.episode] = _Session(version, output.cache)
+                self._sessions[request.episode] = _Session(runs[-1][1] if runs else version, output.cache)
                 self._session_bytes += output.cache.nbytes
-            results.append(TurnResult(request.episode, completion, version, self.replica, output.cached_tokens))
+            oldest = runs[0][1] if runs else version  # its first token's
+            results.append(TurnResult(request.episode, completion, oldest, self.replica, output.cached_tokens))
         bytes_bound = self.max_session_bytes
         while self._sessions and (
             len(self._sessions) > self.max_sessions or (bytes_bound is not None and self._session_bytes > bytes_bound)
@@ -291,8 +311,7 @@ class SamplerCompute:
             if self._merger is None:
                 self._merger = AdapterMerger(self.model)
             with self.gate.load(weights.version):
-                self._sessions.clear()  # computed with the weights about to be replaced
-                self._session_bytes = 0
+                self._forget_sessions()
                 self._merger.merge(payload, where)  # checks everything before changing a weight
             return
         unexpected = sorted(set(payload) - set(self._shapes))
@@ -303,10 +322,17 @@ class SamplerCompute:
                 f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
             )
         with self.gate.load(weights.version):
-            self._sessions.clear()  # computed with the weights about to be replaced
-            self._session_bytes = 0
+            self._forget_sessions()
             with torch.no_grad():
                 self.model.load_state_dict(payload, strict=False)
+
+    def _forget_sessions(self) -> None:
+        """Drop every session at a load: computed with the weights about to be replaced. Not
+        when interruptible: sessions are then kept and continued with the newer weights (see the
+        module), and only the sampling thread touches them (a load runs in another)."""
+        if not self.interruptible:
+            self._sessions.clear()
+            self._session_bytes = 0
 
     def _completions(self, group: list[SampledSequence]) -> list[Completion]:
         texts = self.tokenizer.batch_decode([s.tokens for s in group], skip_special_tokens=True)
@@ -360,6 +386,7 @@ class LocalSampler(Sampler):
             seed=seed,
             max_sessions=max_sessions,
             max_session_bytes=max_session_bytes,
+            interruptible=interruptible,
         )
         self.torch_threads = torch_threads
         self._host = ThreadHost(f"sampler-{replica}", initializer=_setup_worker_thread, initargs=(torch_threads, nice))

@@ -12,7 +12,9 @@ With `interruptible` (rollout.interruptible), a weight load that lands during a 
 generation counts from the next simulated token on: the call's first token is drawn when it
 starts, token k at start + generate_base + generate_per_request × requests + generate_per_token × k,
 and each token's version is the newest loaded by then (`Completion.versions`); what the call
-draws stays a function of the version it started with.
+draws stays a function of the version it started with. Multi-turn turns (`generate_turns`) are
+stamped the same way, and a load then keeps the episodes' simulated caches (as the hf sampler
+keeps its sessions when interruptible).
 Several updates per step (`train.ppo_epochs`, `train.minibatches_per_step`) are simulated inside
 `optim_step`, as the local trainer makes them: the step's micro-batches trained again
 (`sim.train_step` each, for every pass after the first) and one `sim.optim_step` per update.
@@ -28,7 +30,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,13 +108,14 @@ class SimSampler(Sampler):
         # the outputs are drawn first (the delay depends on their lengths), then the device time passes
         await _sleep(self.generation_delay(len(requests), longest))
         if self._interruptible:
-            self._stamp_versions(results, started, version)
+            self._stamp_versions((c for r in results for c in r.completions), len(results), started, version)
         return results
 
-    def _stamp_versions(self, results: list[GenerateResult], started: float, version: int) -> None:
-        """Give each completion the versions of its simulated tokens (see the module)."""
+    def _stamp_versions(self, completions: Iterable[Completion], num_requests: int, started: float, version: int) -> None:
+        """Give each completion of a call of `num_requests` requests the versions of its simulated
+        tokens (see the module)."""
         c = self._cfg
-        first = started + c.generate_base + c.generate_per_request * len(results)  # when token 1 is drawn
+        first = started + c.generate_base + c.generate_per_request * num_requests  # when token 1 is drawn
         changes: list[tuple[int, int]] = [(0, version)]
         for at, loaded in list(self._loads):
             if at <= started or loaded <= changes[-1][1]:
@@ -129,16 +132,16 @@ class SimSampler(Sampler):
                 changes.append((token, loaded))
         if len(changes) == 1:
             return
-        for result in results:
-            for completion in result.completions:
-                segments = [s for s in changes if s[0] < len(completion.tokens)]
-                if len(segments) > 1:
-                    completion.versions = segments
+        for completion in completions:
+            segments = [s for s in changes if s[0] < len(completion.tokens)]
+            if len(segments) > 1:
+                completion.versions = segments
 
     async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         """One turn per episode: the right answer with the version's success rate, else a number
         one off it; each episode's context is "cached" from its previous turn on this replica
-        (counted in `cached_tokens`) until weights are loaded."""
+        (counted in `cached_tokens`) until weights are loaded (interruptible: kept)."""
+        started = self.clock()
         version = self._version
         self.generate_calls += 1
         p = self.success_rate(version)
@@ -160,6 +163,8 @@ class SimSampler(Sampler):
             tokens = [rng.randrange(2, 64) for _ in range(n)]
             results.append(TurnResult(req.episode, Completion(tokens, [-rng.random()] * n, text), version, self._replica, cached))
         await _sleep(self.generation_delay(len(requests), longest))
+        if self._interruptible:
+            self._stamp_versions((r.completion for r in results), len(requests), started, version)
         return results
 
     async def end_episodes(self, episodes: Sequence[str]) -> None:
@@ -169,7 +174,8 @@ class SimSampler(Sampler):
     async def load_weights(self, weights: Weights) -> None:
         self._version = weights.version
         self._loads.append((self.clock(), weights.version))
-        self._sessions.clear()
+        if not self._interruptible:
+            self._sessions.clear()
 
 
 @dataclass(slots=True)

@@ -16,8 +16,12 @@ Invariants:
 - a trajectory's completion is its actions and observations in order; `loss_mask` is 1 exactly
   on action tokens (the policy's, with the sampler's log-probs) and 0 on observation tokens
   (context only, log-prob 0.0); each `Turn` records where its action lies, the version and
-  replica that sampled it, and its reward part; the trajectory's `policy_version` is its oldest
-  turn's (staleness counts the oldest turn); `env_reward` is the sum of the parts;
+  replica that sampled it (the oldest that sampled a token of it: with rollout.interruptible a
+  load can land inside a turn), and its reward part; the trajectory's `policy_version` is its
+  oldest turn's, i.e. its oldest token's (staleness counts it), and when its tokens come from more
+  than one version its `versions` lists (first completion token index, version) runs over the
+  completion (an observation's tokens, context only, fall in the run of the action before them);
+  `env_reward` is the sum of the parts;
 - prompt + completion never exceeds `max_total_tokens`; a prompt that leaves no room for one
   action token is never sampled (dispatch filters it as too_long; the runner refuses it with
   `EpisodePromptTooLong`, a task error like the environment's, never a replica's fault); an
@@ -120,6 +124,7 @@ class _Live:
     mask: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (first completion token index, version) runs
     env_time: float = 0.0
     finish_reason: str = "stop"
     done: bool = False
@@ -213,7 +218,11 @@ class EpisodeRunner:
             if lane is not None:
                 version = min(r.policy_version for r in results)
                 cached = sum(r.cached_tokens for r in results)
-                self._tracer.complete(lane, "generate", start, self._tracer.now(), n=len(asks), version=version, turn=number, cached=cached)
+                used = sorted({v for r in results for _, v in (r.completion.versions or [(0, r.policy_version)])})
+                extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
+                self._tracer.complete(
+                    lane, "generate", start, self._tracer.now(), n=len(asks), version=version, turn=number, cached=cached, **extra
+                )
             for e, result in zip(active, results, strict=True):
                 self._add_action(e, result)
             stepping = []
@@ -324,6 +333,9 @@ class EpisodeRunner:
         e.text.append(c.text)
         e.finish_reason = c.finish_reason
         e.turns.append(Turn(begin, len(e.completion), result.policy_version, result.replica, c.text))
+        for first, version in c.versions or [(0, result.policy_version)]:
+            if not e.versions or e.versions[-1][1] != version:
+                e.versions.append((begin + first, version))
 
     async def _add_observations(self, stepping: Sequence[_Live], steps: Sequence[EnvStep | None], last: bool) -> None:
         """Record each step's reward part and append its observation as context (unless the
@@ -392,6 +404,7 @@ class EpisodeRunner:
                     replica=e.turns[0].replica,
                     finish_reason=e.finish_reason,
                     turns=e.turns,
+                    versions=e.versions if len(e.versions) > 1 else None,
                     loss_mask=e.mask,
                     env_reward=sum(t.reward for t in e.turns),
                     env_time=e.env_time,
