@@ -148,6 +148,13 @@ class Trainer(Protocol):
         work ends (the Ray trainer sends it ahead) answers from its own spans."""
         return None
 
+    def step_optim_time(self, step: int) -> float | None:
+        """Seconds `step`'s `optim_step` ran where it ran, once it returned; None (the default):
+        the caller's timing of the call is the trainer's own. A trainer whose `optim_step` call
+        also waits for train steps sent ahead, or runs held ones, answers from its own spans, so
+        no second is counted twice with `step_train_time`."""
+        return None
+
     async def optim_step(self) -> int:
         """Apply the accumulated update; returns the new policy version. Overwrites the metrics
         slot that `get_metrics` reads."""

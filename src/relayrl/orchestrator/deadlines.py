@@ -88,6 +88,9 @@ class BoundedTrainer(Trainer):
     def step_train_time(self, step: int) -> float | None:
         return self.inner.step_train_time(step)
 
+    def step_optim_time(self, step: int) -> float | None:
+        return self.inner.step_optim_time(step)
+
     @property
     def queue_ahead(self) -> bool:
         return self.inner.queue_ahead

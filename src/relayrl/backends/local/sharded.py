@@ -29,7 +29,6 @@ import itertools
 import socket
 import threading
 import time
-from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,11 @@ from relayrl.backends.local.trainer import TrainerSettings
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
 from relayrl.types import TrainBatch, Weights
+
+#: after a rank's error, how long to wait for a rank to die before reporting the error itself: a
+#: collective broken by a dead peer may answer before the kernel has ended the peer (under load,
+#: tearing down a process with a model in memory takes a while)
+DEATH_GRACE_S = 10.0
 
 
 class RankFailed(RunFailed):
@@ -147,6 +151,7 @@ class ShardedTrainer(Trainer):
         self._ready = False
         self._held: list[TrainBatch] = []
         self._train_time: dict[int, float] = {}
+        self._optim_time: dict[int, float] = {}  # without the step's last round, which optim_step runs first
         self._snapshot: Weights | None = None
         self._slot: dict[str, float] = {}
         self._closed = False
@@ -170,7 +175,7 @@ class ShardedTrainer(Trainer):
         except RankFailed:
             raise
         except Exception as exc:
-            dead = await asyncio.to_thread(self._dead_rank, 2.0)
+            dead = await asyncio.to_thread(self._dead_rank, DEATH_GRACE_S)
             if dead is not None:
                 raise dead from exc
             raise
@@ -180,13 +185,18 @@ class ShardedTrainer(Trainer):
                     w.cancel()
 
     def _dead_rank(self, grace_s: float) -> RankFailed | None:
-        """The failure of the first rank that has died, waiting up to `grace_s` for one to."""
-        wait_for_any([rank.process.sentinel for rank in self._ranks], timeout=grace_s)
-        for rank in self._ranks:
-            if not rank.process.is_alive():
-                code = rank.process.exitcode
-                return RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}) died (exit code {code})")
-        return None
+        """The failure of the first rank that has died, waiting up to `grace_s` for one to. Read
+        off what each rank's pipe reader found (its end of the pipe closes when the rank dies; the
+        reader reaps it and names its exit code): only that thread waits for the process, as two
+        threads reaping one process race (the loser sees it alive)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank in self._ranks:
+                if rank.dead is not None:
+                    return rank.dead
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
         """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
@@ -225,13 +235,19 @@ class ShardedTrainer(Trainer):
         """Seconds of the step's rounds (a held micro-batch's train_step returns at once)."""
         return self._train_time.pop(step, None)
 
+    def step_optim_time(self, step: int) -> float | None:
+        """Seconds of the step's update across the ranks (its last, partial round is train time)."""
+        return self._optim_time.pop(step, None)
+
     async def optim_step(self) -> int:
         if self._held:
             held, self._held = self._held, []
             await self._round(held)
+        start = time.perf_counter()
         answers = await self._all([("optim", None)] * self.world_size)
         version, snapshot, slot = answers[0]
         self._snapshot, self._slot = snapshot, slot
+        self._optim_time[int(version)] = time.perf_counter() - start  # step N's commit makes version N
         return int(version)
 
     async def get_metrics(self) -> dict[str, float]:

@@ -388,6 +388,7 @@ class RayTrainer(Trainer):
         self._turn = 0  # training calls sent so far (the actor runs them in this order)
         self._sent: list[_Sent] = []
         self._trained: dict[int, float] = {}  # step -> seconds its train_step calls ran in the actor (their spans)
+        self._optimized: dict[int, float] = {}  # step -> seconds its optim_step ran in the actor (its span)
 
     @property
     def queue_ahead(self) -> bool:
@@ -425,6 +426,7 @@ class RayTrainer(Trainer):
             ) from exc
         if sent.method == "optim_step":
             sent.span_args["step"] = timed.value  # the step whose commit made this version (steps are numbered from 1)
+            self._optimized[int(timed.value)] = timed.end - timed.start
         elif sent.method == "train_step":
             step = int(sent.span_args["step"])  # type: ignore[call-overload]
             self._trained[step] = self._trained.get(step, 0.0) + (timed.end - timed.start)
@@ -458,6 +460,14 @@ class RayTrainer(Trainer):
         seconds = self._trained.pop(step, 0.0)
         for earlier in [s for s in self._trained if s < step]:
             del self._trained[earlier]
+        return seconds
+
+    def step_optim_time(self, step: int) -> float | None:
+        """The duration of `step`'s optim_step span in the actor (the driver's call also waits for
+        the train steps sent ahead). Forgets this step and those before it."""
+        seconds = self._optimized.pop(step, 0.0)
+        for earlier in [s for s in self._optimized if s < step]:
+            del self._optimized[earlier]
         return seconds
 
     async def optim_step(self) -> int:

@@ -361,6 +361,9 @@ class TrainLoop:
             timed = self._trainer.step_train_time(step)  # a remote trainer's own spans (its calls return early)
             if timed is not None:
                 record.train_time = timed
+            timed = self._trainer.step_optim_time(step)
+            if timed is not None:
+                record.optim_time = timed
             record.commit_time = end
             step_start = last_commit = end
             for group in prepared.groups:
