@@ -6,6 +6,7 @@ next call naming the rank."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import random
@@ -31,8 +32,9 @@ def _settings() -> TrainerSettings:
     return TrainerSettings(learning_rate=1e-3, total_steps=10, loss=LossConfig(), warmup_steps=2, lr_schedule="cosine", torch_threads=1)
 
 
-def _steps(tok: Any, steps: int = 3) -> list[list[TrainBatch]]:
-    """`steps` steps of 3 micro-batches each (of different sizes): a full round of 2 and a partial one."""
+def _steps(tok: Any, steps: int = 3, minibatches: int = 1) -> list[list[TrainBatch]]:
+    """`steps` steps of 3 micro-batches each (of different sizes): a full round of 2 and a partial
+    one; with `minibatches` > 1 every micro-batch made (10 groups of one, minibatch by minibatch)."""
     rng = random.Random(0)
     out: list[list[TrainBatch]] = []
     for step in range(steps):
@@ -51,16 +53,20 @@ def _steps(tok: Any, steps: int = 3) -> list[list[TrainBatch]]:
                     logprob=-1.5 - 0.1 * i,
                     text="",
                     advantage=rng.uniform(-1, 1),
+                    group=i if minibatches > 1 else 0,
                 )
             )
-        pp = plan(trajs, 24, 1, share_prompt=False)
+        pp = plan(trajs, 24, 1, share_prompt=False, minibatches=minibatches)
         batches = []
         for index in range(len(pp.microbatches)):
             mb = build_microbatch(step, index, trajs, pp)
             mb.payload = TorchCollator(pad_token_id=0).collate(mb)
             batches.append(mb.train_batch())
+        if minibatches > 1:
+            out.append(batches)
+            continue
         out.append(batches[: len(batches) - 1 + len(batches) % 2])  # (the normaliser still counts a dropped one: fine for both)
-    assert all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
+    assert minibatches > 1 or all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
     return out
 
 
@@ -112,6 +118,42 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
         torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
     moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
     assert moved > 1e-4  # the steps changed the weights
+
+
+@pytest.mark.slow
+def test_two_ranks_make_several_updates_per_step_as_one_process_does() -> None:
+    """ppo_epochs = 2, minibatches_per_step = 2 (4 updates a step, the later ones inside
+    optim_step on each rank's kept micro-batches, padded where a rank holds fewer of a minibatch):
+    the loss, gradient norm, first pass figures and weights after 2 steps equal one process's."""
+    from relayrl.backends.local.sharded import ShardedTrainer
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok, 2, minibatches=2)
+    counts = [[sum(1 for tb in batches if tb.minibatch == k) for k in (0, 1)] for batches in steps]
+    assert any(n % 2 == 1 for c in counts for n in c), counts  # a partial round in a minibatch: a rank idles
+    settings = dataclasses.replace(_settings(), ppo_epochs=2, minibatches_per_step=2)
+    sharded = ShardedTrainer(model, settings, world_size=2)
+    single = LocalTrainer(load_model_and_tokenizer(shipped_model_dir())[0], dataclasses.replace(settings))
+
+    async def both() -> tuple[Any, Any]:
+        try:
+            return await _train(sharded, steps), await _train(single, steps)
+        finally:
+            await sharded.close()
+            await single.close()
+
+    (m2, w2), (m1, w1) = asyncio.run(both())
+    keys = ("loss", "grad_norm", "tokens", "completion_tokens", "microbatches", "updates", "ppo_kl", "clip_frac_low_epoch2")
+    for a, b in zip(m2, m1, strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (key, a, b)
+        assert a["updates"] == 4
+    for name, value in w1.items():
+        atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5  # (see the test above)
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
+    moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
+    assert moved > 1e-4
 
 
 @pytest.mark.slow
@@ -194,8 +236,7 @@ def test_world_size_needs_the_local_backend_without_ray() -> None:
         load_config(None, ["train.world_size=0"])
     with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with train.lora"):
         load_config(None, ["run.backend=local", "train.world_size=2", "train.lora.r=4"])
-    with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with several updates per step"):
-        load_config(None, ["run.backend=local", "train.world_size=2", "train.ppo_epochs=2"])
+    assert load_config(None, ["run.backend=local", "train.world_size=2", "train.ppo_epochs=2"]).train.ppo_epochs == 2
 
 
 @pytest.mark.slow

@@ -821,11 +821,6 @@ class Config(_Section):
             raise ValueError(f"train.world_size = {self.train.world_size} needs run.backend = 'local' without Ray, not {where}")
         if self.train.world_size > 1 and self.train.lora is not None:
             raise ValueError(f"train.world_size = {self.train.world_size} is not supported with train.lora yet: set train.world_size = 1")
-        if self.train.world_size > 1 and (self.train.ppo_epochs > 1 or self.train.minibatches_per_step > 1):
-            raise ValueError(
-                f"train.world_size = {self.train.world_size} is not supported with several updates per step yet (train.ppo_epochs ="
-                f" {self.train.ppo_epochs}, train.minibatches_per_step = {self.train.minibatches_per_step}): set train.world_size = 1"
-            )
         if self.rollout.engine == "vllm" and self.run.backend != "local":
             raise ValueError(f"rollout.engine = 'vllm' needs run.backend = 'local', not {self.run.backend!r}")
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:

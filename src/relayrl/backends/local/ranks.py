@@ -18,7 +18,6 @@ whose host goes away (its pipe closes) exits.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -32,35 +31,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
-from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats
+from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
 from relayrl.types import TrainBatch, Weights
 
 #: In a checkpoint directory, beside the shards `torch.distributed.checkpoint` writes there (one
 #: `__<rank>_0.distcp` per rank and its `.metadata`, so the checkpoint's file list covers each):
 #: rank 0's file of what is not sharded (version, schedule, counts, world size).
 META_FILE = "trainer-sharded.pt"
-
-
-def _merge(parts: list[_StepStats]) -> _StepStats:
-    out = _StepStats()
-    for st in parts:
-        out.loss += st.loss
-        out.tokens += st.tokens
-        out.loss_tokens += st.loss_tokens
-        out.microbatches += st.microbatches
-        for k, v in st.sums.items():
-            out.sums[k] = out.sums.get(k, 0.0) + v
-        for k, v in st.maxes.items():
-            out.maxes[k] = max(out.maxes.get(k, -math.inf), v)
-        for k, v in st.mins.items():
-            out.mins[k] = min(out.mins.get(k, math.inf), v)
-    return out
 
 
 class ShardedCompute(TrainerCompute):
@@ -80,6 +63,7 @@ class ShardedCompute(TrainerCompute):
         # the sharded parameters, by name, as the optimizer holds them (the module swaps in
         # unsharded ones during a forward pass, these stay)
         self._sharded = {name: p for name, p in self.model.named_parameters()}
+        self._idle_batch: TrainBatch | None = None  # the last micro-batch an idle pass ran on
         self._ckpt_group = dist.new_group(backend="gloo")  # checkpoints run beside training, on their own group
         snapshot = self.export()
         with self._slot_lock:
@@ -96,7 +80,7 @@ class ShardedCompute(TrainerCompute):
     def gather_stats(self, stats: _StepStats) -> _StepStats:
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, stats)
-        return _merge(parts)
+        return merge_stats(parts)
 
     def clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
         grads = [p.grad for p in params if p.grad is not None]
@@ -114,14 +98,55 @@ class ShardedCompute(TrainerCompute):
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return Weights(version=self.version, payload=state if self.rank == 0 else {})
 
-    def idle_step(self, tb: TrainBatch) -> None:
-        """A round in which this rank has no micro-batch: a forward and backward pass of zero loss
-        on `tb` (another rank's), so the ranks' collectives match; nothing is accumulated."""
+    def train_step(self, tb: TrainBatch, abort: threading.Event | None = None) -> None:
+        super().train_step(tb, abort)
+        if self.settings.several_updates and tb.minibatch != 0:
+            self._reshard()
+
+    def _reshard(self) -> None:
+        """After a no-grad forward: FSDP leaves the root unit's parameters gathered (for a backward
+        that does not come), which the next optimizer step would leave stale; free them."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def agree_counts(self, counts: dict[int, int]) -> dict[int, int]:
+        """Collective: per minibatch of the step, the most micro-batches any rank kept."""
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, counts)
+        out: dict[int, int] = {}
+        for part in parts:
+            for k, n in part.items():
+                out[k] = max(out.get(k, 0), n)
+        return out
+
+    def sum_loss(self, loss: float) -> float:
+        """Collective: the update's loss over the ranks (so they all apply it, or all skip it)."""
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, loss)
+        return float(sum(parts))
+
+    def idle_step(self, tb: TrainBatch | None, backward: bool = True) -> None:
+        """A pass in which this rank has no micro-batch of its own (a round's, or an update's after
+        the first): a forward and backward pass of zero loss on `tb` (another rank's; None: the
+        last one idled on), so the ranks' collectives match; nothing is accumulated. With several
+        updates per step a round of a minibatch after the first is a no-grad forward (as its
+        micro-batches' proximal log-probs are), so the idle pass is too (`backward` False)."""
+        if tb is None:
+            tb = self._idle_batch
+            if tb is None:
+                raise RuntimeError("idle_step: this rank has seen no micro-batch to idle on")
+        self._idle_batch = tb
         batch = tb.payload
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"micro-batch {tb.step}/{tb.index} was not collated by the TorchCollator")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        if not backward:
+            with torch.no_grad():
+                token_logprobs(self.model, batch, self.settings.temperature)
+            self._reshard()
+            return
         logp, _ = token_logprobs(self.model, batch, self.settings.temperature)
         (logp.sum() * 0.0).backward()
 
@@ -298,8 +323,8 @@ def rank_main(
             value: object = None
             if op == "train":
                 tb, idle = arg
-                if idle:
-                    compute.idle_step(tb)
+                if idle:  # (a round of a later minibatch: no-grad forwards, see TrainerCompute.train_step)
+                    compute.idle_step(tb, backward=not (settings.several_updates and tb.minibatch != 0))
                 else:
                     compute.train_step(tb)
             elif op == "optim":

@@ -9,8 +9,13 @@ its copy of the model. Each pipe has a reader thread here that settles the answe
 Rounds: FSDP needs every rank to run each forward and backward pass together, so micro-batches
 are held until there is one per rank (a round) and then sent, the largest first, one per rank;
 the step's last, partial round goes out with `optim_step`, the ranks without a micro-batch
-running a zero-loss pass on another's. Holding rather than waiting for a "final" flag keeps the
-trainer busy while the orchestrator packs the next micro-batches, and needs no change to
+running a zero-loss pass on another's. With several updates per step (`train.ppo_epochs` ×
+`train.minibatches_per_step` > 1) a round never mixes minibatches (the first is trained on
+arrival, the others only get a no-grad forward: the ranks' passes must be of one kind), so each
+minibatch ends with its partial round; the later updates run inside `optim_step`, each rank on the
+micro-batches it kept, padded with zero-loss passes to the most any rank holds of that minibatch (and, FSDP leaving the
+root unit gathered after a no-grad forward, resharded after each). Holding rather than waiting for
+a "final" flag keeps the trainer busy while the orchestrator packs the next micro-batches, and needs no change to
 `TrainBatch`; a round's micro-batches come from one packing plan, so their token counts are
 close. The loss normaliser stays the step's (the micro-batch carries it) and rank gradients are
 summed, so N ranks compute the one-rank step.
@@ -206,7 +211,12 @@ class ShardedTrainer(Trainer):
         self._train_time[step] = self._train_time.get(step, 0.0) + time.perf_counter() - start
 
     async def train_step(self, batch: TrainBatch) -> None:
-        """Holds `batch` until a round is full (one per rank), then trains the round."""
+        """Holds `batch` until a round is full (one per rank), then trains the round. A round
+        holds one minibatch's micro-batches only (several updates per step): a new minibatch
+        sends the previous one's partial round first."""
+        if self._held and self._held[0].minibatch != batch.minibatch:
+            held, self._held = self._held, []
+            await self._round(held)
         self._held.append(batch)
         if len(self._held) == self.world_size:
             held, self._held = self._held, []
