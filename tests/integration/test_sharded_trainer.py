@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import functools
 import os
-import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,56 +17,16 @@ import pytest
 import torch
 
 from relayrl.algorithms.losses import LossConfig
-from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.packing import build_microbatch, plan
-from relayrl.types import Prompt, TrainBatch
-from support.trajectories import trajectory
+from relayrl.types import TrainBatch
+from support.sharded import microbatch_steps as _steps
 
 pytestmark = pytest.mark.torch
 
 
 def _settings() -> TrainerSettings:
     return TrainerSettings(learning_rate=1e-3, total_steps=10, loss=LossConfig(), warmup_steps=2, lr_schedule="cosine", torch_threads=1)
-
-
-def _steps(tok: Any, steps: int = 3, minibatches: int = 1) -> list[list[TrainBatch]]:
-    """`steps` steps of 3 micro-batches each (of different sizes): a full round of 2 and a partial
-    one; with `minibatches` > 1 every micro-batch made (10 groups of one, minibatch by minibatch)."""
-    rng = random.Random(0)
-    out: list[list[TrainBatch]] = []
-    for step in range(steps):
-        trajs = []
-        for i in range(10):
-            a, b = rng.randrange(10, 99), rng.randrange(10, 99)
-            ids = tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
-            completion = tok(str(a + b + rng.choice([0, 0, 1])), add_special_tokens=False)["input_ids"][: rng.randrange(1, 4)]
-            p = Prompt(f"p{i}", f"{a}+{b}=", str(a + b))
-            trajs.append(
-                trajectory(
-                    sample=i,
-                    prompt=p,
-                    prompt_tokens=ids,
-                    completion_tokens=completion,
-                    logprob=-1.5 - 0.1 * i,
-                    text="",
-                    advantage=rng.uniform(-1, 1),
-                    group=i if minibatches > 1 else 0,
-                )
-            )
-        pp = plan(trajs, 24, 1, share_prompt=False, minibatches=minibatches)
-        batches = []
-        for index in range(len(pp.microbatches)):
-            mb = build_microbatch(step, index, trajs, pp)
-            mb.payload = TorchCollator(pad_token_id=0).collate(mb)
-            batches.append(mb.train_batch())
-        if minibatches > 1:
-            out.append(batches)
-            continue
-        out.append(batches[: len(batches) - 1 + len(batches) % 2])  # (the normaliser still counts a dropped one: fine for both)
-    assert minibatches > 1 or all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
-    return out
 
 
 async def _train(trainer: Any, steps: list[list[TrainBatch]]) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
@@ -224,14 +183,13 @@ def test_a_killed_rank_fails_the_next_call_naming_it() -> None:
     assert all(not p.is_alive() for p in [r.process for r in trainer._ranks])
 
 
-def test_world_size_needs_the_local_backend_without_ray() -> None:
+def test_world_size_needs_the_local_backend() -> None:
     from relayrl.config.schema import ConfigError, load_config
 
     assert load_config(None, ["run.backend=local", "train.world_size=2"]).train.world_size == 2
-    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs run.backend = 'local' without Ray, not run.backend = 'sim'"):
+    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs run.backend = 'local', not 'sim'"):
         load_config(None, ["run.backend=sim", "train.world_size=2"])
-    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs .* not ray.enabled = true"):
-        load_config(None, ["run.backend=local", "ray.enabled=true", "train.world_size=2"])
+    assert load_config(None, ["run.backend=local", "ray.enabled=true", "train.world_size=2"]).ray.enabled  # (tests/ray/test_ray_sharded.py)
     with pytest.raises(ConfigError, match="train.world_size"):
         load_config(None, ["train.world_size=0"])
     with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with train.lora"):

@@ -47,6 +47,7 @@ from relayrl.config.schema import Config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
 if TYPE_CHECKING:
+    from relayrl.backends.local.ranks import RankParts
     from relayrl.backends.local.sharded import ShardedTrainer
 
 _CPU = torch.device("cpu")
@@ -190,38 +191,8 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     reference copy is made: the reference is the model with its adapters off. With
     train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
     on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
-    a, t, r = cfg.algorithm, cfg.train, cfg.rollout
-    loss = LossConfig(
-        clip_eps_low=a.clip_eps_low,
-        clip_eps_high=a.clip_eps_high,
-        aggregation=a.loss_aggregation,
-        max_completion_tokens=generation_budget(cfg),
-        kl_beta=a.kl_beta,
-        tis_cap=a.tis_cap,
-        clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off
-        ratio_level=a.ratio_level,
-        entropy_coef=a.entropy_coef,
-        top_entropy_quantile=a.top_entropy_quantile,
-        kl_estimator=a.kl_estimator,
-        kl_in_reward=a.kl_in_reward,
-    )
-    settings = TrainerSettings(
-        learning_rate=t.learning_rate,
-        total_steps=cfg.run.steps,
-        loss=loss,
-        weight_decay=t.weight_decay,
-        betas=(t.adam_beta1, t.adam_beta2),
-        warmup_steps=t.warmup_steps,
-        lr_schedule=t.lr_schedule,
-        max_grad_norm=t.max_grad_norm,
-        on_nonfinite=t.on_nonfinite,
-        max_consecutive_skips=t.max_consecutive_skips,
-        ppo_epochs=t.ppo_epochs,
-        minibatches_per_step=t.minibatches_per_step,
-        temperature=r.temperature,
-        torch_threads=threads,
-        lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
-    )
+    a, t = cfg.algorithm, cfg.train
+    settings = trainer_settings(cfg, threads)
     if t.lora is not None:
         from relayrl.models.lora import wrap
 
@@ -238,6 +209,42 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
+
+
+def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
+    """The trainer's settings from the config, with `threads` torch threads."""
+    a, t, r = cfg.algorithm, cfg.train, cfg.rollout
+    loss = LossConfig(
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        aggregation=a.loss_aggregation,
+        max_completion_tokens=generation_budget(cfg),
+        kl_beta=a.kl_beta,
+        tis_cap=a.tis_cap,
+        clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off
+        ratio_level=a.ratio_level,
+        entropy_coef=a.entropy_coef,
+        top_entropy_quantile=a.top_entropy_quantile,
+        kl_estimator=a.kl_estimator,
+        kl_in_reward=a.kl_in_reward,
+    )
+    return TrainerSettings(
+        learning_rate=t.learning_rate,
+        total_steps=cfg.run.steps,
+        loss=loss,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        warmup_steps=t.warmup_steps,
+        lr_schedule=t.lr_schedule,
+        max_grad_norm=t.max_grad_norm,
+        on_nonfinite=t.on_nonfinite,
+        max_consecutive_skips=t.max_consecutive_skips,
+        ppo_epochs=t.ppo_epochs,
+        minibatches_per_step=t.minibatches_per_step,
+        temperature=r.temperature,
+        torch_threads=threads,
+        lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
+    )
 
 
 def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
@@ -326,6 +333,15 @@ class TrainerFactory(_Factory):
     def __call__(self) -> Trainer:
         model, _, device = self.placed()
         return make_trainer(self.cfg, model, self.args[0], device)
+
+    def rank_parts(self) -> RankParts:
+        """One rank of the sharded trainer on Ray (train.world_size > 1; called in the rank's
+        actor): its model, settings, reference model (when kl_beta > 0) and device."""
+        from relayrl.backends.local.ranks import RankParts
+
+        model, _, device = self.placed()
+        ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 else None
+        return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:

@@ -23,6 +23,7 @@ import queue
 import threading
 import traceback
 import warnings
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,47 @@ def _error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
 
 
+@dataclass(slots=True)
+class RankParts:
+    """What one rank builds its `ShardedCompute` from: its copy of the model (every rank's the
+    same), the settings, the (unsharded) reference model, and the rank's device."""
+
+    model: PreTrainedModel
+    settings: TrainerSettings
+    ref_model: PreTrainedModel | None
+    device: torch.device
+
+
+def join_group(rank: int, world_size: int, addr: str, port: int, device: torch.device) -> None:
+    """Join the ranks' process group as `rank` (gloo on the CPU, NCCL on CUDA with `device`
+    current), rank 0 serving the rendezvous at `addr`:`port`."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
+
+
+def serve(compute: ShardedCompute, op: str, arg: Any) -> object:
+    """Run one compute request (`op`: train, optim, memory, load) on this rank; returns the reply
+    (after a commit or a load rank 0's carries the version's weights and metrics)."""
+    if op == "train":
+        tb, idle = arg
+        if idle:  # (a round of a later minibatch: no-grad forwards, see TrainerCompute.train_step)
+            compute.idle_step(tb, backward=not (compute.settings.several_updates and tb.minibatch != 0))
+        else:
+            compute.train_step(tb)
+        return None
+    if op == "optim":
+        version = compute.optim_step()
+        return (version, compute.committed_weights(), compute.metrics()) if compute.rank == 0 else (version, None, None)
+    if op == "memory":
+        return compute.memory()
+    if op == "load":
+        version = compute.load_state(Path(arg))
+        return (version, compute.committed_weights(), compute.metrics()) if compute.rank == 0 else (version, None, None)
+    raise ValueError(f"unknown request {op!r}")
+
+
 def rank_main(
     rank: int,
     world_size: int,
@@ -279,14 +321,11 @@ def rank_main(
 ) -> None:
     """The body of rank `rank` (a spawned process)."""
     lock = threading.Lock()
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(settings.torch_threads or 1)
     try:
-        cuda = device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-        compute = ShardedCompute(model, settings, ref_model, torch.device("cuda", rank) if cuda else torch.device("cpu"))
+        where = torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+        join_group(rank, world_size, "127.0.0.1", port, where)
+        compute = ShardedCompute(model, settings, ref_model, where)
         del model, ref_model
     except BaseException as exc:
         _reply(conn, lock, 0, False, _error(exc))
@@ -320,24 +359,7 @@ def rank_main(
     while (item := work.get()) is not None:
         rid, op, arg = item
         try:
-            value: object = None
-            if op == "train":
-                tb, idle = arg
-                if idle:  # (a round of a later minibatch: no-grad forwards, see TrainerCompute.train_step)
-                    compute.idle_step(tb, backward=not (settings.several_updates and tb.minibatch != 0))
-                else:
-                    compute.train_step(tb)
-            elif op == "optim":
-                version = compute.optim_step()
-                value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
-            elif op == "memory":
-                value = compute.memory()
-            elif op == "load":
-                version = compute.load_state(Path(arg))
-                value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
-            else:
-                raise ValueError(f"unknown request {op!r}")
-            _reply(conn, lock, rid, True, value)
+            _reply(conn, lock, rid, True, serve(compute, op, arg))
         except BaseException as exc:
             _reply(conn, lock, rid, False, _error(exc))
     dist.destroy_process_group()

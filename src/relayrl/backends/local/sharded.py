@@ -53,9 +53,10 @@ class RankFailed(RunFailed):
     """A rank of the sharded trainer died or its connection broke; names the rank."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (for the ranks' rendezvous)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -112,93 +113,27 @@ class _Rank:
                 future.set_exception(dead)
 
 
-class ShardedTrainer(Trainer):
-    """`world_size` rank processes training `model` with FSDP2 (see the module)."""
+class RankedTrainer(Trainer):
+    """The `Trainer` the orchestrator sees in front of `world_size` ranks: the rounds, and the
+    answers kept from rank 0's last reply (see the module). A host sends the requests: `_all`."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        settings: TrainerSettings,
-        world_size: int,
-        ref_model: PreTrainedModel | None = None,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, world_size: int) -> None:
         if world_size < 1:
             raise ValueError(f"train.world_size = {world_size}: the sharded trainer needs a rank at least")
-        self.settings = settings
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._ids = itertools.count(1)
-        self._ranks: list[_Rank] = []
-        for r in range(world_size):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(
-                target=rank_main,
-                args=(r, world_size, port, child, model, settings, ref_model, str(device)),
-                name=f"relayrl-trainer-rank{r}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            self._ranks.append(_Rank(r, process, parent))
-        self._ready = False
         self._held: list[TrainBatch] = []
         self._train_time: dict[int, float] = {}
         self._snapshot: Weights | None = None
         self._slot: dict[str, float] = {}
-        self._closed = False
-
-    @property
-    def pids(self) -> list[int]:
-        """The ranks' process ids, rank 0 first."""
-        return [int(rank.process.pid) for rank in self._ranks]
 
     async def _start(self) -> None:
-        if not self._ready:
-            answers = await self._gather([asyncio.wrap_future(rank.started) for rank in self._ranks])
-            self._snapshot, self._slot = answers[0]
-            self._ready = True
-
-    async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
-        """Every rank's answer; the first failure is raised at once, as the death of a rank if
-        one died (the others may notice first: their collective with it broke)."""
-        try:
-            return list(await asyncio.gather(*waits))
-        except RankFailed:
-            raise
-        except Exception as exc:
-            dead = await asyncio.to_thread(self._dead_rank, 2.0)
-            if dead is not None:
-                raise dead from exc
-            raise
-        finally:
-            for w in waits:
-                if not w.done():
-                    w.cancel()
-
-    def _dead_rank(self, grace_s: float) -> RankFailed | None:
-        """The failure of the first rank that has died, waiting up to `grace_s` for one to."""
-        wait_for_any([rank.process.sentinel for rank in self._ranks], timeout=grace_s)
-        for rank in self._ranks:
-            if not rank.process.is_alive():
-                code = rank.process.exitcode
-                return RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}) died (exit code {code})")
+        """Wait until every rank is up (default: they are once constructed)."""
         return None
 
     async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
-        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
-        await self._start()
-        rid = next(self._ids)
-        waits = [asyncio.wrap_future(rank.expect(rid)) for rank in self._ranks]
-        for rank, (op, arg) in zip(self._ranks, args, strict=True):
-            if rank.dead is not None:
-                raise rank.dead
-            try:
-                await asyncio.to_thread(rank.conn.send, (rid, op, arg))
-            except (OSError, EOFError) as exc:
-                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
-        return await self._gather(waits)
+        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first. A checkpoint
+        request ("save") runs beside the compute requests."""
+        raise NotImplementedError
 
     async def _round(self, batches: list[TrainBatch]) -> None:
         """One forward/backward round: the largest micro-batch to rank 0, and so on; the ranks
@@ -265,6 +200,89 @@ class ShardedTrainer(Trainer):
         version, snapshot, slot = answers[0]
         self._snapshot, self._slot = snapshot, slot
         return int(version)
+
+
+class ShardedTrainer(RankedTrainer):
+    """`world_size` rank processes training `model` with FSDP2 (see the module)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        world_size: int,
+        ref_model: PreTrainedModel | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(world_size)
+        self.settings = settings
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._ids = itertools.count(1)
+        self._ranks: list[_Rank] = []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(
+                target=rank_main,
+                args=(r, world_size, port, child, model, settings, ref_model, str(device)),
+                name=f"relayrl-trainer-rank{r}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._ranks.append(_Rank(r, process, parent))
+        self._ready = False
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, rank 0 first."""
+        return [int(rank.process.pid) for rank in self._ranks]
+
+    async def _start(self) -> None:
+        if not self._ready:
+            answers = await self._gather([asyncio.wrap_future(rank.started) for rank in self._ranks])
+            self._snapshot, self._slot = answers[0]
+            self._ready = True
+
+    async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
+        """Every rank's answer; the first failure is raised at once, as the death of a rank if
+        one died (the others may notice first: their collective with it broke)."""
+        try:
+            return list(await asyncio.gather(*waits))
+        except RankFailed:
+            raise
+        except Exception as exc:
+            dead = await asyncio.to_thread(self._dead_rank, 2.0)
+            if dead is not None:
+                raise dead from exc
+            raise
+        finally:
+            for w in waits:
+                if not w.done():
+                    w.cancel()
+
+    def _dead_rank(self, grace_s: float) -> RankFailed | None:
+        """The failure of the first rank that has died, waiting up to `grace_s` for one to."""
+        wait_for_any([rank.process.sentinel for rank in self._ranks], timeout=grace_s)
+        for rank in self._ranks:
+            if not rank.process.is_alive():
+                code = rank.process.exitcode
+                return RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}) died (exit code {code})")
+        return None
+
+    async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
+        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
+        await self._start()
+        rid = next(self._ids)
+        waits = [asyncio.wrap_future(rank.expect(rid)) for rank in self._ranks]
+        for rank, (op, arg) in zip(self._ranks, args, strict=True):
+            if rank.dead is not None:
+                raise rank.dead
+            try:
+                await asyncio.to_thread(rank.conn.send, (rid, op, arg))
+            except (OSError, EOFError) as exc:
+                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
+        return await self._gather(waits)
 
     async def memory(self) -> list[dict[str, float]]:
         """Per rank (waiting behind its compute): peak RSS, its shard's parameter and optimizer bytes."""
