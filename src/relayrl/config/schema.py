@@ -820,8 +820,6 @@ class Config(_Section):
             )
         if self.train.world_size > 1 and self.run.backend != "local":
             raise ValueError(f"train.world_size = {self.train.world_size} needs run.backend = 'local', not {self.run.backend!r}")
-        if self.train.world_size > 1 and self.train.lora is not None:
-            raise ValueError(f"train.world_size = {self.train.world_size} is not supported with train.lora yet: set train.world_size = 1")
         if self.rollout.engine == "vllm" and self.run.backend != "local":
             raise ValueError(f"rollout.engine = 'vllm' needs run.backend = 'local', not {self.run.backend!r}")
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:

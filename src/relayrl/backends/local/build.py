@@ -196,7 +196,9 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     if t.lora is not None:
         from relayrl.models.lora import wrap
 
-        return LocalTrainer(wrap(model, t.lora), settings, device=device)
+        model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
+        if t.world_size == 1:
+            return LocalTrainer(model, settings, device=device)
     if t.world_size > 1:
         from relayrl.backends.local.sharded import ShardedTrainer
 
@@ -205,7 +207,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
                 f"train.world_size = {t.world_size} on train.device = {t.device!r} needs one CUDA device per rank, "
                 f"this process sees {torch.cuda.device_count()}"
             )
-        ref = _frozen_copy(model) if a.kl_beta > 0 else None
+        ref = _frozen_copy(model) if a.kl_beta > 0 and t.lora is None else None
         return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
@@ -340,7 +342,12 @@ class TrainerFactory(_Factory):
         from relayrl.backends.local.ranks import RankParts
 
         model, _, device = self.placed()
-        ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 else None
+        lora = self.cfg.train.lora
+        if lora is not None:
+            from relayrl.models.lora import wrap
+
+            model = wrap(model, lora)
+        ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
         return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
 
 

@@ -3,6 +3,12 @@
 `TrainerCompute` whose policy is wrapped with FSDP2 (`fully_shard`, one unit per decoder layer
 plus the root) so that this rank holds 1/N of the parameters, gradients and optimizer state.
 
+LoRA (train.lora): the policy is a peft model; the units wrap its causal LM (whose forward runs),
+the frozen base is sharded like the adapters, the optimizer holds the adapters only, a version's
+weights are its adapters gathered whole, and rank 0's checkpoint file also holds them whole (the
+model export reads them there). The Ray host (`relayrl.backends.ray.ranks`) serves the same
+compute through `join_group` and `serve`.
+
 A rank talks to the host over one pipe: requests `(id, op, arg)`, replies `(id, ok, value)`.
 Its main thread runs the compute requests (train, optim, load) one at a time, in order, and every
 rank gets the same sequence of them, so their collectives match; a checkpoint request runs in a
@@ -39,6 +45,7 @@ from transformers import PreTrainedModel
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
+from relayrl.models.lora import adapter_payload, peft_base
 from relayrl.types import TrainBatch, Weights
 
 #: In a checkpoint directory, beside the shards `torch.distributed.checkpoint` writes there (one
@@ -71,12 +78,13 @@ class ShardedCompute(TrainerCompute):
             self._snapshot = snapshot
 
     def wrap_model(self, model: PreTrainedModel) -> None:
-        layers = getattr(getattr(model, "model", None), "layers", None)
+        net = peft_base(model) if self._adapters else model  # (LoRA: the wrapped causal LM, its adapters injected)
+        layers = getattr(getattr(net, "model", None), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise TypeError(f"train.world_size > 1: {type(model).__name__} has no model.layers to shard by decoder layer")
         for layer in layers:
             fully_shard(layer)
-        fully_shard(model)
+        fully_shard(net)  # (the root: the module whose forward runs)
 
     def gather_stats(self, stats: _StepStats) -> _StepStats:
         parts: list[Any] = [None] * self.world_size
@@ -96,6 +104,9 @@ class ShardedCompute(TrainerCompute):
 
     def export(self) -> Weights:
         """Collective: the full weights, gathered to rank 0 on the CPU (other ranks: an empty payload)."""
+        if self._adapters:  # LoRA: the adapters only, each gathered whole
+            adapters = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in adapter_payload(self.model).items()}
+            return Weights(version=self.version, payload=adapters if self.rank == 0 else {})
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return Weights(version=self.version, payload=state if self.rank == 0 else {})
 
@@ -145,10 +156,10 @@ class ShardedCompute(TrainerCompute):
             batch = batch.to(self.device)
         if not backward:
             with torch.no_grad():
-                token_logprobs(self.model, batch, self.settings.temperature)
+                token_logprobs(self._net, batch, self.settings.temperature)
             self._reshard()
             return
-        logp, _ = token_logprobs(self.model, batch, self.settings.temperature)
+        logp, _ = token_logprobs(self._net, batch, self.settings.temperature)
         (logp.sum() * 0.0).backward()
 
     def memory(self) -> dict[str, float]:
@@ -178,6 +189,8 @@ class ShardedCompute(TrainerCompute):
         tensors, or (`fill`, before a load) zeros of their shapes to load into."""
         out: dict[str, dict[str, Any]] = {}
         for name, p in self._sharded.items():
+            if not p.requires_grad:  # (LoRA: the frozen base has no optimizer state)
+                continue
             if fill:
                 out[name] = {
                     "step": torch.zeros((), dtype=torch.float32),
@@ -208,6 +221,10 @@ class ShardedCompute(TrainerCompute):
                 "nonfinite_steps": self._nonfinite_steps,
                 "consecutive_skips": self._consecutive_skips,
             }
+            if self._adapters:  # LoRA: the version's adapters whole, for the model export (read_full_weights)
+                snapshot = self.committed_weights()
+                assert snapshot is not None and snapshot.version == version
+                meta["adapters"] = snapshot.payload
             torch.save(meta, directory / META_FILE)
 
     def load_state(self, directory: Path) -> int:
@@ -219,7 +236,8 @@ class ShardedCompute(TrainerCompute):
             dcp.load(state, checkpoint_id=directory)
         if meta["has_optim"]:
             for name, p in self._sharded.items():
-                self._optimizer.state[p] = state["optim"][name]
+                if p.requires_grad:
+                    self._optimizer.state[p] = state["optim"][name]
         for group, saved in zip(self._optimizer.param_groups, meta["param_groups"], strict=True):
             group.update(saved)
         self._scheduler.load_state_dict(meta["scheduler"])
@@ -234,10 +252,13 @@ class ShardedCompute(TrainerCompute):
 
 def read_full_weights(directory: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """(version, full weights by parameter name) of a sharded trainer state in `directory`, read
-    in this one process (no process group: for the model export). Tied weights appear once."""
+    in this one process (no process group: for the model export). Tied weights appear once. With
+    LoRA (train.lora) the version's adapter payload instead, which rank 0 wrote whole."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=True)
+    if "adapters" in meta:  # LoRA: the adapter payload (relayrl.models.lora)
+        return int(meta["version"]), dict(meta["adapters"])
     reader = dcp.FileSystemReader(directory)
     entries = reader.read_metadata().state_dict_metadata
     prefix = "model."
