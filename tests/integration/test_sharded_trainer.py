@@ -288,3 +288,29 @@ def test_a_run_whose_rank_dies_fails_naming_it_and_resumes_from_its_newest_check
     assert (newest / "trainer-sharded.pt").is_file() and newest.name in ("step-000001", "step-000002")
     result = run_checked(build_program(load_config(None, [*sets, "run.steps=4"]), run_dir=run_dir, resume=True), timeout=300)
     assert [r.step for r in result.results] == list(range(int(newest.name[5:]) + 1, 5))
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_two_ranks_completes_and_exports_its_adapter(tmp_path: Path) -> None:
+    """train.lora with world_size 2 end to end: samplers load the adapters, the sharded
+    checkpoint's adapters become the run's exported adapter (PEFT format), which peft loads."""
+    from peft import PeftModel
+
+    from relayrl.backends.local.ranks import read_full_weights
+    from relayrl.config.schema import load_config
+    from relayrl.orchestrator.build import build_program
+    from relayrl.rundir.checkpoint import CHECKPOINTS, complete_checkpoints
+    from support.simutil import run_checked
+
+    sets = ["run.backend=local", "task.kind=arithmetic", "rollout.num_generations=4", "rollout.groups_per_step=4", "run.steps=2"]
+    sets += ["orchestrator.release_memory=false", "eval.enabled=false", "orchestrator.checkpoint_every=1", "train.world_size=2"]
+    sets += ["train.torch_threads=1", "rollout.sampler_threads=1", "train.lora.r=4", "run.save_model=true"]
+    run_dir = tmp_path / "run"
+    run_checked(build_program(load_config(None, sets), run_dir=run_dir), timeout=300)
+    newest = complete_checkpoints(run_dir / CHECKPOINTS)[-1]
+    _, adapters = read_full_weights(newest)
+    assert adapters and all(".lora_" in k for k in adapters)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (run_dir / "model").iterdir()}
+    loaded = PeftModel.from_pretrained(load_model_and_tokenizer(shipped_model_dir())[0], run_dir / "model")
+    trained = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert trained and max(float(p.abs().max()) for p in trained) > 0  # B starts at 0: these trained
