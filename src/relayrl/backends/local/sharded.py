@@ -280,8 +280,9 @@ class ShardedTrainer(RankedTrainer):
                 raise rank.dead
             try:
                 await asyncio.to_thread(rank.conn.send, (rid, op, arg))
-            except (OSError, EOFError) as exc:
-                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
+            except (OSError, EOFError) as exc:  # (its death, once its process has ended)
+                dead = await asyncio.to_thread(self._dead_rank, 2.0)
+                raise dead or RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
         return await self._gather(waits)
 
     async def memory(self) -> list[dict[str, float]]:
