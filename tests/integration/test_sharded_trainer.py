@@ -6,9 +6,9 @@ next call naming the rank."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
-import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,51 +17,16 @@ import pytest
 import torch
 
 from relayrl.algorithms.losses import LossConfig
-from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.packing import build_microbatch, plan
-from relayrl.types import Prompt, TrainBatch
-from support.trajectories import trajectory
+from relayrl.types import TrainBatch
+from support.sharded import microbatch_steps as _steps
 
 pytestmark = pytest.mark.torch
 
 
 def _settings() -> TrainerSettings:
     return TrainerSettings(learning_rate=1e-3, total_steps=10, loss=LossConfig(), warmup_steps=2, lr_schedule="cosine", torch_threads=1)
-
-
-def _steps(tok: Any, steps: int = 3) -> list[list[TrainBatch]]:
-    """`steps` steps of 3 micro-batches each (of different sizes): a full round of 2 and a partial one."""
-    rng = random.Random(0)
-    out: list[list[TrainBatch]] = []
-    for step in range(steps):
-        trajs = []
-        for i in range(10):
-            a, b = rng.randrange(10, 99), rng.randrange(10, 99)
-            ids = tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
-            completion = tok(str(a + b + rng.choice([0, 0, 1])), add_special_tokens=False)["input_ids"][: rng.randrange(1, 4)]
-            p = Prompt(f"p{i}", f"{a}+{b}=", str(a + b))
-            trajs.append(
-                trajectory(
-                    sample=i,
-                    prompt=p,
-                    prompt_tokens=ids,
-                    completion_tokens=completion,
-                    logprob=-1.5 - 0.1 * i,
-                    text="",
-                    advantage=rng.uniform(-1, 1),
-                )
-            )
-        pp = plan(trajs, 24, 1, share_prompt=False)
-        batches = []
-        for index in range(len(pp.microbatches)):
-            mb = build_microbatch(step, index, trajs, pp)
-            mb.payload = TorchCollator(pad_token_id=0).collate(mb)
-            batches.append(mb.train_batch())
-        out.append(batches[: len(batches) - 1 + len(batches) % 2])  # (the normaliser still counts a dropped one: fine for both)
-    assert all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
-    return out
 
 
 async def _train(trainer: Any, steps: list[list[TrainBatch]]) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
@@ -112,6 +77,84 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
         torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
     moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
     assert moved > 1e-4  # the steps changed the weights
+
+
+@pytest.mark.slow
+def test_two_ranks_make_several_updates_per_step_as_one_process_does() -> None:
+    """ppo_epochs = 2, minibatches_per_step = 2 (4 updates a step, the later ones inside
+    optim_step on each rank's kept micro-batches, padded where a rank holds fewer of a minibatch):
+    the loss, gradient norm, first pass figures and weights after 2 steps equal one process's."""
+    from relayrl.backends.local.sharded import ShardedTrainer
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok, 2, minibatches=2)
+    counts = [[sum(1 for tb in batches if tb.minibatch == k) for k in (0, 1)] for batches in steps]
+    assert any(n % 2 == 1 for c in counts for n in c), counts  # a partial round in a minibatch: a rank idles
+    settings = dataclasses.replace(_settings(), ppo_epochs=2, minibatches_per_step=2)
+    sharded = ShardedTrainer(model, settings, world_size=2)
+    single = LocalTrainer(load_model_and_tokenizer(shipped_model_dir())[0], dataclasses.replace(settings))
+
+    async def both() -> tuple[Any, Any]:
+        try:
+            return await _train(sharded, steps), await _train(single, steps)
+        finally:
+            await sharded.close()
+            await single.close()
+
+    (m2, w2), (m1, w1) = asyncio.run(both())
+    keys = ("loss", "grad_norm", "tokens", "completion_tokens", "microbatches", "updates", "ppo_kl", "clip_frac_low_epoch2")
+    for a, b in zip(m2, m1, strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (key, a, b)
+        assert a["updates"] == 4
+    for name, value in w1.items():
+        atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5  # (see the test above)
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
+    moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
+    assert moved > 1e-4
+
+
+@pytest.mark.slow
+def test_two_ranks_train_lora_adapters_as_one_process_does(tmp_path: Path) -> None:
+    """train.lora with world_size 2: only the adapters train (FSDP2 over a peft model, the base
+    frozen); the adapters after 2 steps equal one process's, the export sends adapters only, and
+    the sharded checkpoint holds the version's adapters whole (what the model export reads)."""
+    from relayrl.backends.local.ranks import read_full_weights
+    from relayrl.backends.local.sharded import ShardedTrainer
+    from relayrl.config.schema import LoraConfig
+    from relayrl.models.lora import is_adapter_payload, wrap
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok, 2)
+    lora = LoraConfig(r=4, alpha=8.0)
+    torch.manual_seed(0)  # the same adapters to start from (A is drawn at random)
+    sharded = ShardedTrainer(wrap(model, lora), _settings(), world_size=2)
+    torch.manual_seed(0)
+    single = LocalTrainer(wrap(load_model_and_tokenizer(shipped_model_dir())[0], lora), _settings())
+
+    async def both() -> tuple[Any, Any]:
+        try:
+            first = await _train(sharded, steps)
+            await sharded.save_state(tmp_path)
+            return first, await _train(single, steps)
+        finally:
+            await sharded.close()
+            await single.close()
+
+    (m2, w2), (m1, w1) = asyncio.run(both())
+    for a, b in zip(m2, m1, strict=True):
+        for key in ("loss", "grad_norm", "tokens", "completion_tokens", "microbatches"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (key, a, b)
+    assert is_adapter_payload(w2) and set(w2) == set(w1)
+    for name, value in w1.items():
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=1e-5, msg=functools.partial(_named, name))
+    assert max(float(v.abs().max()) for n, v in w1.items() if n.endswith("lora_B")) > 1e-4  # the adapters trained
+    version, saved = read_full_weights(tmp_path)
+    assert version == 2 and set(saved) == set(w2)
+    for name, value in saved.items():
+        torch.testing.assert_close(value, w2[name], rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -182,20 +225,17 @@ def test_a_killed_rank_fails_the_next_call_naming_it() -> None:
     assert all(not p.is_alive() for p in [r.process for r in trainer._ranks])
 
 
-def test_world_size_needs_the_local_backend_without_ray() -> None:
+def test_world_size_needs_the_local_backend() -> None:
     from relayrl.config.schema import ConfigError, load_config
 
     assert load_config(None, ["run.backend=local", "train.world_size=2"]).train.world_size == 2
-    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs run.backend = 'local' without Ray, not run.backend = 'sim'"):
+    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs run.backend = 'local', not 'sim'"):
         load_config(None, ["run.backend=sim", "train.world_size=2"])
-    with pytest.raises(ConfigError, match=r"train.world_size = 2 needs .* not ray.enabled = true"):
-        load_config(None, ["run.backend=local", "ray.enabled=true", "train.world_size=2"])
+    assert load_config(None, ["run.backend=local", "ray.enabled=true", "train.world_size=2"]).ray.enabled  # (tests/ray/test_ray_sharded.py)
     with pytest.raises(ConfigError, match="train.world_size"):
         load_config(None, ["train.world_size=0"])
-    with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with train.lora"):
-        load_config(None, ["run.backend=local", "train.world_size=2", "train.lora.r=4"])
-    with pytest.raises(ConfigError, match="train.world_size = 2 is not supported with several updates per step"):
-        load_config(None, ["run.backend=local", "train.world_size=2", "train.ppo_epochs=2"])
+    assert load_config(None, ["run.backend=local", "train.world_size=2", "train.lora.r=4"]).train.lora is not None
+    assert load_config(None, ["run.backend=local", "train.world_size=2", "train.ppo_epochs=2"]).train.ppo_epochs == 2
 
 
 @pytest.mark.slow
@@ -248,3 +288,29 @@ def test_a_run_whose_rank_dies_fails_naming_it_and_resumes_from_its_newest_check
     assert (newest / "trainer-sharded.pt").is_file() and newest.name in ("step-000001", "step-000002")
     result = run_checked(build_program(load_config(None, [*sets, "run.steps=4"]), run_dir=run_dir, resume=True), timeout=300)
     assert [r.step for r in result.results] == list(range(int(newest.name[5:]) + 1, 5))
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_two_ranks_completes_and_exports_its_adapter(tmp_path: Path) -> None:
+    """train.lora with world_size 2 end to end: samplers load the adapters, the sharded
+    checkpoint's adapters become the run's exported adapter (PEFT format), which peft loads."""
+    from peft import PeftModel
+
+    from relayrl.backends.local.ranks import read_full_weights
+    from relayrl.config.schema import load_config
+    from relayrl.orchestrator.build import build_program
+    from relayrl.rundir.checkpoint import CHECKPOINTS, complete_checkpoints
+    from support.simutil import run_checked
+
+    sets = ["run.backend=local", "task.kind=arithmetic", "rollout.num_generations=4", "rollout.groups_per_step=4", "run.steps=2"]
+    sets += ["orchestrator.release_memory=false", "eval.enabled=false", "orchestrator.checkpoint_every=1", "train.world_size=2"]
+    sets += ["train.torch_threads=1", "rollout.sampler_threads=1", "train.lora.r=4", "run.save_model=true"]
+    run_dir = tmp_path / "run"
+    run_checked(build_program(load_config(None, sets), run_dir=run_dir), timeout=300)
+    newest = complete_checkpoints(run_dir / CHECKPOINTS)[-1]
+    _, adapters = read_full_weights(newest)
+    assert adapters and all(".lora_" in k for k in adapters)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (run_dir / "model").iterdir()}
+    loaded = PeftModel.from_pretrained(load_model_and_tokenizer(shipped_model_dir())[0], run_dir / "model")
+    trained = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert trained and max(float(p.abs().max()) for p in trained) > 0  # B starts at 0: these trained

@@ -616,8 +616,9 @@ the device."""
     """Ranks of the sharded trainer (local backend): 1 = one trainer in the run's process; N > 1 =
     N local processes of one torch.distributed group (gloo on the CPU, NCCL on CUDA, rank r on
     cuda:r), each holding 1/N of the parameters, gradients and optimizer state (FSDP2, one unit
-    per decoder layer plus the root). A step equals the one-rank step. Checkpoints are sharded
-    and resume only with the same N."""
+    per decoder layer plus the root); with ray.enabled, N trainer actors in one placement group
+    (PACK, a bundle of ray.trainer_resources per rank), rank 0 answering the run. A step equals
+    the one-rank step. Checkpoints are sharded and resume only with the same N."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Trainer's intra-op threads (per rank); 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
@@ -788,7 +789,8 @@ class RayConfig(_Section):
     name → a custom resource (e.g. {"GPU" = 1, "sampler_node" = 1}); empty = Ray's actor default
     (no CPU held)."""
     trainer_resources: dict[str, float] = Field(default_factory=dict, json_schema_extra=RESUMABLE)
-    """Ray resources the trainer actor asks for, as sampler_resources."""
+    """Ray resources the trainer actor asks for, as sampler_resources. With train.world_size = N
+    > 1: each rank's actor, one placement group bundle each (empty = {CPU = 1} there)."""
     queue_ahead: bool = Field(True, json_schema_extra=RESUMABLE)
     """Send the next step's first micro-batch right behind optim_step, so the trainer actor starts
     it the moment the update ends (design rule 10); false: send it after the commit (a baseline)."""
@@ -856,16 +858,8 @@ class Config(_Section):
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds train.row_tokens = "
                 f"{self.train.row_tokens}: an episode that long could not be packed"
             )
-        if self.train.world_size > 1 and (self.run.backend != "local" or self.ray.enabled):
-            where = "ray.enabled = true" if self.run.backend == "local" else f"run.backend = {self.run.backend!r}"
-            raise ValueError(f"train.world_size = {self.train.world_size} needs run.backend = 'local' without Ray, not {where}")
-        if self.train.world_size > 1 and self.train.lora is not None:
-            raise ValueError(f"train.world_size = {self.train.world_size} is not supported with train.lora yet: set train.world_size = 1")
-        if self.train.world_size > 1 and (self.train.ppo_epochs > 1 or self.train.minibatches_per_step > 1):
-            raise ValueError(
-                f"train.world_size = {self.train.world_size} is not supported with several updates per step yet (train.ppo_epochs ="
-                f" {self.train.ppo_epochs}, train.minibatches_per_step = {self.train.minibatches_per_step}): set train.world_size = 1"
-            )
+        if self.train.world_size > 1 and self.run.backend != "local":
+            raise ValueError(f"train.world_size = {self.train.world_size} needs run.backend = 'local', not {self.run.backend!r}")
         if self.rollout.engine == "vllm" and self.run.backend != "local":
             raise ValueError(f"rollout.engine = 'vllm' needs run.backend = 'local', not {self.run.backend!r}")
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:

@@ -47,6 +47,7 @@ from relayrl.config.schema import Config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
 if TYPE_CHECKING:
+    from relayrl.backends.local.ranks import RankParts
     from relayrl.backends.local.sharded import ShardedTrainer
 
 _CPU = torch.device("cpu")
@@ -180,6 +181,30 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     reference copy is made: the reference is the model with its adapters off. With
     train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
     on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
+    a, t = cfg.algorithm, cfg.train
+    settings = trainer_settings(cfg, threads)
+    if t.lora is not None:
+        from relayrl.models.lora import wrap
+
+        model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
+        if t.world_size == 1:
+            return LocalTrainer(model, settings, device=device)
+    if t.world_size > 1:
+        from relayrl.backends.local.sharded import ShardedTrainer
+
+        if device.type == "cuda" and torch.cuda.device_count() < t.world_size:
+            raise DeviceError(
+                f"train.world_size = {t.world_size} on train.device = {t.device!r} needs one CUDA device per rank, "
+                f"this process sees {torch.cuda.device_count()}"
+            )
+        ref = _frozen_copy(model) if a.kl_beta > 0 and t.lora is None else None
+        return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
+    ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
+    return LocalTrainer(model, settings, ref_model=ref, device=device)
+
+
+def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
+    """The trainer's settings from the config, with `threads` torch threads."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
@@ -195,7 +220,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         kl_estimator=a.kl_estimator,
         kl_in_reward=a.kl_in_reward,
     )
-    settings = TrainerSettings(
+    return TrainerSettings(
         learning_rate=t.learning_rate,
         total_steps=cfg.run.steps,
         loss=loss,
@@ -212,22 +237,6 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         torch_threads=threads,
         lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
     )
-    if t.lora is not None:
-        from relayrl.models.lora import wrap
-
-        return LocalTrainer(wrap(model, t.lora), settings, device=device)
-    if t.world_size > 1:
-        from relayrl.backends.local.sharded import ShardedTrainer
-
-        if device.type == "cuda" and torch.cuda.device_count() < t.world_size:
-            raise DeviceError(
-                f"train.world_size = {t.world_size} on train.device = {t.device!r} needs one CUDA device per rank, "
-                f"this process sees {torch.cuda.device_count()}"
-            )
-        ref = _frozen_copy(model) if a.kl_beta > 0 else None
-        return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
-    ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
-    return LocalTrainer(model, settings, ref_model=ref, device=device)
 
 
 def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
@@ -316,6 +325,20 @@ class TrainerFactory(_Factory):
     def __call__(self) -> Trainer:
         model, _, device = self.placed()
         return make_trainer(self.cfg, model, self.args[0], device)
+
+    def rank_parts(self) -> RankParts:
+        """One rank of the sharded trainer on Ray (train.world_size > 1; called in the rank's
+        actor): its model, settings, reference model (when kl_beta > 0) and device."""
+        from relayrl.backends.local.ranks import RankParts
+
+        model, _, device = self.placed()
+        lora = self.cfg.train.lora
+        if lora is not None:
+            from relayrl.models.lora import wrap
+
+            model = wrap(model, lora)
+        ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
+        return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:

@@ -3,6 +3,12 @@
 `TrainerCompute` whose policy is wrapped with FSDP2 (`fully_shard`, one unit per decoder layer
 plus the root) so that this rank holds 1/N of the parameters, gradients and optimizer state.
 
+LoRA (train.lora): the policy is a peft model; the units wrap its causal LM (whose forward runs),
+the frozen base is sharded like the adapters, the optimizer holds the adapters only, a version's
+weights are its adapters gathered whole, and rank 0's checkpoint file also holds them whole (the
+model export reads them there). The Ray host (`relayrl.backends.ray.ranks`) serves the same
+compute through `join_group` and `serve`.
+
 A rank talks to the host over one pipe: requests `(id, op, arg)`, replies `(id, ok, value)`.
 Its main thread runs the compute requests (train, optim, load) one at a time, in order, and every
 rank gets the same sequence of them, so their collectives match; a checkpoint request runs in a
@@ -18,12 +24,12 @@ whose host goes away (its pipe closes) exits.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
 import traceback
 import warnings
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -32,37 +38,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.logprobs import token_logprobs
-from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats
+from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
+from relayrl.models.lora import adapter_payload, peft_base
 from relayrl.types import TrainBatch, Weights
 
 #: In a checkpoint directory, beside the shards `torch.distributed.checkpoint` writes there (one
 #: `__<rank>_0.distcp` per rank and its `.metadata`, so the checkpoint's file list covers each):
 #: rank 0's file of what is not sharded (version, schedule, counts, world size).
 META_FILE = "trainer-sharded.pt"
-
-
-def _merge(parts: list[_StepStats]) -> _StepStats:
-    out = _StepStats()
-    for st in parts:
-        out.loss += st.loss
-        out.tokens += st.tokens
-        out.loss_tokens += st.loss_tokens
-        out.microbatches += st.microbatches
-        for k, v in st.sums.items():
-            out.sums[k] = out.sums.get(k, 0.0) + v
-        for k, n in st.weights.items():
-            out.weights[k] = out.weights.get(k, 0) + n
-        for k, v in st.maxes.items():
-            out.maxes[k] = max(out.maxes.get(k, -math.inf), v)
-        for k, v in st.mins.items():
-            out.mins[k] = min(out.mins.get(k, math.inf), v)
-    return out
 
 
 class ShardedCompute(TrainerCompute):
@@ -82,23 +71,25 @@ class ShardedCompute(TrainerCompute):
         # the sharded parameters, by name, as the optimizer holds them (the module swaps in
         # unsharded ones during a forward pass, these stay)
         self._sharded = {name: p for name, p in self.model.named_parameters()}
+        self._idle_batch: TrainBatch | None = None  # the last micro-batch an idle pass ran on
         self._ckpt_group = dist.new_group(backend="gloo")  # checkpoints run beside training, on their own group
         snapshot = self.export()
         with self._slot_lock:
             self._snapshot = snapshot
 
     def wrap_model(self, model: PreTrainedModel) -> None:
-        layers = getattr(getattr(model, "model", None), "layers", None)
+        net = peft_base(model) if self._adapters else model  # (LoRA: the wrapped causal LM, its adapters injected)
+        layers = getattr(getattr(net, "model", None), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise TypeError(f"train.world_size > 1: {type(model).__name__} has no model.layers to shard by decoder layer")
         for layer in layers:
             fully_shard(layer)
-        fully_shard(model)
+        fully_shard(net)  # (the root: the module whose forward runs)
 
     def gather_stats(self, stats: _StepStats) -> _StepStats:
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, stats)
-        return _merge(parts)
+        return merge_stats(parts)
 
     def clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
         grads = [p.grad for p in params if p.grad is not None]
@@ -113,18 +104,62 @@ class ShardedCompute(TrainerCompute):
 
     def export(self) -> Weights:
         """Collective: the full weights, gathered to rank 0 on the CPU (other ranks: an empty payload)."""
+        if self._adapters:  # LoRA: the adapters only, each gathered whole
+            adapters = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in adapter_payload(self.model).items()}
+            return Weights(version=self.version, payload=adapters if self.rank == 0 else {})
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return Weights(version=self.version, payload=state if self.rank == 0 else {})
 
-    def idle_step(self, tb: TrainBatch) -> None:
-        """A round in which this rank has no micro-batch: a forward and backward pass of zero loss
-        on `tb` (another rank's), so the ranks' collectives match; nothing is accumulated."""
+    def train_step(self, tb: TrainBatch, abort: threading.Event | None = None) -> None:
+        super().train_step(tb, abort)
+        if self.settings.several_updates and tb.minibatch != 0:
+            self._reshard()
+
+    def _reshard(self) -> None:
+        """After a no-grad forward: FSDP leaves the root unit's parameters gathered (for a backward
+        that does not come), which the next optimizer step would leave stale; free them."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def agree_counts(self, counts: dict[int, int]) -> dict[int, int]:
+        """Collective: per minibatch of the step, the most micro-batches any rank kept."""
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, counts)
+        out: dict[int, int] = {}
+        for part in parts:
+            for k, n in part.items():
+                out[k] = max(out.get(k, 0), n)
+        return out
+
+    def sum_loss(self, loss: float) -> float:
+        """Collective: the update's loss over the ranks (so they all apply it, or all skip it)."""
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, loss)
+        return float(sum(parts))
+
+    def idle_step(self, tb: TrainBatch | None, backward: bool = True) -> None:
+        """A pass in which this rank has no micro-batch of its own (a round's, or an update's after
+        the first): a forward and backward pass of zero loss on `tb` (another rank's; None: the
+        last one idled on), so the ranks' collectives match; nothing is accumulated. With several
+        updates per step a round of a minibatch after the first is a no-grad forward (as its
+        micro-batches' proximal log-probs are), so the idle pass is too (`backward` False)."""
+        if tb is None:
+            tb = self._idle_batch
+            if tb is None:
+                raise RuntimeError("idle_step: this rank has seen no micro-batch to idle on")
+        self._idle_batch = tb
         batch = tb.payload
         if not isinstance(batch, PackedBatch):
             raise TypeError(f"micro-batch {tb.step}/{tb.index} was not collated by the TorchCollator")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        logp, _ = token_logprobs(self.model, batch, self.settings.temperature)
+        if not backward:
+            with torch.no_grad():
+                token_logprobs(self._net, batch, self.settings.temperature)
+            self._reshard()
+            return
+        logp, _ = token_logprobs(self._net, batch, self.settings.temperature)
         (logp.sum() * 0.0).backward()
 
     def memory(self) -> dict[str, float]:
@@ -154,6 +189,8 @@ class ShardedCompute(TrainerCompute):
         tensors, or (`fill`, before a load) zeros of their shapes to load into."""
         out: dict[str, dict[str, Any]] = {}
         for name, p in self._sharded.items():
+            if not p.requires_grad:  # (LoRA: the frozen base has no optimizer state)
+                continue
             if fill:
                 out[name] = {
                     "step": torch.zeros((), dtype=torch.float32),
@@ -184,6 +221,10 @@ class ShardedCompute(TrainerCompute):
                 "nonfinite_steps": self._nonfinite_steps,
                 "consecutive_skips": self._consecutive_skips,
             }
+            if self._adapters:  # LoRA: the version's adapters whole, for the model export (read_full_weights)
+                snapshot = self.committed_weights()
+                assert snapshot is not None and snapshot.version == version
+                meta["adapters"] = snapshot.payload
             torch.save(meta, directory / META_FILE)
 
     def load_state(self, directory: Path) -> int:
@@ -195,7 +236,8 @@ class ShardedCompute(TrainerCompute):
             dcp.load(state, checkpoint_id=directory)
         if meta["has_optim"]:
             for name, p in self._sharded.items():
-                self._optimizer.state[p] = state["optim"][name]
+                if p.requires_grad:
+                    self._optimizer.state[p] = state["optim"][name]
         for group, saved in zip(self._optimizer.param_groups, meta["param_groups"], strict=True):
             group.update(saved)
         self._scheduler.load_state_dict(meta["scheduler"])
@@ -210,10 +252,13 @@ class ShardedCompute(TrainerCompute):
 
 def read_full_weights(directory: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """(version, full weights by parameter name) of a sharded trainer state in `directory`, read
-    in this one process (no process group: for the model export). Tied weights appear once."""
+    in this one process (no process group: for the model export). Tied weights appear once. With
+    LoRA (train.lora) the version's adapter payload instead, which rank 0 wrote whole."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=True)
+    if "adapters" in meta:  # LoRA: the adapter payload (relayrl.models.lora)
+        return int(meta["version"]), dict(meta["adapters"])
     reader = dcp.FileSystemReader(directory)
     entries = reader.read_metadata().state_dict_metadata
     prefix = "model."
@@ -244,6 +289,47 @@ def _error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
 
 
+@dataclass(slots=True)
+class RankParts:
+    """What one rank builds its `ShardedCompute` from: its copy of the model (every rank's the
+    same), the settings, the (unsharded) reference model, and the rank's device."""
+
+    model: PreTrainedModel
+    settings: TrainerSettings
+    ref_model: PreTrainedModel | None
+    device: torch.device
+
+
+def join_group(rank: int, world_size: int, addr: str, port: int, device: torch.device) -> None:
+    """Join the ranks' process group as `rank` (gloo on the CPU, NCCL on CUDA with `device`
+    current), rank 0 serving the rendezvous at `addr`:`port`."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
+
+
+def serve(compute: ShardedCompute, op: str, arg: Any) -> object:
+    """Run one compute request (`op`: train, optim, memory, load) on this rank; returns the reply
+    (after a commit or a load rank 0's carries the version's weights and metrics)."""
+    if op == "train":
+        tb, idle = arg
+        if idle:  # (a round of a later minibatch: no-grad forwards, see TrainerCompute.train_step)
+            compute.idle_step(tb, backward=not (compute.settings.several_updates and tb.minibatch != 0))
+        else:
+            compute.train_step(tb)
+        return None
+    if op == "optim":
+        version = compute.optim_step()
+        return (version, compute.committed_weights(), compute.metrics()) if compute.rank == 0 else (version, None, None)
+    if op == "memory":
+        return compute.memory()
+    if op == "load":
+        version = compute.load_state(Path(arg))
+        return (version, compute.committed_weights(), compute.metrics()) if compute.rank == 0 else (version, None, None)
+    raise ValueError(f"unknown request {op!r}")
+
+
 def rank_main(
     rank: int,
     world_size: int,
@@ -256,14 +342,11 @@ def rank_main(
 ) -> None:
     """The body of rank `rank` (a spawned process)."""
     lock = threading.Lock()
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(settings.torch_threads or 1)
     try:
-        cuda = device.startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-        compute = ShardedCompute(model, settings, ref_model, torch.device("cuda", rank) if cuda else torch.device("cpu"))
+        where = torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+        join_group(rank, world_size, "127.0.0.1", port, where)
+        compute = ShardedCompute(model, settings, ref_model, where)
         del model, ref_model
     except BaseException as exc:
         _reply(conn, lock, 0, False, _error(exc))
@@ -297,24 +380,7 @@ def rank_main(
     while (item := work.get()) is not None:
         rid, op, arg = item
         try:
-            value: object = None
-            if op == "train":
-                tb, idle = arg
-                if idle:
-                    compute.idle_step(tb)
-                else:
-                    compute.train_step(tb)
-            elif op == "optim":
-                version = compute.optim_step()
-                value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
-            elif op == "memory":
-                value = compute.memory()
-            elif op == "load":
-                version = compute.load_state(Path(arg))
-                value = (version, compute.committed_weights(), compute.metrics()) if rank == 0 else (version, None, None)
-            else:
-                raise ValueError(f"unknown request {op!r}")
-            _reply(conn, lock, rid, True, value)
+            _reply(conn, lock, rid, True, serve(compute, op, arg))
         except BaseException as exc:
             _reply(conn, lock, rid, False, _error(exc))
     dist.destroy_process_group()

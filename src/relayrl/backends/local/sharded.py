@@ -9,8 +9,13 @@ its copy of the model. Each pipe has a reader thread here that settles the answe
 Rounds: FSDP needs every rank to run each forward and backward pass together, so micro-batches
 are held until there is one per rank (a round) and then sent, the largest first, one per rank;
 the step's last, partial round goes out with `optim_step`, the ranks without a micro-batch
-running a zero-loss pass on another's. Holding rather than waiting for a "final" flag keeps the
-trainer busy while the orchestrator packs the next micro-batches, and needs no change to
+running a zero-loss pass on another's. With several updates per step (`train.ppo_epochs` ×
+`train.minibatches_per_step` > 1) a round never mixes minibatches (the first is trained on
+arrival, the others only get a no-grad forward: the ranks' passes must be of one kind), so each
+minibatch ends with its partial round; the later updates run inside `optim_step`, each rank on the
+micro-batches it kept, padded with zero-loss passes to the most any rank holds of that minibatch (and, FSDP leaving the
+root unit gathered after a no-grad forward, resharded after each). Holding rather than waiting for
+a "final" flag keeps the trainer busy while the orchestrator packs the next micro-batches, and needs no change to
 `TrainBatch`; a round's micro-batches come from one packing plan, so their token counts are
 close. The loss normaliser stays the step's (the micro-batch carries it) and rank gradients are
 summed, so N ranks compute the one-rank step.
@@ -52,9 +57,10 @@ class RankFailed(RunFailed):
     """A rank of the sharded trainer died or its connection broke; names the rank."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (for the ranks' rendezvous)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -118,99 +124,28 @@ class _Rank:
                 future.set_exception(dead)
 
 
-class ShardedTrainer(Trainer):
-    """`world_size` rank processes training `model` with FSDP2 (see the module)."""
+class RankedTrainer(Trainer):
+    """The `Trainer` the orchestrator sees in front of `world_size` ranks: the rounds, and the
+    answers kept from rank 0's last reply (see the module). A host sends the requests: `_all`."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        settings: TrainerSettings,
-        world_size: int,
-        ref_model: PreTrainedModel | None = None,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, world_size: int) -> None:
         if world_size < 1:
             raise ValueError(f"train.world_size = {world_size}: the sharded trainer needs a rank at least")
-        self.settings = settings
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._ids = itertools.count(1)
-        self._ranks: list[_Rank] = []
-        for r in range(world_size):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(
-                target=rank_main,
-                args=(r, world_size, port, child, model, settings, ref_model, str(device)),
-                name=f"relayrl-trainer-rank{r}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            self._ranks.append(_Rank(r, process, parent))
-        self._ready = False
         self._held: list[TrainBatch] = []
         self._train_time: dict[int, float] = {}
         self._optim_time: dict[int, float] = {}  # without the step's last round, which optim_step runs first
         self._snapshot: Weights | None = None
         self._slot: dict[str, float] = {}
-        self._closed = False
-
-    @property
-    def pids(self) -> list[int]:
-        """The ranks' process ids, rank 0 first."""
-        return [int(rank.process.pid) for rank in self._ranks]
 
     async def _start(self) -> None:
-        if not self._ready:
-            answers = await self._gather([asyncio.wrap_future(rank.started) for rank in self._ranks])
-            self._snapshot, self._slot = answers[0]
-            self._ready = True
-
-    async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
-        """Every rank's answer; the first failure is raised at once, as the death of a rank if
-        one died (the others may notice first: their collective with it broke)."""
-        try:
-            return list(await asyncio.gather(*waits))
-        except RankFailed:
-            raise
-        except Exception as exc:
-            dead = await asyncio.to_thread(self._dead_rank, DEATH_GRACE_S)
-            if dead is not None:
-                raise dead from exc
-            raise
-        finally:
-            for w in waits:
-                if not w.done():
-                    w.cancel()
-
-    def _dead_rank(self, grace_s: float) -> RankFailed | None:
-        """The failure of the first rank that has died, waiting up to `grace_s` for one to. Read
-        off what each rank's pipe reader found (its end of the pipe closes when the rank dies; the
-        reader reaps it and names its exit code): only that thread waits for the process, as two
-        threads reaping one process race (the loser sees it alive)."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            for rank in self._ranks:
-                if rank.dead is not None:
-                    return rank.dead
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.02)
+        """Wait until every rank is up (default: they are once constructed)."""
+        return None
 
     async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
-        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
-        await self._start()
-        rid = next(self._ids)
-        waits = [asyncio.wrap_future(rank.expect(rid)) for rank in self._ranks]
-        for rank, (op, arg) in zip(self._ranks, args, strict=True):
-            if rank.dead is not None:
-                raise rank.dead
-            try:
-                await asyncio.to_thread(rank.send, (rid, op, arg))
-            except (OSError, EOFError) as exc:
-                raise RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
-        return await self._gather(waits)
+        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first. A checkpoint
+        request ("save") runs beside the compute requests."""
+        raise NotImplementedError
 
     async def _round(self, batches: list[TrainBatch]) -> None:
         """One forward/backward round: the largest micro-batch to rank 0, and so on; the ranks
@@ -223,7 +158,12 @@ class ShardedTrainer(Trainer):
         self._train_time[step] = self._train_time.get(step, 0.0) + time.perf_counter() - start
 
     async def train_step(self, batch: TrainBatch) -> None:
-        """Holds `batch` until a round is full (one per rank), then trains the round."""
+        """Holds `batch` until a round is full (one per rank), then trains the round. A round
+        holds one minibatch's micro-batches only (several updates per step): a new minibatch
+        sends the previous one's partial round first."""
+        if self._held and self._held[0].minibatch != batch.minibatch:
+            held, self._held = self._held, []
+            await self._round(held)
         self._held.append(batch)
         if len(self._held) == self.world_size:
             held, self._held = self._held, []
@@ -278,6 +218,95 @@ class ShardedTrainer(Trainer):
         version, snapshot, slot = answers[0]
         self._snapshot, self._slot = snapshot, slot
         return int(version)
+
+
+class ShardedTrainer(RankedTrainer):
+    """`world_size` rank processes training `model` with FSDP2 (see the module)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: TrainerSettings,
+        world_size: int,
+        ref_model: PreTrainedModel | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(world_size)
+        self.settings = settings
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._ids = itertools.count(1)
+        self._ranks: list[_Rank] = []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(
+                target=rank_main,
+                args=(r, world_size, port, child, model, settings, ref_model, str(device)),
+                name=f"relayrl-trainer-rank{r}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._ranks.append(_Rank(r, process, parent))
+        self._ready = False
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, rank 0 first."""
+        return [int(rank.process.pid) for rank in self._ranks]
+
+    async def _start(self) -> None:
+        if not self._ready:
+            answers = await self._gather([asyncio.wrap_future(rank.started) for rank in self._ranks])
+            self._snapshot, self._slot = answers[0]
+            self._ready = True
+
+    async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
+        """Every rank's answer; the first failure is raised at once, as the death of a rank if
+        one died (the others may notice first: their collective with it broke)."""
+        try:
+            return list(await asyncio.gather(*waits))
+        except RankFailed:
+            raise
+        except Exception as exc:
+            dead = await asyncio.to_thread(self._dead_rank, DEATH_GRACE_S)
+            if dead is not None:
+                raise dead from exc
+            raise
+        finally:
+            for w in waits:
+                if not w.done():
+                    w.cancel()
+
+    def _dead_rank(self, grace_s: float) -> RankFailed | None:
+        """The failure of the first rank that has died, waiting up to `grace_s` for one to. Read
+        off what each rank's pipe reader found (its end of the pipe closes when the rank dies; the
+        reader reaps it and names its exit code): only that thread waits for the process, as two
+        threads reaping one process race (the loser sees it alive)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank in self._ranks:
+                if rank.dead is not None:
+                    return rank.dead
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
+        """Send request `args[r]` to rank r, every rank; their answers, rank 0 first."""
+        await self._start()
+        rid = next(self._ids)
+        waits = [asyncio.wrap_future(rank.expect(rid)) for rank in self._ranks]
+        for rank, (op, arg) in zip(self._ranks, args, strict=True):
+            if rank.dead is not None:
+                raise rank.dead
+            try:
+                await asyncio.to_thread(rank.send, (rid, op, arg))
+            except (OSError, EOFError) as exc:  # (its death, once its process has ended)
+                dead = await asyncio.to_thread(self._dead_rank, DEATH_GRACE_S)
+                raise dead or RankFailed(f"sharded trainer rank {rank.rank} (pid {rank.process.pid}): cannot send {op} ({exc})") from exc
+        return await self._gather(waits)
 
     async def memory(self) -> list[dict[str, float]]:
         """Per rank (waiting behind its compute): peak RSS, its shard's parameter and optimizer bytes."""

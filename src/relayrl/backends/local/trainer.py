@@ -123,6 +123,26 @@ class _Kept:
     proximal: torch.Tensor
 
 
+def merge_stats(parts: list[_StepStats], into: _StepStats | None = None) -> _StepStats:
+    """The statistics of the micro-batches of every part (e.g. one per rank), added to `into`
+    (default: new ones)."""
+    out = into if into is not None else _StepStats()
+    for st in parts:
+        out.loss += st.loss
+        out.tokens += st.tokens
+        out.loss_tokens += st.loss_tokens
+        out.microbatches += st.microbatches
+        for k, v in st.sums.items():
+            out.sums[k] = out.sums.get(k, 0.0) + v
+        for k, n in st.weights.items():
+            out.weights[k] = out.weights.get(k, 0) + n
+        for k, v in st.maxes.items():
+            out.maxes[k] = max(out.maxes.get(k, -math.inf), v)
+        for k, v in st.mins.items():
+            out.mins[k] = min(out.mins.get(k, math.inf), v)
+    return out
+
+
 # per pass, these statistics are reported as `<key>_epoch<pass>` (several updates per step only)
 EPOCH_STATS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "ppo_kl")
 
@@ -190,6 +210,8 @@ class TrainerCompute:
         self._slot_lock = threading.Lock()
 
     # -- hooks a sharded compute (backends/local/ranks.py) overrides --------------------------
+    world_size = 1  # processes that train a step together (each a part of its micro-batches)
+
     def wrap_model(self, model: PreTrainedModel) -> None:
         """Wrap the policy in place before the optimizer is made. Default: nothing (one process)."""
         return None
@@ -197,6 +219,20 @@ class TrainerCompute:
     def gather_stats(self, stats: _StepStats) -> _StepStats:
         """The step's statistics over every process that trained a part of it. Default: this one's."""
         return stats
+
+    def agree_counts(self, counts: dict[int, int]) -> dict[int, int]:
+        """Per minibatch, the forward and backward passes every process runs in each update after
+        the first (`counts`: this one's kept micro-batches). Default: this one's."""
+        return counts
+
+    def sum_loss(self, loss: float) -> float:
+        """An update's loss summed over every process that trained a part of it. Default: this one's."""
+        return loss
+
+    def idle_step(self, tb: TrainBatch | None, backward: bool = True) -> None:
+        """A pass that adds nothing, on `tb` (None: any micro-batch this process saw), for a
+        process with fewer micro-batches than another in an update. Never needed by one process."""
+        raise NotImplementedError("idle_step: a one-process trainer never idles")
 
     def clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
         """Clip the gradients to `max_grad_norm`; returns their global norm before clipping."""
@@ -347,17 +383,29 @@ class TrainerCompute:
         """The step's updates after the first (several updates per step), pass by pass, minibatch
         by minibatch, against the kept proximal log-probs: per update (gradient norm, applied,
         loss), and per pass after the first its figures (the first pass's go to `self._stats`)."""
-        minibatches = sorted({k.batch.minibatch for k in self._kept})
+        own: dict[int, int] = {}
+        for kept in self._kept:
+            own[kept.batch.minibatch] = own.get(kept.batch.minibatch, 0) + 1
+        counts = self.agree_counts(own)  # (sharded: the most any rank holds, so the ranks' passes match)
+        minibatches = sorted(counts)
         updates: list[tuple[float, bool, float]] = []
-        passes = [self._stats] + [_StepStats() for _ in range(1, self.settings.ppo_epochs)]
+        sharded = self.world_size > 1  # (the first pass's figures so far were gathered over the ranks already)
+        passes = [_StepStats() if sharded else self._stats] + [_StepStats() for _ in range(1, self.settings.ppo_epochs)]
         for epoch, st in enumerate(passes):
             for k in minibatches[1:] if epoch == 0 else minibatches:  # the first pass's first minibatch: the first update
-                loss = 0.0
+                loss, ran = 0.0, 0
                 for kept in self._kept:
                     if kept.batch.minibatch == k:
                         loss += self._accumulate(kept.batch, self._on_device(kept.batch), st, kept.proximal)[1]
+                        ran += 1
+                for _ in range(counts[k] - ran):
+                    self.idle_step(self._kept[0].batch if self._kept else None)
+                loss = self.sum_loss(loss)
                 grad_norm, applied = self._update(loss)
                 updates.append((grad_norm, applied, loss))
+        if sharded:
+            passes = [self.gather_stats(st) for st in passes]
+            merge_stats([passes[0]], into=self._stats)  # (in place: the caller holds it)
         return updates, passes[1:]
 
     def optim_step(self) -> int:

@@ -379,8 +379,9 @@ class RayTrainer(Trainer):
     back, and the actor starts it the moment the update ends. `queued_ahead` counts the
     micro-batches sent so."""
 
-    def __init__(self, actor: Any, queue_ahead: bool = True) -> None:
+    def __init__(self, actor: Any, queue_ahead: bool = True, ranks: int = 1) -> None:
         self.actor = actor
+        self.ranks = ranks  # > 1: the actor is rank 0 of the sharded trainer (ray/ranks.py)
         self.spans = ActorSpans("actor:trainer")
         self._queue_ahead = queue_ahead
         self.queued_ahead = 0  # micro-batches sent behind an optim_step so far
@@ -395,7 +396,8 @@ class RayTrainer(Trainer):
         return self._queue_ahead
 
     def _gone(self, exc: BaseException, method: str) -> TrainerActorDiedError:
-        return TrainerActorDiedError(f"trainer actor died: {type(exc).__name__} during {method}: {exc}")
+        which = "" if self.ranks == 1 else f" (sharded trainer rank 0 of {self.ranks})"
+        return TrainerActorDiedError(f"trainer actor{which} died: {type(exc).__name__} during {method}: {exc}")
 
     async def _send(self, method: str, *args: Any, **span_args: object) -> _Sent:
         """Send one training call, numbered in the order the actor must run it."""

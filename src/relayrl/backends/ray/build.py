@@ -25,6 +25,11 @@ GPUs: an actor whose device (train.device, rollout.device) is CUDA asks for one 
 Ray then sets the actor's CUDA_VISIBLE_DEVICES, and the actor resolves its device itself (the
 local kind: `relayrl.backends.local.devices`). The sim computes nowhere and asks for none.
 
+Sharded trainer (train.world_size = N > 1): the trainer is N actors, one per rank, in a placement
+group of N bundles of `ray.trainer_resources` (strategy PACK; see `relayrl.backends.ray.ranks`),
+rank 0 the trainer actor the driver talks to; the resource check counts N of them. The placement
+group is removed with the backend.
+
 Invariant: the cluster is closed with the backend (`Backend.cleanup`), and at once if building
 fails; a started cluster is shut down, a joined one is left running.
 """
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relayrl.backends.bundle import Backend
@@ -151,15 +156,33 @@ def place_on_ray(cfg: Config, compute: Compute, evaluate: bool) -> Backend:
     `evaluate`: build the greedy engine (in this process) for the held-out evaluation."""
     cluster = connect(cfg.ray)
     actors: list[Any] = []
+    cleanups: list[Callable[[], None]] = []  # before the cluster closes (the trainer's placement group)
     try:
-        return _place(cfg, compute, evaluate, cluster, actors)
+        return _place(cfg, compute, evaluate, cluster, actors, cleanups)
     except BaseException:
         _kill(actors)
-        cluster.close()
+        _close(cleanups, cluster)
         raise
 
 
-def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, actors: list[Any]) -> Backend:
+def _close(cleanups: list[Callable[[], None]], cluster: RayCluster) -> None:
+    for cleanup in cleanups:
+        try:
+            cleanup()
+        except Exception:
+            pass
+    cluster.close()
+
+
+def _remove_group(group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
+
+
+def _place(
+    cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, actors: list[Any], cleanups: list[Callable[[], None]]
+) -> Backend:
     import ray
 
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, ResolvingEngine, SamplerActor, TrainerActor, attach_tracer
@@ -176,9 +199,14 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
             trainer_key += f" (with train.device = {cfg.train.device!r})"
         if sampler_res is not cfg.ray.sampler_resources:
             sampler_key += f" (with rollout.device = {cfg.rollout.device!r})"
+    ranks = cfg.train.world_size  # > 1: one trainer actor per rank, in a placement group (ray/ranks.py)
+    if ranks > 1:
+        from relayrl.backends.ray.ranks import DEFAULT_BUNDLE
+
+        trainer_res = trainer_res or dict(DEFAULT_BUNDLE)
     check_resources(
         [
-            ("the trainer actor", trainer_key, trainer_res, 1),
+            ("the trainer actor" if ranks == 1 else f"each of the {ranks} trainer rank actors", trainer_key, trainer_res, ranks),
             ("each sampler actor", sampler_key, sampler_res, replicas),
         ],
         total,
@@ -187,26 +215,37 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
     sampler_opts = actor_options(sampler_res)
     trainer_opts = actor_options(trainer_res)
     started = time.perf_counter()
+    trainer_is = "the trainer" if ranks == 1 else f"the trainer's {ranks} ranks (a placement group, PACK)"
     say(
-        f"starting {1 + replicas} Ray actors: the trainer{_asking(trainer_res)} and {replicas} sampler "
+        f"starting {ranks + replicas} Ray actors: {trainer_is}{_asking(trainer_res)} and {replicas} sampler "
         f"replica{'s' if replicas != 1 else ''}{_asking(sampler_res)}; each builds its worker (loads its model)"
     )
-    trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)
+    group = None
+    rank_actors: list[Any] = []
+    if ranks > 1:
+        from relayrl.backends.ray.ranks import place_ranks
+
+        group, trainer_actor, rank_actors = place_ranks(compute.trainer, ranks, trainer_res)  # type: ignore[arg-type]
+        cleanups.append(functools.partial(_remove_group, group))
+    else:
+        trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)
     actors.append(trainer_actor)
+    actors.extend(rank_actors)
     sampler_actors = []
     for factory, placement in zip(compute.samplers, spread(replicas, sampler_res), strict=True):
         actor = SamplerActor.options(**sampler_opts, **placement).remote(factory)
         actors.append(actor)
         sampler_actors.append(actor)
-    names = ["trainer", *(f"sampler {i}" for i in range(replicas))]
-    asks = [trainer_res, *([sampler_res] * replicas)]
+    names = ["trainer" if ranks == 1 else "trainer rank 0", *(f"trainer rank {r}" for r in range(1, ranks))]
+    names += [f"sampler {i}" for i in range(replicas)]
+    asks = [*([trainer_res] * ranks), *([sampler_res] * replicas)]
     _await_ready(actors, names, asks, started)
     say(f"Ray actors ready in {time.perf_counter() - started:.1f}s")
     greedy = None
     if evaluate and compute.greedy_engine is not None:
         say("loading the held-out evaluation's engine in this process")
         greedy = ResolvingEngine(compute.greedy_engine())
-    trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead)
+    trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead, ranks=ranks)
     ray_samplers = [RaySampler(a, i, interruptible=cfg.rollout.interrupts) for i, a in enumerate(sampler_actors)]
     samplers: list[Sampler] = list(ray_samplers)
     return compute.backend(
@@ -214,7 +253,7 @@ def _place(cfg: Config, compute: Compute, evaluate: bool, cluster: RayCluster, a
         samplers=samplers,
         greedy=greedy,
         startup={"ray_start": cluster.start_seconds},
-        cleanup=cluster.close,
+        cleanup=functools.partial(_close, cleanups, cluster),
         attach_tracer=functools.partial(attach_tracer, [trainer, *ray_samplers]),
     )
 

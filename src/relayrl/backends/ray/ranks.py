@@ -1,0 +1,235 @@
+"""The sharded trainer on Ray (`train.world_size = N > 1` with `ray.enabled`): N trainer actors,
+one per rank, in one placement group, rank 0 being the trainer actor the driver talks to.
+
+Placement: one bundle per rank, each `ray.trainer_resources` (or `{CPU: 1}` when that is empty:
+Ray refuses empty bundles, and a rank computes), strategy PACK: Ray puts the ranks on one node
+when one has room for all (their per-layer collectives then stay inside the node), and on
+several otherwise, which the process group supports (the rendezvous is at rank 0's node address).
+STRICT_PACK would leave a trainer that outgrows a node unplaceable.
+
+Start-up: the driver starts the rank actors 1..N-1 (`RankActor`; each only keeps its factory),
+then rank 0, the `TrainerActor` whose worker `ShardedRayFactory` builds: it picks its node's IP
+address and a free port, asks each other rank to join there (`RankActor.join`), joins itself
+(gloo on the CPU, NCCL on CUDA) and builds its `ShardedCompute` (the same FSDP2 compute as the
+local ranks': `relayrl.backends.local.ranks`) while they build theirs; a rank that fails to start
+fails rank 0's constructor, naming it.
+
+Serving: rank 0's worker is a `RankedTrainer` (rounds and answers as the local sharded trainer's):
+each request goes to rank 0's own compute thread and, as an actor call, to the other ranks (their
+"compute" group runs them one at a time, in order; a checkpoint runs in their "ckpt" group beside
+it); a micro-batch crosses as numpy arrays (`relayrl.backends.ray.transport`). Weights travel
+as with one rank: rank 0's full state dict, put into the object store (as numpy arrays) once per
+version by the trainer actor; the other ranks send none.
+
+Invariants: every rank gets the same sequence of compute requests; a rank actor that dies fails
+the call in flight, and every later one, with a `RankFailed` naming the rank; closing rank 0's
+worker ends the other ranks' actors (the driver removes the placement group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import ray
+
+from relayrl.backends.local.ranks import RankParts, ShardedCompute, join_group, serve
+from relayrl.backends.local.sharded import RankedTrainer, RankFailed, free_port
+from relayrl.backends.ray.transport import decode, encode
+from relayrl.errors import RunFailed
+
+DEFAULT_BUNDLE: dict[str, float] = {"CPU": 1.0}  # a rank's bundle when ray.trainer_resources is empty
+
+
+class RankFactory(Protocol):
+    """A compute kind's trainer factory that can build one rank's parts (in the rank's actor)."""
+
+    def rank_parts(self) -> RankParts: ...
+
+
+def _build(factory: RankFactory, rank: int, world_size: int, addr: str, port: int) -> ShardedCompute:
+    import torch
+
+    parts = factory.rank_parts()
+    torch.set_num_threads(parts.settings.torch_threads or 1)
+    join_group(rank, world_size, addr, port, parts.device)
+    return ShardedCompute(parts.model, parts.settings, parts.ref_model, parts.device)
+
+
+class _RankActor:
+    """Rank `rank` ≥ 1 of the sharded trainer: its compute, built when rank 0 says where to join."""
+
+    def __init__(self, factory: RankFactory, rank: int, world_size: int) -> None:
+        self._factory = factory
+        self.rank = rank
+        self.world_size = world_size
+        self._compute: ShardedCompute | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    @ray.method(concurrency_group="compute")
+    def join(self, addr: str, port: int) -> None:
+        self._compute = _build(self._factory, self.rank, self.world_size, addr, port)
+
+    @ray.method(concurrency_group="compute")
+    def request(self, op: str, arg: Any) -> object:
+        assert self._compute is not None, "rank actor: a request before join"
+        if op == "train":
+            tb, idle = arg
+            arg = (dataclasses.replace(tb, payload=decode(tb.payload, writable=True)), idle)
+        return serve(self._compute, op, arg)
+
+    @ray.method(concurrency_group="ckpt")
+    def save(self, directory: str) -> None:
+        assert self._compute is not None, "rank actor: a checkpoint before join"
+        self._compute.save_state(Path(directory))
+
+
+RankActor: Any = ray.remote(concurrency_groups={"compute": 1, "ckpt": 1})(_RankActor)
+
+
+def _encoded(op: str, arg: Any) -> Any:
+    """A request's argument as it crosses to a rank actor: a micro-batch's tensors as numpy
+    arrays (`relayrl.backends.ray.transport`), as between the driver and the trainer actor."""
+    if op != "train":
+        return arg
+    tb, idle = arg
+    return dataclasses.replace(tb, payload=encode(tb.payload)), idle
+
+
+def _died(rank: int, exc: BaseException) -> RankFailed:
+    return RankFailed(f"sharded trainer rank {rank} (Ray actor) died: {type(exc).__name__}")
+
+
+class ShardedRayFactory:
+    """Rank 0's worker factory (called in the trainer actor): joins the ranks' group with the
+    other ranks' actors and returns the `RayShardedTrainer` (see the module)."""
+
+    def __init__(self, factory: RankFactory, ranks: Sequence[Any]) -> None:
+        self.factory = factory
+        self.ranks = list(ranks)  # the actors of ranks 1..N-1
+
+    def __call__(self) -> RayShardedTrainer:
+        world_size = 1 + len(self.ranks)
+        addr = ray.util.get_node_ip_address()
+        port = free_port(addr)
+        joins = {actor.join.remote(addr, port): r for r, actor in enumerate(self.ranks, start=1)}
+        built: concurrent.futures.Future[ShardedCompute] = concurrent.futures.Future()
+
+        def own() -> None:
+            try:
+                built.set_result(_build(self.factory, 0, world_size, addr, port))
+            except BaseException as exc:
+                built.set_exception(exc)
+
+        # rank 0's own start in a thread (it waits for the others in the rendezvous), so that a
+        # rank that fails to start is reported instead of waited for
+        threading.Thread(target=own, name="relayrl-rank0-start", daemon=True).start()
+        pending = list(joins)
+        while pending:
+            if built.done():
+                built.result()  # (raises rank 0's own failure: the others would wait for it for ever)
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    raise RankFailed(f"sharded trainer rank {joins[ref]} could not start: {exc}") from exc
+        return RayShardedTrainer(built.result(), self.ranks)
+
+
+class RayShardedTrainer(RankedTrainer):
+    """Rank 0's worker: its own `ShardedCompute` on a thread of its own, the other ranks'
+    through their actors (see the module)."""
+
+    def __init__(self, compute: ShardedCompute, ranks: Sequence[Any]) -> None:
+        super().__init__(compute.world_size)
+        self.compute = compute
+        self._ranks = list(ranks)
+        threads = compute.settings.torch_threads or 1
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="relayrl-trainer-rank0", initializer=_set_threads, initargs=(threads,)
+        )
+        self._snapshot = compute.committed_weights()
+        self._slot = compute.metrics()
+        self._dead: RankFailed | None = None
+        self._closed = False
+
+    async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
+        if self._dead is not None:
+            raise self._dead
+        op, arg = args[0]
+        local: asyncio.Future[Any]
+        if op == "save":  # beside a running compute request, on each rank
+            local = asyncio.ensure_future(asyncio.to_thread(self.compute.save_state, Path(arg)))
+            remote = [actor.save.remote(a) for actor, (_, a) in zip(self._ranks, args[1:], strict=True)]
+        else:
+            local = asyncio.wrap_future(self._executor.submit(serve, self.compute, op, arg))
+            remote = [actor.request.remote(o, _encoded(o, a)) for actor, (o, a) in zip(self._ranks, args[1:], strict=True)]
+        waits: list[asyncio.Future[Any]] = [local, *(asyncio.ensure_future(self._answer(r, ref)) for r, ref in enumerate(remote, start=1))]
+        try:
+            # the first failure at once (rank 0's thread may be stuck in a collective with a dead rank)
+            return list(await asyncio.gather(*waits))
+        finally:
+            for w in waits[1:]:
+                if not w.done():
+                    w.cancel()
+
+    async def _answer(self, rank: int, ref: Any) -> Any:
+        try:
+            return await ref
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            self._dead = _died(rank, exc)
+            raise self._dead from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            if isinstance(cause, RunFailed):  # (e.g. a non-finite step under "fail": every rank's)
+                raise cause from exc
+            raise RuntimeError(f"sharded trainer rank {rank}: {type(cause).__name__}: {cause}") from exc
+
+    async def close(self) -> None:
+        """End the other ranks' actors; rank 0's thread is not waited for (a collective with a
+        dead rank may hold it: it ends with the trainer actor)."""
+        if self._closed:
+            return
+        self._closed = True
+        for actor in self._ranks:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def place_ranks(factory: RankFactory, world_size: int, bundle: dict[str, float]) -> tuple[Any, Any, list[Any]]:
+    """Start the sharded trainer's actors in a new placement group of `world_size` bundles of
+    `bundle` (PACK): (the placement group, rank 0's `TrainerActor`, the other ranks' actors).
+    The caller awaits the actors' `ready` and removes the placement group at the end."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from relayrl.backends.ray.actors import TrainerActor
+    from relayrl.backends.ray.build import actor_options
+
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK", name="")
+    options = actor_options(bundle)
+
+    def at(index: int) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        return {**options, "scheduling_strategy": strategy}
+
+    ranks = [RankActor.options(**at(r)).remote(factory, r, world_size) for r in range(1, world_size)]
+    rank0 = TrainerActor.options(**at(0)).remote(ShardedRayFactory(factory, ranks))
+    return group, rank0, ranks

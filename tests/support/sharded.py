@@ -1,0 +1,50 @@
+"""Collated micro-batches of arithmetic trajectories, for the sharded trainer's tests (local and
+on Ray): the same steps fed to it and to the one-process trainer."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from relayrl.backends.local.collate import TorchCollator
+from relayrl.packing import build_microbatch, plan
+from relayrl.types import Prompt, TrainBatch
+from support.trajectories import trajectory
+
+
+def microbatch_steps(tok: Any, steps: int = 3, minibatches: int = 1) -> list[list[TrainBatch]]:
+    """`steps` steps of 3 micro-batches each (of different sizes): a full round of 2 and a partial
+    one; with `minibatches` > 1 every micro-batch made (10 groups of one, minibatch by minibatch)."""
+    rng = random.Random(0)
+    out: list[list[TrainBatch]] = []
+    for step in range(steps):
+        trajs = []
+        for i in range(10):
+            a, b = rng.randrange(10, 99), rng.randrange(10, 99)
+            ids = tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"]
+            completion = tok(str(a + b + rng.choice([0, 0, 1])), add_special_tokens=False)["input_ids"][: rng.randrange(1, 4)]
+            p = Prompt(f"p{i}", f"{a}+{b}=", str(a + b))
+            trajs.append(
+                trajectory(
+                    sample=i,
+                    prompt=p,
+                    prompt_tokens=ids,
+                    completion_tokens=completion,
+                    logprob=-1.5 - 0.1 * i,
+                    text="",
+                    advantage=rng.uniform(-1, 1),
+                    group=i if minibatches > 1 else 0,
+                )
+            )
+        pp = plan(trajs, 24, 1, share_prompt=False, minibatches=minibatches)
+        batches = []
+        for index in range(len(pp.microbatches)):
+            mb = build_microbatch(step, index, trajs, pp)
+            mb.payload = TorchCollator(pad_token_id=0).collate(mb)
+            batches.append(mb.train_batch())
+        if minibatches > 1:
+            out.append(batches)
+            continue
+        out.append(batches[: len(batches) - 1 + len(batches) % 2])  # (the normaliser still counts a dropped one: fine for both)
+    assert minibatches > 1 or all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
+    return out
