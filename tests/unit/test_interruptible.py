@@ -210,7 +210,6 @@ def test_interruptible_has_no_effect_at_staleness_0() -> None:
     ("overrides", "names"),
     [
         (["task.environment=arithmetic_feedback"], "task.environment"),
-        (["run.backend=local", "rollout.engine=vllm"], "rollout.engine = 'vllm'"),
     ],
 )
 def test_interruptible_refused_where_unsupported(overrides: list[str], names: str) -> None:
@@ -218,6 +217,11 @@ def test_interruptible_refused_where_unsupported(overrides: list[str], names: st
         load_config(None, ["rollout.interruptible=true", *overrides])
     message = str(info.value)
     assert "rollout.interruptible" in message and names in message and "\n" not in message
+
+
+def test_interruptible_is_accepted_with_the_vllm_engine() -> None:
+    cfg = load_config(None, ["rollout.interruptible=true", "rollout.max_staleness=1", "run.backend=local", "rollout.engine=vllm"])
+    assert cfg.rollout.interrupts
 
 
 def test_bench_printout_puts_waiting_and_interruptible_rounds_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:

@@ -322,8 +322,10 @@ class RolloutConfig(_Section):
     generation goes on with the new weights, keeping the KV cache of its earlier tokens (the
     approximation PipelineRL and AReaL make). Each token records the version that sampled it and
     its log-prob is that version's; a trajectory's staleness is its oldest token's. No effect at
-    max_staleness = 0 (every round then waits, exactly synchronous). Refused with
-    task.environment (multi-turn episodes) and with engine = "vllm"."""
+    max_staleness = 0 (every round then waits, exactly synchronous). With engine = "vllm" the
+    replica pauses its engine between two steps, keeping the running requests, loads, and
+    resumes: their KV so far is recomputed with the new weights. Refused with task.environment
+    (multi-turn episodes)."""
     engine: Literal["hf", "vllm"] = "hf"
     """The rollout engine of the local backend: "hf", relayrl's own decode loop on the Hugging Face
     model; "vllm", one vLLM AsyncLLM engine per sampler replica (needs the vllm extra:
@@ -875,11 +877,6 @@ class Config(_Section):
             raise ValueError(
                 "rollout.interruptible = true is not supported with task.environment (multi-turn episodes keep KV caches"
                 " between turns): set rollout.interruptible = false"
-            )
-        if self.rollout.interruptible and self.rollout.engine == "vllm":
-            raise ValueError(
-                "rollout.interruptible = true is not supported with rollout.engine = 'vllm' (its loads wait for running"
-                " requests): set rollout.engine = 'hf' or rollout.interruptible = false"
             )
         if self.train.lora is not None and self.run.backend != "local":
             raise ValueError(f"train.lora needs run.backend = 'local' (the {self.run.backend!r} backend trains no model)")
