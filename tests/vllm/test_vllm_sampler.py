@@ -250,3 +250,9 @@ def test_an_interruptible_load_lands_mid_generation_and_the_later_tokens_are_the
 
     (after,) = loop.run(long.generate([_request(prompt, 1, n=2)]))
     assert after.policy_version == v0 + 1 and all(c.versions is None for c in after.completions)
+
+    # a load from another event loop (a Ray actor serves loads on its `load` group's own loop)
+    # runs on the replica's loop
+    asyncio.run(asyncio.wait_for(long.load_weights(Weights(version=v0 + 2, payload=old_state)), 120))
+    (again,) = loop.run(long.generate([_request(prompt, 2, n=1)]))
+    assert again.policy_version == v0 + 2 and long.version == v0 + 2

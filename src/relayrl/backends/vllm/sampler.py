@@ -25,7 +25,10 @@ Invariants:
   `seed_key` or a turn's `rng_key`, policy version) only (vLLM gives the n samples of one request
   seeds seed, seed + 1, ...);
 - a cancelled or failed call aborts its engine requests before it returns, so nothing keeps
-  sampling for a caller that has gone.
+  sampling for a caller that has gone;
+- every call runs on one event loop, the first caller's (the engine's client and the gate belong
+  to it): a call made from another loop is run there (a Ray actor serves an interruptible
+  replica's loads on its `load` concurrency group's own loop).
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ import hashlib
 import itertools
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -50,6 +53,7 @@ from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest
 __all__ = ["VllmSampler", "request_seed", "model_shapes"]
 
 _TIED_HEAD = "lm_head.weight"
+_T = TypeVar("_T")
 
 
 def request_seed(seed: int, key: str, version: int) -> int:
@@ -110,6 +114,7 @@ class VllmSampler(Sampler):
         self._label: int | None = None  # the version the engine labels its tokens with (interruptible)
         self._gate: asyncio.Condition | None = None  # made on the first call's event loop
         self._closed = False
+        self._home: asyncio.AbstractEventLoop | None = None  # the loop every call runs on (the first caller's)
         self.last_load_s = 0.0  # seconds the last load took in the worker (benchmarks)
 
     @property
@@ -120,7 +125,9 @@ class VllmSampler(Sampler):
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         """Sample every request with the weights loaded when the call starts."""
-        batch = list(requests)
+        return await self._at_home(self._generate(list(requests)))
+
+    async def _generate(self, batch: list[SampleRequest]) -> list[GenerateResult]:
         if not batch:
             return []
         async with self._sampling(pinned=not self.interruptible) as version:
@@ -139,7 +146,9 @@ class VllmSampler(Sampler):
     async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         """Sample the next turn of every episode; the engine's prefix cache holds each episode's
         context KV between turns (full 32-token blocks), reset at every weight load."""
-        batch = list(requests)
+        return await self._at_home(self._generate_turns(list(requests)))
+
+    async def _generate_turns(self, batch: list[TurnRequest]) -> list[TurnResult]:
         if not batch:
             return []
         async with self._sampling(pinned=not self.interruptible) as version:
@@ -154,7 +163,9 @@ class VllmSampler(Sampler):
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completion tokens (EOS included when produced) of each prompt."""
-        prompts = [list(p) for p in prompts_tokens]
+        return await self._at_home(self._greedy([list(p) for p in prompts_tokens], max_new_tokens))
+
+    async def _greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         if not prompts:
             return []
         async with self._sampling(pinned=True):  # an evaluation is never interrupted
@@ -166,6 +177,9 @@ class VllmSampler(Sampler):
         worker in place, and reset the prefix cache; the payload is checked first. With
         `interruptible`, the engine is paused around the load, its running requests kept (see
         the module)."""
+        await self._at_home(self._load_weights(weights))
+
+    async def _load_weights(self, weights: Weights) -> None:
         state = self._checked(weights)
         gate = self._condition()
         try:  # a load cancelled while it waits must still readmit the calls behind it
@@ -200,6 +214,16 @@ class VllmSampler(Sampler):
         await asyncio.to_thread(engine.shutdown)
 
     # --- helpers ----------------------------------------------------------------------------
+
+    async def _at_home(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Await `coro` on the replica's loop (see the module): here when called from it, else run
+        there (cancelling this call cancels it there)."""
+        loop = asyncio.get_running_loop()
+        if self._home is None or self._home.is_closed():
+            self._home = loop
+        if loop is self._home:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
 
     async def _swap(self, path: str, version: int) -> None:
         """Load the weights file `path` into the engine (paused or idle) as `version`."""
