@@ -15,7 +15,7 @@ import support.vllmenv  # noqa: F401  (sets the environment vLLM reads at its im
 from relayrl.config.schema import load_config
 from relayrl.orchestrator.build import build_program
 from relayrl.recipes import default_recipe
-from support.simutil import StopAt, Stopped, run_checked
+from support.simutil import StopAt, Stopped, event_args, run_checked
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +102,23 @@ def test_the_vllm_engine_loads_the_runs_exported_model(whole_dir: Path) -> None:
 
     got = asyncio.run(engine_logprobs())
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-4
+
+
+def test_a_vllm_run_with_interruptible_loads_passes_the_checker(tmp_path: Path) -> None:
+    """rollout.interruptible at max_staleness 1 on the vLLM engine: loads run beside generate
+    calls (run info `interruptible`), and the run completes, balanced and checked (staleness
+    counted by each trajectory's oldest token; whether a load lands inside a generation depends
+    on timing here, tests/vllm/test_vllm_sampler.py forces one)."""
+    from relayrl.analysis.timeline import spans
+
+    sets = [s for s in SETS if not s.startswith(("rollout.max_staleness=", "run.steps=", "orchestrator.checkpoint_every="))]
+    sets += ["rollout.max_staleness=1", "rollout.interruptible=true", "run.steps=3"]
+    result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=tmp_path / "run"), timeout=600)
+    ledger = result.ledger.as_dict()
+    assert ledger["groups_trained"] == 3 * 8
+    info = [event_args(e) for e in result.tracer.events if e.get("name") == "relayrl_run"]
+    assert info and info[0]["interruptible"] is True
+    for s in spans(result.tracer.events):
+        if s.name == "generate" and s.lane.startswith("sampler/") and "versions" in s.args:
+            versions = s.args["versions"]
+            assert isinstance(versions, list) and s.args["version"] == min(versions)

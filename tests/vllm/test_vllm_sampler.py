@@ -198,3 +198,61 @@ def test_a_cancelled_generate_aborts_its_requests(loop: Loop, sampler: VllmSampl
     assert loop.run(cancel_while_running()) == 0
     (result,) = loop.run(sampler.generate([_request([5, 6], 0, n=2)]))  # still serves
     assert len(result.completions) == 2
+
+
+class _Long(VllmSampler):
+    """Generations that never stop before max_new_tokens (EOS ignored), so a load lands inside."""
+
+    def _params(self, n: int, max_tokens: int, seed: int | None, *, greedy: bool = False) -> Any:
+        params = super()._params(n, max_tokens, seed, greedy=greedy)
+        params.ignore_eos = True
+        return params
+
+
+def test_an_interruptible_load_lands_mid_generation_and_the_later_tokens_are_the_new_versions(
+    loop: Loop, sampler: VllmSampler, tokenizer: Any
+) -> None:
+    """rollout.interruptible on the vLLM engine (last in the module: it leaves its own weights
+    loaded): a load while 4 samples of 100 tokens run does not wait for them; each completion
+    carries two versions, the tokens before the swap have the old weights' log-probs and those
+    after it the new weights' over the whole prefix (an HF forward); a call after the load is
+    all the new version's."""
+    old_model, new_model = _model(), _model()
+    old_state, new_state = _perturbed(old_model, seed=3), _perturbed(new_model, seed=4)
+    engine = sampler.engine
+    v0 = sampler.version + 10
+    long = _Long(sampler.settings, temperature=TEMPERATURE, max_new_tokens=100, seed=0, engine=engine, interruptible=True)
+    loop.run(long.load_weights(Weights(version=v0, payload=old_state)))  # nothing running: a plain load
+    prompt = _prompt(tokenizer, "23+9=")
+
+    async def load_mid_generation() -> tuple[Any, bool]:
+        task = asyncio.ensure_future(long.generate([_request(prompt, 0, n=4)]))
+        states = engine.output_processor.request_states
+        while not any(s.detokenizer is not None and s.detokenizer.num_output_tokens() >= 2 for s in states.values()):
+            await asyncio.sleep(0.005)  # until the requests have sampled tokens with v0
+        await long.load_weights(Weights(version=v0 + 1, payload=new_state))
+        running = not task.done()
+        return await task, running
+
+    (result,), running = loop.run(load_mid_generation())
+    assert running  # the load did not wait for the generation
+    assert result.policy_version == v0 and long.version == v0 + 1
+    for c in result.completions:
+        assert len(c.tokens) == len(c.logprobs) == 100
+        assert c.versions is not None and [v for _, v in c.versions] == [v0, v0 + 1], c.versions
+        split = c.versions[1][0]
+        assert 2 <= split < 100
+        old = _torch_logprobs(old_model, prompt, c.tokens, TEMPERATURE)
+        new = _torch_logprobs(new_model, prompt, c.tokens, TEMPERATURE)
+        assert max(abs(a - b) for a, b in zip(c.logprobs[:split], old[:split], strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(c.logprobs[split:], new[split:], strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(old[split:], new[split:], strict=True)) > 1e-2  # the swap changed them
+
+    (after,) = loop.run(long.generate([_request(prompt, 1, n=2)]))
+    assert after.policy_version == v0 + 1 and all(c.versions is None for c in after.completions)
+
+    # a load from another event loop (a Ray actor serves loads on its `load` group's own loop)
+    # runs on the replica's loop
+    asyncio.run(asyncio.wait_for(long.load_weights(Weights(version=v0 + 2, payload=old_state)), 120))
+    (again,) = loop.run(long.generate([_request(prompt, 2, n=1)]))
+    assert again.policy_version == v0 + 2 and long.version == v0 + 2

@@ -324,8 +324,9 @@ class RolloutConfig(_Section):
     its log-prob is that version's; a trajectory's staleness is its oldest token's. No effect at
     max_staleness = 0 (every round then waits, exactly synchronous). Multi-turn episodes
     (task.environment) are interrupted inside a turn too, and an episode's KV cache from its earlier
-    turns is kept across loads and continued with the newer weights (the same approximation).
-    Refused with engine = "vllm"."""
+    turns is kept across loads and continued with the newer weights (the same approximation). With
+    engine = "vllm" the replica pauses its engine between two steps, keeping the running requests,
+    loads, and resumes: their KV so far is recomputed with the new weights."""
     engine: Literal["hf", "vllm"] = "hf"
     """The rollout engine of the local backend: "hf", relayrl's own decode loop on the Hugging Face
     model; "vllm", one vLLM AsyncLLM engine per sampler replica (needs the vllm extra:
@@ -866,11 +867,6 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"
                 " over the nucleus, the trainer's do not): set rollout.top_p = 1 or rollout.engine = 'hf'"
-            )
-        if self.rollout.interruptible and self.rollout.engine == "vllm":
-            raise ValueError(
-                "rollout.interruptible = true is not supported with rollout.engine = 'vllm' (its loads wait for running"
-                " requests): set rollout.engine = 'hf' or rollout.interruptible = false"
             )
         if self.train.lora is not None and self.run.backend != "local":
             raise ValueError(f"train.lora needs run.backend = 'local' (the {self.run.backend!r} backend trains no model)")

@@ -45,4 +45,5 @@ class VllmSamplerFactory:
             max_new_tokens=r.max_new_tokens,
             replica=self.replica,
             seed=self.cfg.run.seed,
+            interruptible=r.interrupts,
         )

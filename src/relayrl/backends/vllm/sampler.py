@@ -7,6 +7,15 @@ Invariants:
 - a call samples with the weights loaded when it starts and reports that version: a weight load
   waits for the calls running when it was asked for and calls made after it wait for the load
   (calls run concurrently otherwise, so vLLM batches them together);
+- except with `interruptible` (rollout.interruptible at max_staleness > 0): a load then waits only
+  for running greedy calls (evaluation), not for sampling calls. It pauses the engine between two
+  steps keeping the requests in flight (`pause_generation(mode="keep")`), loads, resets the prefix
+  cache with the running requests (their KV so far is recomputed with the new weights), labels the
+  engine with the new version and resumes: each request's later tokens, and their log-probs, are
+  the new weights' over the whole prefix. The engine labels every step's tokens with the version
+  set when the step ran (vLLM's `weight_versions` spans; the label changes only while paused), so
+  a completion's `versions` come from the engine, never from timing on this side; a result's
+  `policy_version` is its oldest token's;
 - a load is all or nothing from the caller's side: the payload is checked (names, shapes) before
   the engine sees it, since a reload that fails half-way leaves the engine dead; after it, the
   prefix cache is reset (running requests included), so no KV computed with old weights is reused;
@@ -16,7 +25,10 @@ Invariants:
   `seed_key` or a turn's `rng_key`, policy version) only (vLLM gives the n samples of one request
   seeds seed, seed + 1, ...);
 - a cancelled or failed call aborts its engine requests before it returns, so nothing keeps
-  sampling for a caller that has gone.
+  sampling for a caller that has gone;
+- every call runs on one event loop, the first caller's (the engine's client and the gate belong
+  to it): a call made from another loop is run there (a Ray actor serves an interruptible
+  replica's loads on its `load` concurrency group's own loop).
 """
 
 from __future__ import annotations
@@ -26,9 +38,9 @@ import hashlib
 import itertools
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -41,6 +53,7 @@ from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest
 __all__ = ["VllmSampler", "request_seed", "model_shapes"]
 
 _TIED_HEAD = "lm_head.weight"
+_T = TypeVar("_T")
 
 
 def request_seed(seed: int, key: str, version: int) -> int:
@@ -69,7 +82,9 @@ class VllmSampler(Sampler):
 
     `temperature` and `max_new_tokens` are rollout.temperature and rollout.max_new_tokens;
     `replica` names it in results and errors; `seed` is the run's. `engine` (tests, benchmarks)
-    is an engine already started with `settings`, else one is started here (blocking)."""
+    is an engine already started with `settings`, else one is started here (blocking).
+    `interruptible` (rollout.interruptible at max_staleness > 0): loads do not wait for running
+    sampling calls (see the module)."""
 
     def __init__(
         self,
@@ -81,6 +96,7 @@ class VllmSampler(Sampler):
         version: int = 0,
         seed: int = 0,
         engine: Any = None,
+        interruptible: bool = False,
     ) -> None:
         self.settings = settings
         self.temperature = temperature
@@ -91,10 +107,14 @@ class VllmSampler(Sampler):
         self._shapes = model_shapes(Path(settings.model))
         self._engine = engine if engine is not None else start_engine(settings)
         self._ids = itertools.count()
+        self.interruptible = interruptible
         self._running = 0  # calls sampling now
-        self._loading = False  # a weight load waits for the running calls or runs
+        self._pinned = 0  # of those, the calls a load waits for (all of them unless interruptible)
+        self._loading = False  # a weight load waits for the pinned calls or runs
+        self._label: int | None = None  # the version the engine labels its tokens with (interruptible)
         self._gate: asyncio.Condition | None = None  # made on the first call's event loop
         self._closed = False
+        self._home: asyncio.AbstractEventLoop | None = None  # the loop every call runs on (the first caller's)
         self.last_load_s = 0.0  # seconds the last load took in the worker (benchmarks)
 
     @property
@@ -105,64 +125,81 @@ class VllmSampler(Sampler):
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         """Sample every request with the weights loaded when the call starts."""
-        batch = list(requests)
+        return await self._at_home(self._generate(list(requests)))
+
+    async def _generate(self, batch: list[SampleRequest]) -> list[GenerateResult]:
         if not batch:
             return []
-        async with self._sampling() as version:
+        async with self._sampling(pinned=not self.interruptible) as version:
             outputs = await self._run(
                 [
                     (r.prompt_tokens, self._params(r.num_samples, self.max_new_tokens, request_seed(self.seed, r.seed_key, version)))
                     for r in batch
                 ]
             )
-        return [
-            GenerateResult(request=r, completions=self._completions(out, r.num_samples), policy_version=version, replica=self.replica)
-            for r, out in zip(batch, outputs, strict=True)
-        ]
+        results = []
+        for r, out in zip(batch, outputs, strict=True):
+            completions, oldest = self._completions(out, r.num_samples, version)
+            results.append(GenerateResult(request=r, completions=completions, policy_version=oldest, replica=self.replica))
+        return results
 
     async def generate_turns(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         """Sample the next turn of every episode; the engine's prefix cache holds each episode's
         context KV between turns (full 32-token blocks), reset at every weight load."""
-        batch = list(requests)
+        return await self._at_home(self._generate_turns(list(requests)))
+
+    async def _generate_turns(self, batch: list[TurnRequest]) -> list[TurnResult]:
         if not batch:
             return []
-        async with self._sampling() as version:
+        async with self._sampling(pinned=not self.interruptible) as version:
             outputs = await self._run(
                 [(r.context, self._params(1, r.max_new_tokens, request_seed(self.seed, r.rng_key, version))) for r in batch]
             )
-        return [
-            TurnResult(r.episode, self._completions(out, 1)[0], version, self.replica, int(out.num_cached_tokens or 0))
-            for r, out in zip(batch, outputs, strict=True)
-        ]
+        results = []
+        for r, out in zip(batch, outputs, strict=True):
+            (completion,), oldest = self._completions(out, 1, version)
+            results.append(TurnResult(r.episode, completion, oldest, self.replica, int(out.num_cached_tokens or 0)))
+        return results
 
     async def greedy(self, prompts_tokens: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completion tokens (EOS included when produced) of each prompt."""
-        prompts = [list(p) for p in prompts_tokens]
+        return await self._at_home(self._greedy([list(p) for p in prompts_tokens], max_new_tokens))
+
+    async def _greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         if not prompts:
             return []
-        async with self._sampling():
+        async with self._sampling(pinned=True):  # an evaluation is never interrupted
             outputs = await self._run([(p, self._params(1, max_new_tokens, None, greedy=True)) for p in prompts])
         return [list(out.outputs[0].token_ids) for out in outputs]
 
     async def load_weights(self, weights: Weights) -> None:
         """Write `weights.payload` (a state dict) to a safetensors file, load it in the engine's
-        worker in place, and reset the prefix cache; the payload is checked first."""
+        worker in place, and reset the prefix cache; the payload is checked first. With
+        `interruptible`, the engine is paused around the load, its running requests kept (see
+        the module)."""
+        await self._at_home(self._load_weights(weights))
+
+    async def _load_weights(self, weights: Weights) -> None:
         state = self._checked(weights)
         gate = self._condition()
         try:  # a load cancelled while it waits must still readmit the calls behind it
             async with gate:
                 self._loading = True
-                await gate.wait_for(lambda: self._running == 0)
+                await gate.wait_for(lambda: self._pinned == 0)
             fd, path = tempfile.mkstemp(prefix=f"relayrl-vllm-{self.replica}-", suffix=".safetensors", dir=_shm_dir())
             os.close(fd)
             try:
                 await asyncio.to_thread(save_file, state, path)
-                results = await self._engine.collective_rpc("update_from_file", args=(path,))
+                if self.interruptible:
+                    await self._engine.pause_generation(mode="keep", clear_cache=False)
+                    try:
+                        await self._swap(path, weights.version)
+                    finally:
+                        await self._engine.resume_generation()
+                else:
+                    await self._swap(path, weights.version)
             finally:
                 os.unlink(path)
-            await self._engine.reset_prefix_cache(reset_running_requests=True)
-            self.last_load_s = max(float(r["seconds"]) for r in results) if results else 0.0
-            self.version = weights.version
         finally:
             async with gate:
                 self._loading = False
@@ -178,15 +215,36 @@ class VllmSampler(Sampler):
 
     # --- helpers ----------------------------------------------------------------------------
 
+    async def _at_home(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Await `coro` on the replica's loop (see the module): here when called from it, else run
+        there (cancelling this call cancels it there)."""
+        loop = asyncio.get_running_loop()
+        if self._home is None or self._home.is_closed():
+            self._home = loop
+        if loop is self._home:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
+
+    async def _swap(self, path: str, version: int) -> None:
+        """Load the weights file `path` into the engine (paused or idle) as `version`."""
+        results = await self._engine.collective_rpc("update_from_file", args=(path,))
+        if self.interruptible:  # every token of a step after this one is the new version's
+            await self._engine.update_weight_version(str(version))
+            self._label = version
+        # running requests included: their KV so far is recomputed with the new weights
+        await self._engine.reset_prefix_cache(reset_running_requests=True)
+        self.last_load_s = max(float(r["seconds"]) for r in results) if results else 0.0
+        self.version = version
+
     def _condition(self) -> asyncio.Condition:
         if self._gate is None:
             self._gate = asyncio.Condition()
         return self._gate
 
-    def _sampling(self) -> _Sampling:
+    def _sampling(self, *, pinned: bool) -> _Sampling:
         if self._closed:
             raise RuntimeError(f"VllmSampler replica {self.replica} is closed")
-        return _Sampling(self)
+        return _Sampling(self, pinned)
 
     def _params(self, n: int, max_tokens: int, seed: int | None, *, greedy: bool = False) -> Any:
         from vllm import SamplingParams
@@ -228,17 +286,47 @@ class VllmSampler(Sampler):
             raise RuntimeError(f"VllmSampler replica {self.replica}: request {request_id} ended without a final output")
         return final
 
-    def _completions(self, out: Any, n: int) -> list[Completion]:
+    def _completions(self, out: Any, n: int, version: int) -> tuple[list[Completion], int]:
+        """The request's completions and the oldest version that sampled one of their tokens
+        (`version`, the call's, unless interruptible); a completion's `versions` are set when
+        its tokens are not all that oldest version's."""
         samples = sorted(out.outputs, key=lambda c: c.index)
         if len(samples) != n:
             raise RuntimeError(f"VllmSampler replica {self.replica}: request {out.request_id} returned {len(samples)} of {n} completions")
         completions = []
+        segments = []
         for s in samples:
             tokens = [int(t) for t in s.token_ids]
             logprobs = [float(step[t].logprob) for t, step in zip(tokens, s.logprobs or [], strict=True)]
             reason = "length" if s.finish_reason == "length" else "stop"
             completions.append(Completion(tokens=tokens, logprobs=logprobs, text=s.text or "", finish_reason=reason))
-        return completions
+            segments.append(self._segments(out.request_id, s, len(tokens), version))
+        oldest = min(seg[0][1] for seg in segments)
+        for completion, seg in zip(completions, segments, strict=True):
+            if len(seg) > 1 or seg[0][1] != oldest:
+                completion.versions = seg
+        return completions, oldest
+
+    def _segments(self, request_id: str, sample: Any, length: int, version: int) -> list[tuple[int, int]]:
+        """(first token index, version) segments of one completion: the engine's weight-version
+        spans with `interruptible`, else all `version`'s (no load ran beside the call)."""
+        if not self.interruptible or length == 0:
+            return [(0, version)]
+        spans = getattr(sample, "weight_versions", None)
+        where = f"VllmSampler replica {self.replica}: request {request_id} completion {sample.index}"
+        if not spans or spans[0].start != 0 or spans[-1].end != length:
+            raise RuntimeError(f"{where}: the engine's weight-version spans {spans!r} do not cover its {length} tokens")
+        segments: list[tuple[int, int]] = []
+        for span in spans:
+            try:
+                label = int(span.version)
+            except ValueError:
+                raise RuntimeError(
+                    f"{where}: tokens {span.start}..{span.end} carry the weight version {span.version!r}, not a policy version"
+                ) from None
+            if span.end > span.start and (not segments or segments[-1][1] != label):
+                segments.append((int(span.start), label))
+        return segments
 
     def _checked(self, weights: Weights) -> dict[str, torch.Tensor]:
         """The payload as a state dict vLLM can load, tied aliases dropped; raises before the
@@ -269,17 +357,23 @@ class VllmSampler(Sampler):
 
 class _Sampling:
     """`async with`: one sampling call, admitted once no weight load is waiting or running; yields
-    the version it samples with."""
+    the version it samples with. A load waits for the `pinned` calls; with `interruptible`, the
+    engine's token label is set to the loaded version before the first call is admitted."""
 
-    def __init__(self, sampler: VllmSampler) -> None:
+    def __init__(self, sampler: VllmSampler, pinned: bool) -> None:
         self._sampler = sampler
+        self._pinned = pinned
 
     async def __aenter__(self) -> int:
         s = self._sampler
         gate = s._condition()
         async with gate:
             await gate.wait_for(lambda: not s._loading)
+            if s.interruptible and s._label != s.version:
+                await s._engine.update_weight_version(str(s.version))
+                s._label = s.version
             s._running += 1
+            s._pinned += self._pinned
         return s.version
 
     async def __aexit__(self, *exc: object) -> None:
@@ -287,4 +381,5 @@ class _Sampling:
         gate = s._condition()
         async with gate:
             s._running -= 1
+            s._pinned -= self._pinned
             gate.notify_all()
