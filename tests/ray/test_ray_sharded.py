@@ -20,6 +20,7 @@ from relayrl.analysis.checker import check_run_dir  # noqa: E402
 from relayrl.backends.local.build import TrainerFactory, trainer_settings  # noqa: E402
 from relayrl.backends.local.trainer import LocalTrainer  # noqa: E402
 from relayrl.backends.ray.actors import RayTrainer  # noqa: E402
+from relayrl.backends.ray.build import actor_options  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.backends.ray.ranks import place_ranks  # noqa: E402
 from relayrl.config.schema import load_config  # noqa: E402
@@ -61,7 +62,7 @@ def test_two_rank_actors_train_what_one_process_trains_and_a_dead_rank_is_named(
     torch.set_num_threads(1)
     model, tok = load_model_and_tokenizer(shipped_model_dir())
     steps = microbatch_steps(tok, 2)
-    group, rank0, ranks = place_ranks(TrainerFactory(cfg, (1,)), 2, {"CPU": 1.0})
+    group, rank0, ranks = place_ranks(TrainerFactory(cfg, (1,)), 2, {"CPU": 1.0}, actor_options({"CPU": 1.0}))
     ray.get([rank0.ready.remote(), *(a.ready.remote() for a in ranks)], timeout=300)
     table = ray.util.placement_group_table(group)
     assert table["strategy"] == "PACK" and len(table["bundles"]) == 2

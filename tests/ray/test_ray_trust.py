@@ -86,7 +86,10 @@ def test_sigint_at_any_moment_of_a_ray_start_leaves_no_process_of_the_run(delay:
                 child.wait()
     said = (tmp_path / "out.txt").read_text()
     assert code == 130, said[-2000:]
-    assert processes_with(marker) == [], said[-2000:]
+    deadline = time.monotonic() + 10.0  # a process SIGKILLed at the exit may still be tearing down (a loaded machine)
+    while (left := processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], said[-2000:]
 
 
 def test_resources_the_cluster_lacks_are_named_in_one_line() -> None:

@@ -50,6 +50,9 @@ from relayrl.config.schema import Config, ConfigError, is_cuda_spec
 READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster lacks) fail the build
 
 
+DEFAULT_BUNDLE: dict[str, float] = {"CPU": 1.0}  # a sharded trainer rank's bundle when ray.trainer_resources is empty
+
+
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
     """`ray.remote` options for a `ray.*_resources` table: CPU → num_cpus, GPU → num_gpus, the
     rest as custom resources."""
@@ -201,8 +204,6 @@ def _place(
             sampler_key += f" (with rollout.device = {cfg.rollout.device!r})"
     ranks = cfg.train.world_size  # > 1: one trainer actor per rank, in a placement group (ray/ranks.py)
     if ranks > 1:
-        from relayrl.backends.ray.ranks import DEFAULT_BUNDLE
-
         trainer_res = trainer_res or dict(DEFAULT_BUNDLE)
     check_resources(
         [
@@ -225,7 +226,7 @@ def _place(
     if ranks > 1:
         from relayrl.backends.ray.ranks import place_ranks
 
-        group, trainer_actor, rank_actors = place_ranks(compute.trainer, ranks, trainer_res)  # type: ignore[arg-type]
+        group, trainer_actor, rank_actors = place_ranks(compute.trainer, ranks, trainer_res, trainer_opts)  # type: ignore[arg-type]
         cleanups.append(functools.partial(_remove_group, group))
     else:
         trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)

@@ -34,7 +34,7 @@ from relayrl.exits import on_hard_exit
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 MARKER_ENV = "RELAYRL_RAY_CLUSTER"  # in the environment of every process of a cluster the run started
 END_BOUND_S = 5.0  # ending a cluster's processes gives up after this long
-QUIET_S = 0.5  # ...and ends once no process of the cluster was found for this long
+QUIET_S = 1.0  # ...and ends once no process of the cluster was found for this long
 
 
 def marked_processes(token: str) -> list[int]:

@@ -43,8 +43,6 @@ from relayrl.backends.local.sharded import RankedTrainer, RankFailed, free_port
 from relayrl.backends.ray.transport import decode, encode
 from relayrl.errors import RunFailed
 
-DEFAULT_BUNDLE: dict[str, float] = {"CPU": 1.0}  # a rank's bundle when ray.trainer_resources is empty
-
 
 class RankFactory(Protocol):
     """A compute kind's trainer factory that can build one rank's parts (in the rank's actor)."""
@@ -213,18 +211,17 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def place_ranks(factory: RankFactory, world_size: int, bundle: dict[str, float]) -> tuple[Any, Any, list[Any]]:
+def place_ranks(factory: RankFactory, world_size: int, bundle: dict[str, float], options: dict[str, Any]) -> tuple[Any, Any, list[Any]]:
     """Start the sharded trainer's actors in a new placement group of `world_size` bundles of
-    `bundle` (PACK): (the placement group, rank 0's `TrainerActor`, the other ranks' actors).
-    The caller awaits the actors' `ready` and removes the placement group at the end."""
+    `bundle` (PACK), each with the `ray.remote` `options` of one bundle: (the placement group,
+    rank 0's `TrainerActor`, the other ranks' actors). The caller awaits the actors' `ready` and
+    removes the placement group at the end."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from relayrl.backends.ray.actors import TrainerActor
-    from relayrl.backends.ray.build import actor_options
 
     group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK", name="")
-    options = actor_options(bundle)
 
     def at(index: int) -> dict[str, Any]:
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
