@@ -19,29 +19,14 @@ import torch
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.types import TrainBatch
 from support.sharded import microbatch_steps as _steps
+from support.sharded import named, train_steps
 
 pytestmark = pytest.mark.torch
 
 
 def _settings() -> TrainerSettings:
     return TrainerSettings(learning_rate=1e-3, total_steps=10, loss=LossConfig(), warmup_steps=2, lr_schedule="cosine", torch_threads=1)
-
-
-async def _train(trainer: Any, steps: list[list[TrainBatch]]) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    metrics = []
-    for batches in steps:
-        for tb in batches:
-            await trainer.train_step(tb)
-        await trainer.optim_step()
-        metrics.append(await trainer.get_metrics())
-    weights = await trainer.export_weights()
-    return metrics, dict(weights.payload)
-
-
-def _named(name: str, message: str) -> str:
-    return f"{name}: {message}"
 
 
 def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
@@ -59,7 +44,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
             assert isinstance(start, dict)
             for name, value in single.model.state_dict().items():
                 torch.testing.assert_close(start[name], value, rtol=0, atol=0)
-            return await _train(sharded, steps), await _train(single, steps)
+            return await train_steps(sharded, steps), await train_steps(single, steps)
         finally:
             await sharded.close()
             await single.close()
@@ -74,7 +59,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
         # every key), so both runs hold rounding noise there, which AdamW turns into steps of up
         # to the learning rate in either direction: only bounded by that
         atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(named, name))
     moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
     assert moved > 1e-4  # the steps changed the weights
 
@@ -97,7 +82,7 @@ def test_two_ranks_make_several_updates_per_step_as_one_process_does() -> None:
 
     async def both() -> tuple[Any, Any]:
         try:
-            return await _train(sharded, steps), await _train(single, steps)
+            return await train_steps(sharded, steps), await train_steps(single, steps)
         finally:
             await sharded.close()
             await single.close()
@@ -110,7 +95,7 @@ def test_two_ranks_make_several_updates_per_step_as_one_process_does() -> None:
         assert a["updates"] == 4
     for name, value in w1.items():
         atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5  # (see the test above)
-        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(named, name))
     moved = max(float((w1[n] - v).abs().max()) for n, v in model.state_dict().items())
     assert moved > 1e-4
 
@@ -136,9 +121,9 @@ def test_two_ranks_train_lora_adapters_as_one_process_does(tmp_path: Path) -> No
 
     async def both() -> tuple[Any, Any]:
         try:
-            first = await _train(sharded, steps)
+            first = await train_steps(sharded, steps)
             await sharded.save_state(tmp_path)
-            return first, await _train(single, steps)
+            return first, await train_steps(single, steps)
         finally:
             await sharded.close()
             await single.close()
@@ -149,7 +134,7 @@ def test_two_ranks_train_lora_adapters_as_one_process_does(tmp_path: Path) -> No
             assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (key, a, b)
     assert is_adapter_payload(w2) and set(w2) == set(w1)
     for name, value in w1.items():
-        torch.testing.assert_close(w2[name], value, rtol=0, atol=1e-5, msg=functools.partial(_named, name))
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=1e-5, msg=functools.partial(named, name))
     assert max(float(v.abs().max()) for n, v in w1.items() if n.endswith("lora_B")) > 1e-4  # the adapters trained
     version, saved = read_full_weights(tmp_path)
     assert version == 2 and set(saved) == set(w2)
@@ -172,9 +157,9 @@ def test_a_sharded_checkpoint_resumes_on_the_same_world_size_only(tmp_path: Path
     async def first() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         trainer = ShardedTrainer(model, _settings(), world_size=2)
         try:
-            saved = (await _train(trainer, steps[:1]))[1]
+            saved = (await train_steps(trainer, steps[:1]))[1]
             await trainer.save_state(tmp_path)
-            return saved, (await _train(trainer, steps[1:]))[1]
+            return saved, (await train_steps(trainer, steps[1:]))[1]
         finally:
             await trainer.close()
 
@@ -182,7 +167,7 @@ def test_a_sharded_checkpoint_resumes_on_the_same_world_size_only(tmp_path: Path
         trainer = ShardedTrainer(load_model_and_tokenizer(shipped_model_dir())[0], _settings(), world_size=2)
         try:
             version = await trainer.load_state(tmp_path)
-            return version, (await _train(trainer, steps[1:]))[1]
+            return version, (await train_steps(trainer, steps[1:]))[1]
         finally:
             await trainer.close()
 

@@ -27,7 +27,7 @@ from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
-from support.sharded import microbatch_steps  # noqa: E402
+from support.sharded import microbatch_steps, named, train_steps  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -35,26 +35,6 @@ cluster = pytest.fixture(scope="module")(local_cluster)
 
 SETS = ["run.backend=local", "run.steps=10", "train.learning_rate=1e-3", "train.warmup_steps=2", "train.lr_schedule=cosine"]
 SETS += ["train.torch_threads=1", "train.world_size=2", "ray.enabled=true", "ray.address=auto"]
-
-
-def _named(name: str, message: str) -> str:
-    return f"{name}: {message}"
-
-
-async def _train(trainer: Any, steps: list[list[Any]]) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    metrics = []
-    for batches in steps:
-        for tb in batches:
-            await trainer.train_step(tb)
-        await trainer.optim_step()
-        metrics.append(await trainer.get_metrics())
-    weights = await trainer.export_weights()
-    payload = weights.payload
-    if isinstance(payload, ray.ObjectRef):
-        from relayrl.backends.ray.actors import resolve
-
-        payload = (await resolve(weights)).payload
-    return metrics, {k: v.clone() for k, v in dict(payload).items()}
 
 
 def test_two_rank_actors_train_what_one_process_trains_and_a_dead_rank_is_named(cluster: RayCluster) -> None:
@@ -70,7 +50,7 @@ def test_two_rank_actors_train_what_one_process_trains_and_a_dead_rank_is_named(
     single = LocalTrainer(model, trainer_settings(cfg, 1))
 
     async def both() -> tuple[Any, Any]:
-        out = await _train(sharded, steps), await _train(single, steps)
+        out = await train_steps(sharded, steps), await train_steps(single, steps)
         ray.kill(ranks[0], no_restart=True)  # rank 1 dies: the next call names it
         with pytest.raises(Exception, match=r"sharded trainer rank 1 \(Ray actor\) died"):
             for tb in steps[0]:
@@ -90,7 +70,7 @@ def test_two_rank_actors_train_what_one_process_trains_and_a_dead_rank_is_named(
     assert set(w2) == set(w1)
     for name, value in w1.items():  # (a key bias: see tests/integration/test_sharded_trainer.py)
         atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(_named, name))
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(named, name))
 
 
 def test_a_run_with_two_trainer_rank_actors_completes_and_passes_the_checker(cluster: RayCluster, tmp_path: Path) -> None:

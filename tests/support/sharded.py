@@ -1,10 +1,13 @@
 """Collated micro-batches of arithmetic trajectories, for the sharded trainer's tests (local and
-on Ray): the same steps fed to it and to the one-process trainer."""
+on Ray): the same steps fed to it and to the one-process trainer, and the training loop that
+feeds them."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
+
+import torch
 
 from relayrl.backends.local.collate import TorchCollator
 from relayrl.packing import build_microbatch, plan
@@ -48,3 +51,25 @@ def microbatch_steps(tok: Any, steps: int = 3, minibatches: int = 1) -> list[lis
         out.append(batches[: len(batches) - 1 + len(batches) % 2])  # (the normaliser still counts a dropped one: fine for both)
     assert minibatches > 1 or all(len(b) % 2 == 1 and len(b) > 1 for b in out)  # each step ends with a partial round
     return out
+
+
+async def train_steps(trainer: Any, steps: list[list[TrainBatch]]) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """Train `steps` (each step's micro-batches, then its update): every step's metrics, and the
+    weights after the last (a Ray trainer's object-store reference resolved)."""
+    metrics = []
+    for batches in steps:
+        for tb in batches:
+            await trainer.train_step(tb)
+        await trainer.optim_step()
+        metrics.append(await trainer.get_metrics())
+    weights = await trainer.export_weights()
+    if not isinstance(weights.payload, dict):  # a Ray trainer's reference into the object store
+        from relayrl.backends.ray.actors import resolve
+
+        weights = await resolve(weights)
+    return metrics, {k: v.clone() for k, v in dict(weights.payload).items()}
+
+
+def named(name: str, message: str) -> str:
+    """An `assert_close` message naming the tensor (`functools.partial(named, name)`)."""
+    return f"{name}: {message}"

@@ -328,8 +328,11 @@ def policy_loss(
         d = torch.where(mask, logprobs - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         kl = _kl_estimate(d, cfg.kl_estimator)
         if cfg.kl_in_reward:  # the KL of the step's proximal policy as a per-token reward: its return-to-go leaves the advantage
-            d_prox = torch.where(mask, proximal - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            penalty = cfg.kl_beta * _suffix_sums(torch.where(mask, _kl_estimate(d_prox, cfg.kl_estimator), zero), seq).view(adv.shape)
+            kl_prox = kl.detach()  # the proximal policy is the current one (the step's first update)
+            if prox_logprobs is not None:
+                d_prox = torch.where(mask, proximal - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+                kl_prox = _kl_estimate(d_prox, cfg.kl_estimator)
+            penalty = cfg.kl_beta * _suffix_sums(torch.where(mask, kl_prox, zero), seq).view(adv.shape)
             adv = torch.where(mask, adv - penalty, zero)
 
     # Masked positions get log-ratio 0 *before* exp, so garbage there cannot become inf/NaN in

@@ -157,6 +157,12 @@ def _new_cache(model: PreTrainedModel) -> DynamicCache:
         return DynamicCache()
 
 
+def _one_pass(gate: WeightGate | None) -> contextlib.AbstractContextManager[int]:
+    """Hold the weights for one forward pass: `gate.step()`, giving the version it computes with;
+    without a gate nothing to hold (version 0)."""
+    return gate.step() if gate is not None else contextlib.nullcontext(0)
+
+
 def _check_abort(abort: threading.Event | None) -> None:
     if abort is not None and abort.is_set():
         raise SamplingAborted("sampling aborted: the awaiting call was cancelled")
@@ -251,7 +257,7 @@ def sample(
     cache = _new_cache(model)
     changes: list[tuple[int, int]] = []  # (first step, version) of the passes that drew each run of steps
     with torch.inference_mode():
-        with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+        with _one_pass(gate) as version:
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention,
@@ -301,7 +307,7 @@ def sample(
                 break
             check_abort()
             attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=-1)
-            with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+            with _one_pass(gate) as version:
                 out = model(
                     input_ids=tokens[:, None],
                     attention_mask=attention,
@@ -559,7 +565,7 @@ def sample_turns(
     ) -> tuple[_Prefilled, int]:
         """One prefill forward pass over `input_ids` (rows of `attention`'s width minus the
         cache's), counted in `stats`; returns it and the version of the weights it computed with."""
-        with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+        with _one_pass(gate) as version:
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention,
@@ -646,7 +652,7 @@ def sample_turns(
             # A stopped row's later columns get attention 0: its cache never holds what it did not sample.
             column = torch.tensor(alive, dtype=torch.long, device=device)[:, None]
             attention = torch.cat([attention, column], dim=-1)
-            with gate.step() if gate is not None else contextlib.nullcontext(0) as version:
+            with _one_pass(gate) as version:
                 out = model(
                     input_ids=tokens[:, None],
                     attention_mask=attention,
