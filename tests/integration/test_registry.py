@@ -74,14 +74,14 @@ def test_a_compute_kind_is_one_registry_entry_and_the_program_evaluates_on_its_g
     assert result.summary["accuracy_before"] == 0.0  # the task's check: no held-out sum is 1
 
 
-def test_the_sim_kind_does_not_evaluate_and_imports_no_torch() -> None:
+def test_the_sim_kind_does_not_evaluate_and_imports_no_torch_nor_what_only_agents_or_lora_need() -> None:
     code = (
         "import sys\n"
         "from relayrl.config.schema import load_config\n"
         "from relayrl.orchestrator.build import build_program\n"
         "p = build_program(load_config(None, ['task.heldout_size=4']))\n"
         "assert p.backend.greedy is None and p.eval_schedule._evaluator is None\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'ray', 'fastapi', 'uvicorn', 'peft') if m in sys.modules))\n"
     )
     out = run_python("-c", code, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import cast
 
 from relayrl.agents.context import AgentFn
-from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings, Tokenizer
 from relayrl.backends.bundle import Backend
 from relayrl.config.schema import Config
 from relayrl.envs.base import Environment
@@ -85,6 +84,8 @@ def episode_settings(cfg: Config, max_prompt_tokens: int | None) -> EpisodeSetti
 
 def agent_rollout(cfg: Config, backend: Backend, agent: AgentFn, tracer: Tracer) -> AgentRollout:
     """The rollout of a `task.agent` run and its endpoint (not listening yet: the program starts it)."""
+    from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings, Tokenizer  # FastAPI, uvicorn: agent runs only
+
     if backend.tokenizer is None:
         raise UserError(f"task.agent needs a backend with a tokenizer (run.backend = {cfg.run.backend!r} has none)")
     r = cfg.rollout

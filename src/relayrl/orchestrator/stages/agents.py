@@ -31,15 +31,18 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from relayrl.agents.context import AgentContext, AgentFn
-from relayrl.agents.endpoint import AgentEndpoint
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import SamplerSlot
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult
+
+if TYPE_CHECKING:  # the endpoint's module imports FastAPI and uvicorn: only a task.agent run loads it
+    from relayrl.agents.endpoint import AgentEndpoint
 
 __all__ = ["AGENT_FAILURE", "AgentError", "AgentFailedWarning", "AgentRollout", "AgentSettings", "TurnBatcher", "agent_failure_reason"]
 
