@@ -73,6 +73,8 @@ def test_ray_scale_bench_reports_each_staleness_and_the_control_plane() -> None:
     assert cp["trajectories"] == 4 * 3 * 16 * 8  # 4x the steps, 16 groups of 8 per step
     assert cp["trajectories_per_s"] > 0
     assert figures["replicas"] == 2 and figures["target_trainer_busy"] == 0.95
+    bounds = figures["oldest_token_bound"]
+    assert isinstance(bounds, dict) and set(bounds) == {"1", "2"} and 0 < bounds["1"] <= bounds["2"] <= 1
     import ray
 
     assert not ray.is_initialized()  # the cluster the bench started is shut down

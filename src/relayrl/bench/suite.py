@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -546,6 +547,43 @@ def ray_scale_config(
     return load_config(None, overrides + (extra or []))
 
 
+def oldest_token_bound(cfg: Config, steps: int = 2000, seed: int = 0) -> float:
+    """The trainer busy fraction `cfg`'s sim workload can reach with the orchestration free (no sync
+    round, dispatch, packing, bookkeeping or Ray hop costs anything), under the rule that a
+    trajectory's staleness is its oldest token's: step b's groups start no earlier than version
+    b − max_staleness exists (the end of step b − max_staleness − 1), each replica runs one
+    generate call at a time (the calls of all steps taken in dispatch order by the replica free
+    first), the trainer starts step b once all its groups are back and takes its micro-batches'
+    `sim.train_step` plus one `sim.optim_step`. Monte Carlo over `steps` steps (the first two not
+    counted), with the sim sampler's own completion lengths and call delays."""
+    from relayrl.backends.sim.workers import SimSampler
+    from relayrl.packing import first_fit_decreasing
+
+    r, t, sim = cfg.rollout, cfg.train, cfg.sim
+    sampler = SimSampler(sim, r.max_new_tokens, seed)
+    rng = random.Random(seed)
+    free = [0.0] * r.num_samplers  # when each replica is next free
+    ends: dict[int, float] = {}  # step -> when its optim_step ended (the version step + 1 exists)
+    busy = total = 0.0
+    for step in range(steps):
+        allowed = ends.get(step - r.max_staleness - 1, 0.0)
+        lengths: list[int] = []
+        back = 0.0
+        for _ in range(r.groups_per_step // r.prompts_per_request):
+            call = [sampler.completion_length(rng) for _ in range(r.num_generations * r.prompts_per_request)]
+            lengths += call
+            i = min(range(len(free)), key=free.__getitem__)
+            free[i] = max(free[i], allowed) + sampler.generation_delay(r.prompts_per_request, max(call))
+            back = max(back, free[i])
+        rows = len(first_fit_decreasing([sim.prompt_tokens + n for n in lengths], t.row_tokens))
+        seconds = -(-rows // t.rows_per_microbatch) * sim.train_step + sim.optim_step
+        ends[step] = max(ends.get(step - 1, 0.0), back) + seconds
+        if step >= 2:
+            busy += seconds
+            total += ends[step] - ends[step - 1]
+    return busy / total
+
+
 def _ray_scale_figures(result: RunResult) -> dict[str, float]:
     results = list(result.results)  # metrics.jsonl, one row per step
     exposed = [float(r.metrics.get("exposed_generation_time") or 0.0) for r in results]
@@ -615,6 +653,7 @@ def run_ray_scale(
             }
     finally:
         cluster.close()
+    out["oldest_token_bound"] = {str(s): oldest_token_bound(configs[f"max_staleness_{s}"]) for s in RAY_SCALE_STALENESS}
     out.update(
         replicas=replicas,
         steps=steps,

@@ -597,6 +597,11 @@ def _print_interruptible(figures: dict[str, object]) -> None:
     out.print(
         f"interruptible trainer busy at max_staleness {s}: {i['trainer_busy']:.1%} (target >= {RAY_SCALE_TARGET_BUSY:.0%})  {verdict}"
     )
+    bounds = cast(dict[str, float], figures["oldest_token_bound"])
+    out.print(
+        "  the workload's bound with the orchestration free, a trajectory's staleness its oldest token's: "
+        + ", ".join(f"{b:.1%} at max_staleness {t}" for t, b in bounds.items())
+    )
 
 
 @bench_app.command("soak")
