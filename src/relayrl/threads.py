@@ -14,10 +14,12 @@ in envs/calls.py's environment call threads, which are abandoned rather than wai
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -102,6 +104,21 @@ class OrchestratorThreads:
         self.abort.set()
         for host in self._hosts.values():
             host.close()
+
+
+@contextmanager
+def switch_interval(seconds: float) -> Iterator[None]:
+    """The interpreter's thread switch interval set to `seconds` inside the block (0: unchanged),
+    restored after. While a thread runs Python (packing, bookkeeping, a reward function), another
+    that wants the GIL (the event loop, Ray's reply callbacks) waits up to this long each time it
+    does (`orchestrator.switch_interval_ms`)."""
+    before = sys.getswitchinterval()
+    if seconds > 0:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def burn_cpu(seconds: float, abort: threading.Event | None = None) -> None:

@@ -263,3 +263,27 @@ def test_a_steps_record_has_the_weight_syncs_that_ended_since_the_last_commit(tm
         expected = sum(s.dur for s in syncs if since < s.end <= commit)
         assert row["weight_sync_time"] == pytest.approx(expected, abs=1e-4), step
     assert sum(float(r["weight_sync_time"]) for r in rows) > 0
+
+
+@pytest.mark.parametrize(("ms", "during"), [(1.0, 0.001), (0.0, 0.004)])
+def test_the_run_sets_the_switch_interval_while_it_runs_and_restores_it(tmp_path: Path, ms: float, during: float) -> None:
+    import sys
+
+    from relayrl.telemetry.callbacks import Callback
+
+    class Seen(Callback):
+        def __init__(self) -> None:
+            self.intervals: list[float] = []
+
+        def on_step_end(self, step: int, result: object) -> None:
+            self.intervals.append(sys.getswitchinterval())
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        seen = Seen()
+        run_checked(make_program(sim_config("run.steps=2", f"orchestrator.switch_interval_ms={ms}"), tmp_path, [seen]))
+        assert seen.intervals == [pytest.approx(during)] * 2
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)

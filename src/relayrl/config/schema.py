@@ -679,6 +679,12 @@ class OrchestratorConfig(_Section):
     groups)."""
     loop_lag_interval_ms: float = Field(5.0, gt=0.0, json_schema_extra=RESUMABLE)
     """How often the event loop's lag is sampled (the loop_lag metrics)."""
+    switch_interval_ms: float = Field(1.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """The interpreter's thread switch interval while the run runs (sys.setswitchinterval; 0
+    leaves it as it is): how long a thread running Python (packing, bookkeeping, reward
+    functions) keeps the event loop waiting each time it wants the GIL. Measured on 2 cores: a Ray
+    sync round (1 export, 8 loads) took 0.07 s alone, 0.15-0.17 s beside a thread running Python
+    at Python's default 5 ms, 0.10 s at 1 ms."""
     log_trajectories: bool = Field(True, json_schema_extra=RESUMABLE)
     """Write every step's trajectories (Parquet) to the run directory."""
     release_memory: bool = Field(True, json_schema_extra=RESUMABLE)

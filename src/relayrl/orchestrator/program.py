@@ -51,6 +51,7 @@ from relayrl.rundir.lock import RunDirLock
 from relayrl.telemetry.looplag import LoopLagMonitor
 from relayrl.telemetry.memory import freeze_long_lived
 from relayrl.telemetry.tracer import Tracer
+from relayrl.threads import switch_interval
 from relayrl.types import (
     Group,
     SampleRequest,
@@ -120,7 +121,8 @@ class Program:
         try:
             if cfg.orchestrator.release_memory:
                 freeze_long_lived()
-            await self._supervise()
+            with switch_interval(cfg.orchestrator.switch_interval_ms / 1e3):
+                await self._supervise()
             status = "completed"
         except asyncio.CancelledError:
             status, error = "cancelled", "cancelled"
