@@ -1,10 +1,14 @@
 """Agents on Ray (task.agent with ray.enabled): the endpoint serves on the driver's event loop and
 each agent call is sampled by its replica's actor through `generate_turns`; the completions
-example trains on exactly the tokens the actors sampled, and the run passes the checker."""
+example trains on exactly the tokens the actors sampled, and the run passes the checker; an actor
+whose process dies once its agents are done keeps their samples (only its caches died)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,11 +22,13 @@ from relayrl.backends.ray.actors import RaySampler  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
+from relayrl.orchestrator.replicas import SamplerRestartedWarning, SamplerSlot  # noqa: E402
+from relayrl.orchestrator.stages.agents import AgentRollout  # noqa: E402
 from relayrl.recipes import shipped_recipe  # noqa: E402
-from relayrl.types import MicroBatch, Trajectory, TurnRequest, TurnResult  # noqa: E402
+from relayrl.types import Group, MicroBatch, SampleRequest, Trajectory, TurnRequest, TurnResult  # noqa: E402
 from support.agentutil import Sampled, assert_trained_as_sampled, sampled_of  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
-from support.simutil import run_checked  # noqa: E402
+from support.simutil import run_checked, settled_groups  # noqa: E402
 
 cluster = pytest.fixture(scope="module")(local_cluster)
 
@@ -73,3 +79,42 @@ def test_the_completions_example_trains_on_ray_on_exactly_the_tokens_the_actors_
     assert on_actors == {"actor:sampler/0", "actor:sampler/1"}  # every replica's actor sampled agent calls
     assert any(s.name == "generate" and s.args.get("agents") for s in all_spans)
     assert {t.replica for t in trained} == {0, 1}
+
+
+@pytest.mark.slow
+def test_a_sampler_actor_that_dies_after_its_agents_are_done_keeps_their_samples(
+    cluster: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica 0's actor process is killed once its first batch of agents is done, just before it is
+    told to forget their caches: the batch's groups stand (its rollout returns them, they are not
+    sampled again), the replica's next call restarts it, and the run completes."""
+    killed: list[int] = []
+    returned: list[tuple[int, bool]] = []  # (replica, whether a batch of that replica returned) per rollout
+    end_episodes, call = RaySampler.end_episodes, AgentRollout.__call__
+
+    async def killing_end(self: RaySampler, episodes: Sequence[str]) -> None:
+        if self.replica == 0 and not killed:
+            pid = await self.actor.pid.remote()
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        await end_episodes(self, episodes)
+
+    async def recording_call(self: AgentRollout, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
+        try:
+            groups = await call(self, slot, requests)
+        except Exception:
+            returned.append((slot.replica, False))
+            raise
+        returned.append((slot.replica, True))
+        return groups
+
+    monkeypatch.setattr(RaySampler, "end_episodes", killing_end)
+    monkeypatch.setattr(AgentRollout, "__call__", recording_call)
+    cfg = load_config(shipped_recipe("agent"), QUICK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SamplerRestartedWarning)
+        result = run_checked(build_program(cfg, run_dir=tmp_path / "run"), timeout=240)
+    assert killed
+    assert returned[[r for r, _ in returned].index(0)] == (0, True)  # replica 0's first batch: its groups stand
+    ledger = result.ledger.as_dict()
+    assert settled_groups(ledger) == ledger["groups_dispatched"] and ledger["trajectories_failed"] == 0
