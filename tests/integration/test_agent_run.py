@@ -140,12 +140,19 @@ def test_under_strict_agents_the_first_failure_fails_the_run(tmp_path: Path) -> 
     [
         (["run.backend=sim"], "task.agent needs run.backend = 'local'"),
         (["run.backend=local", 'task.environment="arithmetic_feedback"'], "task.agent and task.environment are both set"),
-        (["run.backend=local", "ray.enabled=true"], "task.agent does not run on Ray"),
+        (["run.backend=sim", "ray.enabled=true"], "task.agent needs run.backend = 'local'"),
     ],
 )
 def test_what_agents_cannot_run_with_is_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"task.agent={json.dumps(f'{EXAMPLE}:agent')}", *overrides])
+
+
+@pytest.mark.parametrize("overrides", [["ray.enabled=true"], ["rollout.engine=vllm"], ["ray.enabled=true", "rollout.engine=vllm"]])
+def test_agents_run_on_ray_and_on_the_vllm_engine(overrides: list[str]) -> None:
+    """Accepted (the runs: tests/ray/test_ray_agents.py, tests/vllm/test_vllm_agents.py)."""
+    cfg = load_config(None, ["run.backend=local", f"task.agent={json.dumps(f'{EXAMPLE}:agent')}", *overrides])
+    assert cfg.task.agent is not None
 
 
 def test_an_agent_that_is_not_an_async_function_is_refused(tmp_path: Path) -> None:

@@ -126,3 +126,35 @@ async def run_rollout(rollout: AgentRollout, sampler: Sampler, requests: list[Sa
 
 def tokenizer_of(tok: PreTrainedTokenizerBase) -> Tokenizer:
     return tok  # type: ignore[return-value]
+
+
+# what a replica sampled for an agent call: (context, tokens, log-probs, version)
+Sampled = tuple[list[int], list[int], list[float], int]
+
+
+def sampled_of(requests: Sequence[TurnRequest], results: Sequence[TurnResult]) -> list[Sampled]:
+    """One `generate_turns` call's (context, tokens, log-probs, version) per request."""
+    return [(list(q.context), list(r.completion.tokens), list(r.completion.logprobs), r.policy_version) for q, r in zip(requests, results)]
+
+
+def assert_trained_as_sampled(sampled: Sequence[Sampled], trained: Sequence[Any]) -> int:
+    """Every trained agent trajectory's policy tokens are tokens a replica sampled from that very
+    prefix, with their log-probs and version, each sample used once, and nothing else is trained;
+    returns how many trajectories hold two calls."""
+    assert trained
+    unused: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[list[float], int]]] = {}
+    for context, tokens, logprobs, version in sampled:
+        unused.setdefault((tuple(context), tuple(tokens)), []).append((logprobs, version))
+    two_calls = 0
+    for t in trained:
+        assert t.loss_mask is not None and t.turns
+        sequence = t.prompt_tokens + t.completion_tokens
+        for turn in t.turns:
+            key = (tuple(sequence[: len(t.prompt_tokens) + turn.start]), tuple(t.completion_tokens[turn.start : turn.end]))
+            candidates = unused.get(key, [])
+            match = (t.sampler_logprobs[turn.start : turn.end], turn.policy_version)
+            assert match in candidates, f"trained tokens {key[1]} after {key[0]} were not sampled so"
+            candidates.remove(match)
+        assert sum(t.loss_mask) == sum(u.end - u.start for u in t.turns)
+        two_calls += len(t.turns) == 2
+    return two_calls

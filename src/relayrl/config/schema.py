@@ -206,8 +206,8 @@ class TaskConfig(_Section):
     "path/to/file.py:function" (anchored as reward files are), an `async def agent(ctx) -> float |
     None` called once per sample; it talks to the policy only through the OpenAI-compatible
     endpoint at ctx.base_url (ctx.api_key, ctx.model, ctx.prompt, ctx.sample_index) and returns
-    its reward, or None to let reward_functions score its last completion. Local backend, not
-    with task.environment or Ray."""
+    its reward, or None to let reward_functions score its last completion. Local backend (in
+    process or on Ray, either rollout.engine), not with task.environment."""
     strict_agents: bool = Field(False, json_schema_extra=RESUMABLE)
     """An agent that raises, returns something that is not a finite number or None, or runs past
     rollout.agent_timeout_s fails the run at once instead of its sample (counted like a failed
@@ -910,12 +910,8 @@ def _check_agent(cfg: Config) -> None:
     """What `task.agent` cannot run with (one line naming the key)."""
     if cfg.task.environment is not None:
         raise ValueError("task.agent and task.environment are both set: an agent is its own environment, give one of them")
-    if cfg.run.backend != "local":
+    if cfg.run.backend != "local":  # in process or on Ray, either engine: the sim samples no real tokens
         raise ValueError(f"task.agent needs run.backend = 'local' (the {cfg.run.backend!r} backend samples no real tokens)")
-    if cfg.ray.enabled:
-        raise ValueError("task.agent does not run on Ray yet (ray.enabled = true): use the in-process local backend")
-    if cfg.rollout.engine != "hf":
-        raise ValueError(f"task.agent needs rollout.engine = 'hf' (the {cfg.rollout.engine!r} engine runs no agent calls yet)")
 
 
 def config_keys() -> Iterator[tuple[str, type[BaseModel], str, FieldInfo]]:

@@ -21,7 +21,10 @@ Invariants:
   (`AgentError`, one line), the task's error: no replica is retired for it;
 - a sampling call that raises or exceeds its bound fails the replica as a `generate` would (the
   sampler stage retires or restarts it and re-queues the requests); its agents are cancelled;
-- the episodes are closed before their transcripts are read: nothing is recorded afterwards.
+- the episodes are closed before their transcripts are read: nothing is recorded afterwards;
+- once every agent is done, forgetting the caches cannot lose the episodes: a replica whose worker
+  died meanwhile (`Sampler.restartable`, a Ray actor's process) had answered every call, so its
+  samples stand, and its next sampling call fails and restarts it.
 """
 
 from __future__ import annotations
@@ -181,7 +184,13 @@ class AgentRollout:
                     pump.cancel()
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        await slot.worker.end_episodes(keys)
+        try:
+            await slot.worker.end_episodes(keys)
+        except Exception as exc:
+            if not slot.worker.restartable(exc):
+                raise
+            # the replica's process died (Ray) after every call of these episodes was answered: their
+            # caches went with it and their samples stand; the replica's next call restarts it
         outcomes = [t.result() for t in tasks]
         version = slot.version
         by_group: dict[int, list[Trajectory]] = {r.group_id: [] for r in requests}
