@@ -538,3 +538,34 @@ def test_the_local_observation_encoder_splits_special_token_strings() -> None:
         assert len("1+1=<eos>") / encode.max_token_chars <= len(encode("1+1=<eos>"))
     im_start = chat.convert_tokens_to_ids("<|im_start|>")
     assert im_start not in EncodeText(chat)("<|im_start|>user") and im_start in EncodeText(chat)("<|im_start|>user", special_tokens=True)
+
+
+class _Died(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("restartable", [True, False])
+def test_a_worker_that_dies_as_it_forgets_finished_episodes_keeps_their_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restartable: bool
+) -> None:
+    from relayrl.backends.sim import SimSampler
+
+    calls: list[int] = []
+
+    async def end_episodes(self: SimSampler, episodes: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise _Died("the worker's process died")
+
+    monkeypatch.setattr(SimSampler, "end_episodes", end_episodes)
+    monkeypatch.setattr(SimSampler, "restartable", lambda self, exc: restartable and isinstance(exc, _Died))
+    cfg = sim_config("task.environment=arithmetic_feedback", "rollout.max_turns=2", "rollout.max_new_tokens=4", "run.steps=2")
+    if not restartable:  # any other failure is the replica's, as a failed generate_turns
+        with pytest.raises(_Died):
+            asyncio.run(
+                make_program(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"sampler_failover": False})}), tmp_path).run()
+            )
+        return
+    result = run_checked(make_program(cfg, tmp_path))
+    assert len(result.results) == 2 and len(calls) > 1
+    assert result.ledger.trajectories_trained == 2 * cfg.rollout.groups_per_step * cfg.rollout.num_generations

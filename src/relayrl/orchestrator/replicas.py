@@ -26,6 +26,18 @@ from dataclasses import dataclass, field
 from relayrl.backends.protocols import Sampler
 
 
+async def forget_episodes(worker: Sampler, keys: Sequence[str]) -> None:
+    """Tell `worker` to drop the caches of episodes that are over (`end_episodes`). Their samples
+    never depend on it: a worker that died meanwhile (`Sampler.restartable`, a Ray actor's process)
+    had answered every call of them, its caches went with it, and its next call restarts it; any
+    other failure raises."""
+    try:
+        await worker.end_episodes(keys)
+    except Exception as exc:
+        if not worker.restartable(exc):
+            raise
+
+
 class SamplerRetiredWarning(RuntimeWarning):
     pass
 

@@ -40,7 +40,7 @@ from relayrl.agents.context import AgentContext, AgentFn
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
-from relayrl.orchestrator.replicas import SamplerSlot
+from relayrl.orchestrator.replicas import SamplerSlot, forget_episodes
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult
 
@@ -184,13 +184,7 @@ class AgentRollout:
                     pump.cancel()
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        try:
-            await slot.worker.end_episodes(keys)
-        except Exception as exc:
-            if not slot.worker.restartable(exc):
-                raise
-            # the replica's process died (Ray) after every call of these episodes was answered: their
-            # caches went with it and their samples stand; the replica's next call restarts it
+        await forget_episodes(slot.worker, keys)
         outcomes = [t.result() for t in tasks]
         version = slot.version
         by_group: dict[int, list[Trajectory]] = {r.group_id: [] for r in requests}

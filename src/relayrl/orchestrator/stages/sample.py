@@ -19,11 +19,12 @@ sync stage pushes, or newer, into it) and samples again; one that cannot be rest
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Protocol
 
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.publisher import WeightPublisher
-from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
+from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot, forget_episodes
 from relayrl.orchestrator.stages.agents import AgentError
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
@@ -70,7 +71,7 @@ class MultiTurn:
         async def turn(asks: list[TurnRequest]) -> list[TurnResult]:
             return await bounded(sampler.generate_turns(asks), self._timeout_s, what, "rollout.generate_timeout_s")
 
-        return await self._runner.run(requests, turn, lane=f"sampler/{slot.replica}", end=sampler.end_episodes)
+        return await self._runner.run(requests, turn, lane=f"sampler/{slot.replica}", end=functools.partial(forget_episodes, sampler))
 
 
 async def sampler_stage(
