@@ -10,8 +10,9 @@ each with `n`, `max_tokens` (capped by `rollout.max_new_tokens` and the episode'
 `stop`, `logprobs` (the sampled token's) and `stream` (server-sent events; the samplers do not
 stream tokens, so each choice arrives as one chunk once sampled). A call's tokens come from
 `agents/transcript.py`'s rule and are sampled by its episode's replica (the `sample` function the
-agent stage opened the episode with) with that replica's current version; every choice is
-recorded in the episode's transcript.
+agent stage opened the episode with) with that replica's current version (with
+rollout.interruptible a load may land during the call: the choice keeps its tokens' version
+segments); every choice is recorded in the episode's transcript.
 
 Invariants:
 - every request needs `Authorization: Bearer <the run's token>` (random per run; 401 otherwise);
@@ -479,14 +480,22 @@ class AgentEndpoint:
             keep = next(k for k in range(1, len(tokens) + 1) if len(decode(tokens[:k], skip_special_tokens=False)) >= at + len(stop))
             tokens, logprobs = tokens[:keep], logprobs[:keep]
             text = decode(tokens, skip_special_tokens=False)
-            choice = Choice(tokens, logprobs, text, "stop", result.policy_version, result.replica, ended_on_stop_token=False)
+            versions = _cut(c.versions, keep)
+            choice = Choice(tokens, logprobs, text, "stop", result.policy_version, result.replica, False, versions)
             return _Answered(choice, full[:at], "stop")
         on_stop = c.finish_reason == "stop" and bool(tokens)
         text = decode(tokens[:-1], skip_special_tokens=False) if on_stop else full
         finish: Literal["stop", "length"] = "stop" if c.finish_reason == "stop" else "length"
-        return _Answered(
-            Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, ended_on_stop_token=on_stop), text, finish
-        )
+        choice = Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, on_stop, c.versions)
+        return _Answered(choice, text, finish)
+
+
+def _cut(versions: list[tuple[int, int]] | None, keep: int) -> list[tuple[int, int]] | None:
+    """A completion's version segments over its first `keep` tokens (None: a single version)."""
+    if versions is None:
+        return None
+    kept = [(first, version) for first, version in versions if first < keep]
+    return kept if len(kept) > 1 else None
 
 
 def _usage(start: Start, answered: Sequence[_Answered]) -> dict[str, int]:
