@@ -5,7 +5,8 @@ port by default) from `start()` to `stop()` (no task of its own: uvicorn's async
 the loop; no signal handler is installed). Each agent episode gets its own base URL,
 `http://HOST:PORT/episodes/<id>/v1`, so its calls are attributed without the agent's help, and
 serves `POST .../v1/completions` (a text prompt or token ids) and `POST .../v1/chat/completions`
-(the model's chat template; `tools` in, Qwen2-style `<tool_call>` blocks out as `tool_calls`),
+(the model's chat template; `tools` in, Qwen2-style `<tool_call>` blocks out as `tool_calls`; a
+template that ignores tools gets them the Qwen2 way: agents/chat.py),
 each with `n`, `max_tokens` (capped by `rollout.max_new_tokens` and the episode's token room),
 `stop`, `logprobs` (the sampled token's) and `stream` (server-sent events; the samplers do not
 stream tokens, so each choice arrives as one chunk once sampled). A call's tokens come from
@@ -44,7 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render
+from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
 from relayrl.errors import UserError
 from relayrl.types import Prompt, TurnRequest, TurnResult
@@ -92,6 +93,7 @@ class AgentEpisode:
     transcript: Transcript = field(default_factory=Transcript)
     open: bool = True
     calls: int = 0
+    replies: dict[str, str] = field(default_factory=dict)  # tool-call id -> the text of the reply it was parsed from
 
     def sampler_key(self, chain: int) -> str:
         """The sampler's episode name of a KV-cache chain."""
@@ -169,6 +171,7 @@ class AgentEndpoint:
         self._server: uvicorn.Server | None = None
         self._socket: socket.socket | None = None
         self.port = 0
+        self._native_tools: bool | None = None  # whether the chat template renders tools (agents/chat.py)
         self.app = self._build_app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -368,8 +371,10 @@ class AgentEndpoint:
 
     async def _chat(self, episode: AgentEpisode, body: ChatBody) -> Any:
         max_new, stops = self._check_common(body)
+        if self._native_tools is None and getattr(self._tok, "chat_template", None):
+            self._native_tools = renders_tools(self._tok)
         try:
-            text = render(self._tok, body.messages, body.tools)
+            text = render(self._tok, body.messages, body.tools, native_tools=self._native_tools is not False, replies=episode.replies)
         except ChatFormatError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
         parse = bool(body.tools) and body.tool_choice != "none"
@@ -382,6 +387,7 @@ class AgentEndpoint:
             calls: list[dict[str, object]] = []
             if parse:
                 content, calls = parse_tool_calls(a.text)
+                episode.replies.update((str(call["id"]), a.choice.text) for call in calls)
             message: dict[str, object] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
