@@ -1,6 +1,7 @@
 """Tools for a chat template that ignores them (agents/chat.py): SmolLM2's template renders only
-each message's role and content, so the endpoint gives it the tools, the tool calls and the tool
-results the Qwen2 way, and renders a reply it parsed tool calls from as the reply's own text."""
+each message's role and content, so the endpoint gives it the tools and the tool calls the Qwen2
+way (tool results in the template's own `tool` role, or Qwen2's form when it refuses that role),
+and renders a reply it parsed tool calls from as the reply's own text."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from typing import Any
 
 from relayrl.agents.chat import parse_tool_calls, render, renders_tools
-from support.agentutil import chat_tokenizer, tiny_tokenizer
+from support.agentutil import chat_tokenizer, tiny_tokenizer, tokenizer_of
 
 # SmolLM2-135M-Instruct's chat template (its GGUF's tokenizer.chat_template)
 SMOLLM2_TEMPLATE = (
@@ -27,7 +28,7 @@ def smollm2_like() -> Any:
 
 
 def test_a_template_that_ignores_tools_is_told_apart_from_one_that_renders_them() -> None:
-    assert renders_tools(chat_tokenizer())  # the tests' Qwen2-style template
+    assert renders_tools(tokenizer_of(chat_tokenizer()))  # the tests' Qwen2-style template
     assert not renders_tools(smollm2_like())
     tok = smollm2_like()
     plain = [{"role": "user", "content": "hi"}]
@@ -52,7 +53,13 @@ def test_tools_calls_and_results_are_rendered_the_qwen2_way_for_such_a_template(
     text = render(tok, messages, TOOLS, native_tools=False, replies={str(call["id"]): reply})
     # the reply's own text: the next call continues the sampled tokens
     assert text.startswith(first + reply + "<|im_end|>\n")
-    assert text.endswith(
+    assert text.endswith("<|im_start|>tool\n5<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n")
+    # a template that refuses the tool role gets Qwen2's user message of tool responses
+    strict = smollm2_like()
+    strict.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}{% endfor %}" + SMOLLM2_TEMPLATE
+    )
+    assert render(strict, messages, TOOLS, native_tools=False).endswith(
         "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
     # a call the endpoint did not parse (or one the agent changed) is written in Qwen2's form
