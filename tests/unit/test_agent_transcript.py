@@ -84,6 +84,26 @@ def test_a_branch_keeps_the_shared_turns_as_context() -> None:
     assert trained == sum(len(n.tokens) - len(ctx) for n, ctx in zip(t.nodes, [a.context, b1.context, b2.context]))
 
 
+def test_versions_are_runs_over_the_completion_as_in_multi_turn_episodes() -> None:
+    """rollout.interruptible: a choice's per-token segments become runs over its node's completion;
+    context tokens fall in the run before them; a continuation keeps its parent's runs, a branch
+    starts its own; every turn keeps its oldest version."""
+    t = Transcript()
+    a = t.context("q=", encode)
+    loaded = Choice([1, 2, 3, EOS], [-0.5] * 4, "abc", "stop", 3, 0, ended_on_stop_token=True, versions=[(0, 3), (2, 4)])
+    node = t.record(a, loaded, a.chain)
+    assert node.versions == [(0, 3), (2, 4)]
+    b = t.context("q=abc\x00;", encode)  # one context token, then a call sampled by version 4 then 5
+    t.record(b, Choice([7, EOS], [-0.5] * 2, "g", "stop", 4, 0, ended_on_stop_token=True, versions=[(0, 4), (1, 5)]), b.chain)
+    [leaf] = t.leaves
+    assert leaf.mask == [1, 1, 1, 1, 0, 1, 1]
+    assert leaf.versions == [(0, 3), (2, 4), (6, 5)]  # the call's version-4 token joins the run before it
+    assert [u.policy_version for u in leaf.turns] == [3, 4]
+    branch = t.context("q=abc\x00!", encode)  # continues the first node again: everything before is context
+    other = t.record(branch, choice([8], "h", version=5), branch.chain)
+    assert other.versions == [(0, 5)] and other.prompt_len == len(branch.context)
+
+
 def test_qwen2_tool_calls_are_parsed_into_the_openai_format() -> None:
     text = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     content, calls = parse_tool_calls(text)

@@ -5,13 +5,15 @@ port by default) from `start()` to `stop()` (no task of its own: uvicorn's async
 the loop; no signal handler is installed). Each agent episode gets its own base URL,
 `http://HOST:PORT/episodes/<id>/v1`, so its calls are attributed without the agent's help, and
 serves `POST .../v1/completions` (a text prompt or token ids) and `POST .../v1/chat/completions`
-(the model's chat template; `tools` in, Qwen2-style `<tool_call>` blocks out as `tool_calls`),
+(the model's chat template; `tools` in, Qwen2-style `<tool_call>` blocks out as `tool_calls`; a
+template that ignores tools gets them the Qwen2 way: agents/chat.py),
 each with `n`, `max_tokens` (capped by `rollout.max_new_tokens` and the episode's token room),
 `stop`, `logprobs` (the sampled token's) and `stream` (server-sent events; the samplers do not
 stream tokens, so each choice arrives as one chunk once sampled). A call's tokens come from
 `agents/transcript.py`'s rule and are sampled by its episode's replica (the `sample` function the
-agent stage opened the episode with) with that replica's current version; every choice is
-recorded in the episode's transcript.
+agent stage opened the episode with) with that replica's current version (with
+rollout.interruptible a load may land during the call: the choice keeps its tokens' version
+segments); every choice is recorded in the episode's transcript.
 
 Invariants:
 - every request needs `Authorization: Bearer <the run's token>` (random per run; 401 otherwise);
@@ -43,7 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render
+from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
 from relayrl.errors import UserError
 from relayrl.types import Prompt, TurnRequest, TurnResult
@@ -91,6 +93,7 @@ class AgentEpisode:
     transcript: Transcript = field(default_factory=Transcript)
     open: bool = True
     calls: int = 0
+    replies: dict[str, str] = field(default_factory=dict)  # tool-call id -> the text of the reply it was parsed from
 
     def sampler_key(self, chain: int) -> str:
         """The sampler's episode name of a KV-cache chain."""
@@ -168,6 +171,7 @@ class AgentEndpoint:
         self._server: uvicorn.Server | None = None
         self._socket: socket.socket | None = None
         self.port = 0
+        self._native_tools: bool | None = None  # whether the chat template renders tools (agents/chat.py)
         self.app = self._build_app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -367,8 +371,10 @@ class AgentEndpoint:
 
     async def _chat(self, episode: AgentEpisode, body: ChatBody) -> Any:
         max_new, stops = self._check_common(body)
+        if self._native_tools is None and getattr(self._tok, "chat_template", None):
+            self._native_tools = renders_tools(self._tok)
         try:
-            text = render(self._tok, body.messages, body.tools)
+            text = render(self._tok, body.messages, body.tools, native_tools=self._native_tools is not False, replies=episode.replies)
         except ChatFormatError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
         parse = bool(body.tools) and body.tool_choice != "none"
@@ -381,6 +387,7 @@ class AgentEndpoint:
             calls: list[dict[str, object]] = []
             if parse:
                 content, calls = parse_tool_calls(a.text)
+                episode.replies.update((str(call["id"]), a.choice.text) for call in calls)
             message: dict[str, object] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -479,14 +486,22 @@ class AgentEndpoint:
             keep = next(k for k in range(1, len(tokens) + 1) if len(decode(tokens[:k], skip_special_tokens=False)) >= at + len(stop))
             tokens, logprobs = tokens[:keep], logprobs[:keep]
             text = decode(tokens, skip_special_tokens=False)
-            choice = Choice(tokens, logprobs, text, "stop", result.policy_version, result.replica, ended_on_stop_token=False)
+            versions = _cut(c.versions, keep)
+            choice = Choice(tokens, logprobs, text, "stop", result.policy_version, result.replica, False, versions)
             return _Answered(choice, full[:at], "stop")
         on_stop = c.finish_reason == "stop" and bool(tokens)
         text = decode(tokens[:-1], skip_special_tokens=False) if on_stop else full
         finish: Literal["stop", "length"] = "stop" if c.finish_reason == "stop" else "length"
-        return _Answered(
-            Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, ended_on_stop_token=on_stop), text, finish
-        )
+        choice = Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, on_stop, c.versions)
+        return _Answered(choice, text, finish)
+
+
+def _cut(versions: list[tuple[int, int]] | None, keep: int) -> list[tuple[int, int]] | None:
+    """A completion's version segments over its first `keep` tokens (None: a single version)."""
+    if versions is None:
+        return None
+    kept = [(first, version) for first, version in versions if first < keep]
+    return kept if len(kept) > 1 else None
 
 
 def _usage(start: Start, answered: Sequence[_Answered]) -> dict[str, int]:

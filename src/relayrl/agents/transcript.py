@@ -19,6 +19,11 @@ Invariants:
 - a node's sampled tokens are never re-tokenised: they are the sampler's ids, with its log-probs,
   versions and replica in a `Turn` each; every other token (the agent's text, the template's) is
   context (`mask` 0, log-prob 0.0);
+- versions as multi-turn episodes record them (orchestrator/stages/episodes.py): a `Turn`'s
+  `policy_version` is the oldest that sampled a token of it (with rollout.interruptible a load
+  can land inside a call), and a node's `versions` lists (first completion token index, version)
+  runs over its completion, built from each choice's per-token segments (context tokens fall in
+  the run before them); a trajectory's `policy_version` is its oldest token's;
 - every sampled token is trained exactly once: the first call that continues a node takes over
   its trainable tokens; a second continuation of the same node (a branch, or choice 2..n of a call
   with `n` > 1 continued later) keeps them as context. The leaves (nodes nobody continued) are
@@ -46,6 +51,9 @@ class Choice:
     policy_version: int
     replica: int
     ended_on_stop_token: bool  # its last token is the model's stop token (not a stop string's)
+    # rollout.interruptible: (first token index, version) segments of `tokens` when a load landed
+    # during its generation (`policy_version` is then the first's, the oldest); None: all `policy_version`
+    versions: list[tuple[int, int]] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +70,8 @@ class Node:
     ended_on_stop_token: bool
     finish_reason: str
     answer: str  # its last completion's text (what reward functions see)
+    # (first index after prompt_len, version) runs over the completion, in order (see the module)
+    versions: list[tuple[int, int]] = field(default_factory=list)
     continued: bool = False  # a later call took over its trainable tokens
 
 
@@ -129,14 +139,18 @@ class Transcript:
             added = len(context) - len(parent.tokens)
             logprobs = parent.logprobs + [0.0] * added
             mask = parent.mask + [0] * added
+            versions = list(parent.versions)
             turns = list(parent.turns)
             if turns:
                 last = turns[-1]
                 turns[-1] = Turn(last.start, last.end, last.policy_version, last.replica, last.action, observation=start.suffix)
         else:  # afresh, or a branch: everything before is context
             prompt_len = len(context)
-            logprobs, mask, turns = [], [], []
+            logprobs, mask, turns, versions = [], [], [], []
         begin = len(context) - prompt_len
+        for first, version in choice.versions or [(0, choice.policy_version)]:
+            if not versions or versions[-1][1] != version:
+                versions.append((begin + first, version))
         tokens = context + choice.tokens
         node = Node(
             text=(parent.text if parent is not None else "") + start.suffix + choice.text,
@@ -149,6 +163,7 @@ class Transcript:
             ended_on_stop_token=choice.ended_on_stop_token,
             finish_reason=choice.finish_reason,
             answer=choice.text,
+            versions=versions,
         )
         self.nodes.append(node)
         return node

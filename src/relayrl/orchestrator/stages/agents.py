@@ -7,8 +7,9 @@ endpoint episode per sample, calls `agent(ctx)` for each, all at once, each boun
 `rollout.agent_timeout_s`, and routes every call of those episodes to that replica: a
 `TurnBatcher` gathers the calls that arrive while the replica is busy into one `generate_turns`
 call (each bounded by `rollout.generate_timeout_s`, traced on the replica's lane with the version
-that sampled it). When every agent is done, the replica forgets the episodes' caches and each
-episode's transcript becomes its training samples (agents/transcript.py): one trajectory per leaf,
+that sampled it, and `versions` when a load landed during it). When every agent is done, the replica forgets the episodes' caches and each
+episode's transcript becomes its training samples (agents/transcript.py): one trajectory per leaf
+(its `policy_version` the oldest token's, its `versions` the runs when several versions sampled it),
 all of the episode's reward: the agent's return value, or, when it returned None, the reward
 functions' score of the trajectory's last completion (`completion_text`).
 
@@ -141,7 +142,9 @@ class TurnBatcher:
                             future.exception()  # retrieved: the caller may be gone
                     raise
                 version = min(r.policy_version for r in results)
-                self._tracer.complete(lane, "generate", start, self._tracer.now(), n=len(batch), version=version, agents=True)
+                used = sorted({v for r in results for _, v in (r.completion.versions or [(0, r.policy_version)])})
+                extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
+                self._tracer.complete(lane, "generate", start, self._tracer.now(), n=len(batch), version=version, agents=True, **extra)
                 for (_, future), result in zip(batch, results, strict=True):
                     if not future.done():
                         future.set_result(result)
@@ -274,6 +277,7 @@ class AgentRollout:
                     replica=leaf.turns[0].replica,
                     finish_reason=leaf.finish_reason,
                     turns=leaf.turns,
+                    versions=leaf.versions if len(leaf.versions) > 1 else None,
                     loss_mask=leaf.mask,
                     agent_reward=o.reward,
                 )
