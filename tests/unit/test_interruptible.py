@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,6 +27,7 @@ from relayrl.backends.sim.workers import SimSampler
 from relayrl.config.schema import SimConfig, load_config
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.types import Prompt, SampleRequest, TurnRequest, Weights, token_versions
+from support.interrupt import interrupted_logprobs, load_after_pass, reread_logprobs
 from support.modelutil import random_qwen2
 
 torch.set_num_threads(1)
@@ -53,30 +51,6 @@ def qwen2(seed: int) -> Qwen2ForCausalLM:
 
 def request(n: int = 2) -> SampleRequest:
     return SampleRequest(group_id=0, prompt=Prompt("p0", "t5 t6 t7 t8", "0"), prompt_tokens=list(PROMPT), num_samples=n, rng_key="0:p0")
-
-
-def load_after_pass(compute: SamplerCompute, weights: Weights, after: int) -> list[threading.Thread]:
-    """Make `compute`'s model start loading `weights` (in another thread) during its forward pass
-    number `after`, and let that pass end only once the load waits at the gate."""
-    model = compute.model
-    forward: Callable[..., Any] = model.forward
-    calls = [0]
-    started: list[threading.Thread] = []
-
-    @functools.wraps(forward)  # keeps its signature: the sampler reads its cache argument's name from it
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        calls[0] += 1
-        if calls[0] == after:
-            loader = threading.Thread(target=compute.load_weights, args=(weights,))
-            loader.start()
-            started.append(loader)
-            while not compute.gate.load_pending:  # the load is queued behind this pass: no later pass starts first
-                time.sleep(0.001)
-        return out
-
-    model.forward = counted
-    return started
 
 
 def test_a_load_mid_generation_swaps_weights_between_decode_steps() -> None:
@@ -166,25 +140,6 @@ def test_local_sampler_load_does_not_wait_for_a_running_generate(monkeypatch: py
 OBSERVATION = [9, 10, 11]
 
 
-def expected_logprobs(old: Qwen2ForCausalLM, new: Qwen2ForCausalLM, sequence: list[int], fed_by_old: int, first: int) -> list[float]:
-    """Log-probs of `sequence[first:]` when its first `fed_by_old` tokens were fed (their keys and
-    values computed) by `old` and every later one by `new`, over that cache: the new weights'
-    log-probs with the old ones' context, what an interrupted generation computes."""
-    seq = torch.tensor([sequence])
-    with torch.inference_mode():
-        cache = old(input_ids=seq[:, :fed_by_old], use_cache=True).past_key_values
-        tail = new(input_ids=seq[:, fed_by_old:-1], use_cache=True, **{_cache_kwarg(old): cache}).logits[0].double()
-        logp = torch.log_softmax(tail, dim=-1)
-        return [logp[i - 1 - fed_by_old, sequence[i]].item() for i in range(first, len(sequence))]
-
-
-def reread_logprobs(model: Qwen2ForCausalLM, sequence: list[int], first: int) -> list[float]:
-    """Log-probs of `sequence[first:]` under `model` reading the whole sequence."""
-    with torch.inference_mode():
-        logp = torch.log_softmax(model(input_ids=torch.tensor([sequence])).logits[0].double(), dim=-1)
-    return [logp[i - 1, sequence[i]].item() for i in range(first, len(sequence))]
-
-
 def turn_compute(old: Qwen2ForCausalLM, interruptible: bool) -> SamplerCompute:
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, eos_token_ids=(999,))  # no EOS: every row runs its budget
     return SamplerCompute(copy.deepcopy(old), tokenizer(), params, seed=3, interruptible=interruptible)
@@ -215,7 +170,7 @@ def test_a_load_mid_turn_gives_the_turn_both_versions_and_the_next_turn_continue
         assert c.versions == [(0, 0), (SWAP_AFTER, 1)]
         sequence = PROMPT + c.tokens
         assert c.logprobs[:SWAP_AFTER] == pytest.approx(reread_logprobs(old, sequence, p)[:SWAP_AFTER], abs=1e-4)
-        after = expected_logprobs(old, new, sequence, p + SWAP_AFTER - 1, p + SWAP_AFTER)
+        after = interrupted_logprobs(old, new, sequence, p + SWAP_AFTER - 1, p + SWAP_AFTER)
         assert c.logprobs[SWAP_AFTER:] == pytest.approx(after, abs=1e-4)
         assert c.logprobs[SWAP_AFTER:] != pytest.approx(reread_logprobs(old, sequence, p + SWAP_AFTER), abs=1e-4)
     assert sorted(compute.session_episodes) == ["e0", "e1"]  # the load did not drop them
@@ -225,7 +180,7 @@ def test_a_load_mid_turn_gives_the_turn_both_versions_and_the_next_turn_continue
     assert second.cached_tokens == p + NEW_TOKENS - 1  # continued its session, not re-read
     assert second.policy_version == 1 and second.completion.versions is None
     sequence = context + second.completion.tokens
-    kept = expected_logprobs(old, new, sequence, p + SWAP_AFTER - 1, len(context))
+    kept = interrupted_logprobs(old, new, sequence, p + SWAP_AFTER - 1, len(context))
     assert second.completion.logprobs == pytest.approx(kept, abs=1e-4)
     assert second.completion.logprobs != pytest.approx(reread_logprobs(new, sequence, len(context)), abs=1e-4)
 
@@ -303,6 +258,7 @@ def test_bench_printout_puts_waiting_and_interruptible_rounds_side_by_side(capsy
         "max_staleness_1_interruptible": run(0.05, 0.96),
         "max_staleness_2": run(1.2, 0.98),
         "max_staleness_2_interruptible": run(0.2, 0.99),
+        "oldest_token_bound": {"1": 0.888, "2": 1.0},
     }
     _print_interruptible(figures)
     printed = capsys.readouterr().out
@@ -310,3 +266,4 @@ def test_bench_printout_puts_waiting_and_interruptible_rounds_side_by_side(capsy
     assert "round mean 1.100 s, max 2.200 s, busy 87.0%" in printed and "round mean 0.050 s, max 0.100 s, busy 96.0%" in printed
     assert "sync round mean (worst max_staleness): 0.200 s (target <= 0.1 s)  MISSED" in printed
     assert "trainer busy at max_staleness 1: 96.0% (target >= 95%)  ok" in printed
+    assert "oldest token's: 88.8% at max_staleness 1, 100.0% at max_staleness 2" in printed
