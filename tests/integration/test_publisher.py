@@ -14,9 +14,10 @@ from typing import Any, cast
 
 import pytest
 
+from relayrl.backends.protocols import PendingExport
 from relayrl.backends.sim.workers import SimSampler, SimTrainer
 from relayrl.orchestrator.build import build_program
-from relayrl.orchestrator.deadlines import CallTimeoutError
+from relayrl.orchestrator.deadlines import BoundedTrainer, CallTimeoutError
 from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.replicas import ReplicaPool, SamplerRestartedWarning, SamplerRetiredWarning
 from relayrl.orchestrator.stages.sync import sync_stage
@@ -213,3 +214,90 @@ def test_a_restart_overtaken_by_a_newer_round_loads_that_round_s_version_before_
 
     with pytest.warns(SamplerRestartedWarning, match="it loaded version 1"):
         asyncio.run(main())
+
+
+class ExportsAhead(SimTrainer):
+    """A trainer whose export the samplers wait for themselves (`export_ahead`): it returns at once
+    with weights of its committed version whose payload is a future the export fills, version
+    `exported` (a commit may land before the export runs), once `gate` is set; or fails with `error`."""
+
+    def __init__(self, cfg: Any, gate: asyncio.Event, exported: int, error: Exception | None = None) -> None:
+        super().__init__(cfg)
+        self.gate, self.exported, self.error = gate, exported, error
+
+    async def export_ahead(self) -> PendingExport:
+        payload: asyncio.Future[Weights] = asyncio.get_running_loop().create_future()
+
+        async def done() -> Weights:
+            await self.gate.wait()
+            if self.error is not None:
+                payload.set_exception(RuntimeError(f"the samplers' copy of: {self.error}"))  # as each Ray process gets its own
+                raise self.error
+            weights = Weights(self.exported, payload=self.exported)
+            payload.set_result(weights)
+            return weights
+
+        return PendingExport(Weights(self.version, payload), done())
+
+
+class WaitsForTheExport(SimSampler):
+    """Records whether its load started before the export ended, then waits for it and loads it."""
+
+    def __init__(self, gate: asyncio.Event, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+        self.started_before_export: list[bool] = []
+
+    async def load_weights(self, weights: Weights) -> None:
+        self.started_before_export.append(not self.gate.is_set())
+        await super().load_weights(await cast(asyncio.Future[Weights], weights.payload))
+
+
+def _ahead(
+    error: Exception | None = None, seconds: float = 0.0
+) -> tuple[WeightPublisher, ReplicaPool, list[WaitsForTheExport], asyncio.Event]:
+    cfg = sim_config()
+    gate = asyncio.Event()
+    trainer = ExportsAhead(cfg.sim, gate, exported=2, error=error)
+    trainer.version = 1
+    samplers = [WaitsForTheExport(gate, cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=i) for i in range(2)]
+    pool = ReplicaPool.of(samplers, failover=True)
+    bounded = BoundedTrainer(trainer, seconds) if seconds else trainer
+    return WeightPublisher(bounded, pool, Tracer(None, {}), load_timeout_s=30.0), pool, samplers, gate
+
+
+def test_loads_start_before_an_export_ahead_ends_and_hold_the_version_it_exported() -> None:
+    async def main() -> None:
+        publisher, pool, samplers, gate = _ahead()
+        round_ = asyncio.create_task(publisher.publish_newest())
+        while not all(s.started_before_export for s in samplers):
+            await asyncio.sleep(0)
+        gate.set()
+        weights = await round_
+        assert weights.version == 2 and pool.target == 2  # a commit landed before the export ran: its version
+        assert [s.started_before_export for s in samplers] == [[True], [True]]
+        assert [slot.version for slot in pool.slots] == [2, 2]
+        assert pool.retired == []
+
+    asyncio.run(main())
+
+
+def test_an_export_ahead_that_fails_fails_the_round_with_its_error_and_retires_no_replica() -> None:
+    async def main() -> None:
+        publisher, pool, samplers, gate = _ahead(error=RuntimeError("the export broke"))
+        gate.set()
+        with pytest.raises(RuntimeError, match="the export broke"):
+            await publisher.publish_newest()
+        assert pool.retired == [] and len(pool.slots) == 2 and [slot.version for slot in pool.slots] == [0, 0]
+
+    asyncio.run(main())
+
+
+def test_an_export_ahead_past_train_call_timeout_s_fails_at_its_bound_and_cancels_the_loads() -> None:
+    async def main() -> None:
+        publisher, pool, samplers, _ = _ahead(seconds=0.2)  # the export never ends; the loads wait 30 s
+        with pytest.raises(CallTimeoutError, match="trainer call export_weights"):
+            await asyncio.wait_for(publisher.publish_newest(), 5.0)
+        assert pool.retired == [] and [s.started_before_export for s in samplers] == [[True], [True]]
+
+    asyncio.run(main())

@@ -102,6 +102,37 @@ def test_trainer_actor_answers_get_metrics_while_a_train_step_runs(cluster: RayC
     asyncio.run(go())
 
 
+def test_samplers_load_an_export_ahead_as_it_ends_with_the_version_it_exported(cluster: RayCluster) -> None:
+    cfg = sim_config("ray.enabled=true", "ray.address=auto", "rollout.num_samplers=2", "sim.weight_sync=0.3")
+    backend = build_backend(cfg, __import__("threading").Event(), evaluate=False)
+    trainer, samplers = backend.trainer, [s for s in backend.samplers if isinstance(s, RaySampler)]
+    assert isinstance(trainer, RayTrainer) and len(samplers) == 2
+    batch = TrainBatch(0, 0, None, num_tokens=8, num_sequences=1, advantages=[1.0], step_completion_tokens=4, step_sequences=1)
+
+    async def go() -> None:
+        try:
+            await trainer.train_step(batch)
+            assert await trainer.optim_step() == 1
+            await trainer.train_step(batch)
+            await trainer._drain()
+            unseen = await trainer._send("optim_step")  # committed in the actor before the export runs, not yet seen by the driver
+            await unseen.ref
+            pending = await trainer.export_ahead()
+            assert pending.weights.version == 1  # what the driver knew when it sent the export
+            loads = [asyncio.ensure_future(s.load_weights(pending.weights)) for s in samplers]
+            await asyncio.sleep(0.1)
+            assert not any(load.done() for load in loads)  # each waits for the export (0.3 s) in its actor
+            exported = await pending.done
+            await asyncio.gather(*loads)
+            assert exported.version == 2
+            assert [await s.loaded_version() for s in samplers] == [2, 2]  # the version exported, not the one sent
+            await trainer._result(unseen)
+        finally:
+            await backend.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.slow
 def test_local_backend_on_ray_trains_and_its_weights_reach_the_samplers(cluster: RayCluster, tmp_path: Path) -> None:
     cfg = load_config(

@@ -17,14 +17,16 @@ Orchestrator-side pieces a backend also provides (`Collator`, `PromptEncoder`, `
 them writes only what it computes, and callers never ask what a worker is (`isinstance`): a
 sampler that cannot run episodes raises one clear error from `generate_turns`, one that keeps no
 caches ignores `end_episodes`, one that cannot be restarted says so (`restartable` is false); a
-trainer that cannot queue ahead has `queue_ahead` false; one that cannot checkpoint raises one
-clear error from `save_state` / `load_state`.
+trainer that cannot queue ahead has `queue_ahead` false, one whose exports samplers cannot wait
+for has no `export_ahead`; one that cannot checkpoint raises one clear error from `save_state` /
+`load_state`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +36,7 @@ __all__ = [
     "Collator",
     "Evaluator",
     "GreedyEngine",
+    "PendingExport",
     "PromptEncoder",
     "Sampler",
     "TextDecoder",
@@ -108,6 +111,17 @@ class GreedyEngine(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(slots=True, frozen=True)
+class PendingExport:
+    """An export the samplers may start loading before it ended (`Trainer.export_ahead`): `weights`
+    (its version, and a payload each sampler resolves where it loads, waiting for the export there)
+    to hand to every load now, and `done`, the export's own result, which the caller awaits (it
+    raises the export's failure; the loads of a failed export fail too, for that reason)."""
+
+    weights: Weights
+    done: Awaitable[Weights]
+
+
 class Trainer(Protocol):
     """The trainer. Subclass it to inherit the defaults of the optional parts (`queue_ahead` /
     `optim_step_ahead`, `save_state` / `load_state`, `close`).
@@ -168,6 +182,12 @@ class Trainer(Protocol):
     async def export_weights(self) -> Weights:
         """The weights of the last committed version. Should not wait behind a train step."""
         ...
+
+    async def export_ahead(self) -> PendingExport | None:
+        """Start `export_weights` and return without waiting for it, where samplers can wait for
+        an export themselves (the Ray trainer: its loads then start without a driver round trip
+        between the export and them); None (the default): the caller awaits `export_weights`."""
+        return None
 
     async def save_state(self, directory: Path) -> None:
         """Write the committed state (weights, optimizer, schedule, version) into `directory`.

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from relayrl.backends.protocols import Trainer
+from relayrl.backends.protocols import PendingExport, Trainer
 from relayrl.types import TrainBatch, Weights
 
 T = TypeVar("T")
@@ -103,6 +103,10 @@ class BoundedTrainer(Trainer):
 
     async def export_weights(self) -> Weights:
         return await self._bound(self.inner.export_weights(), "export_weights")
+
+    async def export_ahead(self) -> PendingExport | None:
+        pending = await self._bound(self.inner.export_ahead(), "export_weights")
+        return None if pending is None else PendingExport(pending.weights, self._bound(pending.done, "export_weights"))
 
     async def save_state(self, directory: Path) -> None:
         await self._bound(self.inner.save_state(directory), "save_state")

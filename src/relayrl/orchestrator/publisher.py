@@ -8,7 +8,9 @@ trainer: the weights they load always come from here.
 
 It gets a version's weights from the trainer once (`export_weights`, through the trainer it was
 given: the program's `BoundedTrainer`, so bounded by `train.call_timeout_s`) and keeps the newest
-export, which a restarted replica loads; it loads them into each replica bounded by
+export, which a restarted replica loads; a trainer that can (`export_ahead`: the Ray trainer)
+has a round's loads started with its export, each waiting for it where it runs, and a failed
+export fails the round as the trainer's error (its loads cancelled, no replica blamed); it loads them into each replica bounded by
 `rollout.weight_load_timeout_s`. A load that raises or exceeds its bound fails its replica: one
 whose worker died and can be restarted (`Sampler.restartable`) stays in service, holding its old version,
 and restarts when it next samples; any other is retired (`ReplicaPool.retire`, which fails the
@@ -30,6 +32,7 @@ load, the bounds, failover, restarts, tracing — and every caller stay as they 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from relayrl.backends.protocols import Trainer
 from relayrl.orchestrator.deadlines import bounded
@@ -52,7 +55,10 @@ class WeightPublisher:
 
     async def _export(self) -> Weights:
         """The trainer's newest weights, kept as the version replicas must hold from now on."""
-        weights = await self._trainer.export_weights()
+        return self._keep(await self._trainer.export_weights())
+
+    def _keep(self, weights: Weights) -> Weights:
+        """Keep exported `weights` as the version replicas must hold from now on."""
         if self._newest is None or weights.version >= self._newest.version:
             self._newest = weights
         self.pool.target = max(self.pool.target, weights.version)  # a replica restarting now loads this or newer
@@ -68,10 +74,24 @@ class WeightPublisher:
         """Export the trainer's newest version and load it into every replica in service but those
         being restarted; fail over each replica whose load fails (see module). Returns the weights."""
         start = self._tracer.now()
-        weights = await self._export()
-        slots = [s for s in self.pool.slots if not s.restarting]  # a restarting replica loads the newest weights itself
-        outcomes = await asyncio.gather(*(self._load(s, weights) for s in slots), return_exceptions=True)
-        for slot, outcome in zip(slots, outcomes):
+        pending = await self._trainer.export_ahead()
+        outcomes: Sequence[object]
+        if pending is None:
+            weights = await self._export()
+            slots = self._loading()
+            outcomes = await asyncio.gather(*(self._load(s, weights) for s in slots), return_exceptions=True)
+        else:  # the loads start now and wait for the export where they run
+            slots = self._loading()
+            loads = [asyncio.ensure_future(self._load(s, pending.weights)) for s in slots]
+            try:
+                weights = self._keep(await pending.done)
+            except BaseException:  # the trainer's failure (or the round's cancellation), not the replicas'
+                for load in loads:
+                    load.cancel()
+                await asyncio.gather(*loads, return_exceptions=True)
+                raise
+            outcomes = await asyncio.gather(*loads, return_exceptions=True)
+        for slot, outcome in zip(slots, outcomes, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
@@ -90,6 +110,11 @@ class WeightPublisher:
             else:
                 slot.version = weights.version
         return weights
+
+    def _loading(self) -> list[SamplerSlot]:
+        """The replicas a round loads: those in service but the ones being restarted (a restarting
+        replica loads the newest weights itself)."""
+        return [s for s in self.pool.slots if not s.restarting]
 
     async def restart(self, slot: SamplerSlot, exc: Exception, during: str) -> Exception | None:
         """Bring `slot`'s replica, whose worker died during `during` (raising `exc`), back into

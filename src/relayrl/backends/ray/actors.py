@@ -21,7 +21,9 @@ Invariants:
 - weights travel once per version through the object store: the trainer actor converts a
   version's state dict to numpy arrays (pickled torch tensors are ~10x slower) and `ray.put`s it once;
   `Weights.payload` is then the ObjectRef, which the driver only passes on; each sampler actor
-  fetches it (zero-copy on one node) and copies it into its model;
+  fetches it (zero-copy on one node) and copies it into its model. In a sync round the payload is
+  the export call's own reference (`RayTrainer.export_ahead`, `Exporting`): each sampler actor
+  awaits the export, then fetches the weights, with no driver round trip between;
 - a sampler actor whose process dies is restarted by Ray (`SAMPLER_MAX_RESTARTS`; its constructor
   builds a fresh worker) and refuses to sample (`SamplerNeedsWeightsError`) until the orchestrator
   has loaded the current weights into it (the sample stage awaits `RaySampler.restart`, then the
@@ -58,20 +60,37 @@ from typing import Any
 
 import ray
 
-from relayrl.backends.protocols import Sampler, Trainer
+from relayrl.backends.protocols import PendingExport, Sampler, Trainer
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import decode, encode
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
 
+@dataclass(slots=True, frozen=True)
+class Exporting:
+    """The payload of weights whose export is still running (`RayTrainer.export_ahead`): the
+    ObjectRef of the trainer actor's export call, whose `Timed` value is the exported `Weights`.
+    Their `version` is the committed one the driver knew when it sent the export: the export's
+    own is that or newer (a commit can land in the actor before the export runs), and is the
+    version loaded."""
+
+    call: Any
+
+
 async def resolve(weights: Weights) -> Weights:
-    """`weights` with its payload fetched from the object store (when it is a reference) and
-    turned back into what the worker loads."""
-    payload = weights.payload
+    """`weights` with its payload fetched from the object store (when it is a reference; an export
+    still running is waited for first) and turned back into what the worker loads."""
+    version, payload = weights.version, weights.payload
+    if isinstance(payload, Exporting):
+        timed: Timed = await payload.call  # the export's failure fails this load too
+        exported: Weights = timed.value
+        if exported.version < version:
+            raise RuntimeError(f"the trainer exported version {exported.version}, older than its committed version {version}")
+        version, payload = exported.version, exported.payload  # newer when a commit landed before the export ran
     if isinstance(payload, ray.ObjectRef):
         payload = await payload
-    return Weights(version=weights.version, payload=decode(payload))
+    return Weights(version=version, payload=decode(payload))
 
 
 class SamplerNeedsWeightsError(RuntimeError):
@@ -390,6 +409,7 @@ class RayTrainer(Trainer):
         self._sent: list[_Sent] = []
         self._trained: dict[int, float] = {}  # step -> seconds its train_step calls ran in the actor (their spans)
         self._optimized: dict[int, float] = {}  # step -> seconds its optim_step ran in the actor (its span)
+        self._version = 0  # the committed version (optim_step's, load_state's): what an export holds
 
     @property
     def queue_ahead(self) -> bool:
@@ -426,6 +446,8 @@ class RayTrainer(Trainer):
                 f"train_step(step {args['step']}, microbatch {args['microbatch']}){ahead} failed in the trainer actor: "
                 f"{type(cause).__name__}: {cause}"
             ) from exc
+        if sent.method in ("optim_step", "load_state"):
+            self._version = int(timed.value)
         if sent.method == "optim_step":
             sent.span_args["step"] = timed.value  # the step whose commit made this version (steps are numbered from 1)
             self._optimized[int(timed.value)] = timed.end - timed.start
@@ -440,15 +462,18 @@ class RayTrainer(Trainer):
         while len(self._sent) > keep:
             await self._result(self._sent.pop(0))
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """An "io" call (answered while a train step runs): await it and trace its span."""
+    async def _send_io(self, method: str, *args: Any) -> _Sent:
+        """Send an "io" call (answered while a train step runs)."""
         try:
             await self.spans.sync(self.actor)
             start = self.spans.now()
-            sent = _Sent(method, trainer_call(self.actor, method, *args), start, {})
+            return _Sent(method, trainer_call(self.actor, method, *args), start, {})
         except ACTOR_GONE as exc:
             raise self._gone(exc, method) from exc
-        return await self._result(sent)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """An "io" call: send it, await it and trace its span."""
+        return await self._result(await self._send_io(method, *args))
 
     async def train_step(self, batch: TrainBatch) -> None:
         sent = dataclasses.replace(batch, payload=encode(batch.payload))
@@ -500,6 +525,12 @@ class RayTrainer(Trainer):
     async def export_weights(self) -> Weights:
         weights: Weights = await self._call("export_weights")
         return weights
+
+    async def export_ahead(self) -> PendingExport:
+        """Send the export and return at once: the samplers' loads wait for it in their own
+        processes (`Exporting`, `resolve`), so none waits for the driver to see it end."""
+        sent = await self._send_io("export_weights")
+        return PendingExport(Weights(self._version, Exporting(sent.ref)), self._result(sent))
 
     async def save_state(self, directory: Path) -> None:
         await self._call("save_state", directory)
