@@ -19,7 +19,8 @@ Invariants:
   field (`param`), and nothing is sampled or recorded: an unknown or finished episode (404), one
   past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
   (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
-  them), penalties or logit biases, a context beyond the episode's token room (400);
+  them), penalties or logit biases, a context beyond the episode's token room, a prompt that
+  encodes to no token (400);
 - a call answered after its episode closed (its agent returned, failed or timed out) is refused
   (410) and not recorded: a closed episode's transcript never changes.
 """
@@ -41,7 +42,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render
 from relayrl.agents.transcript import Choice, Start, Transcript
@@ -132,7 +133,7 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]  # token ids as JSON integers: "5" or true is no token id
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
@@ -232,6 +233,10 @@ class AgentEndpoint:
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
+            if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+                at = [p for p in first.get("loc", ()) if isinstance(p, int)]
+                where = f" (at character {at[0]})" if at else ""
+                return _error(400, f"the body is not valid JSON{where}", None, "invalid_request_error")
             loc = [str(p) for p in first.get("loc", ()) if p != "body"]
             param = ".".join(loc) or None
             return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param, "invalid_request_error")
@@ -427,6 +432,8 @@ class AgentEndpoint:
     async def _sample(self, episode: AgentEpisode, start: Start, n: int, max_new: int, stops: Sequence[str]) -> list[_Answered]:
         """Sample `n` choices from `start`'s context on the episode's replica and record them (see the module)."""
         s = self.settings
+        if not start.context:  # e.g. only characters the tokenizer drops: the sampler needs a token to start from
+            raise HTTPFailure(400, "the prompt encodes to no tokens (the tokenizer drops every character of it)", "prompt")
         room = s.max_total_tokens - len(start.context)
         if room < 1:
             raise HTTPFailure(
