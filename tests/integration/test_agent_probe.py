@@ -103,6 +103,69 @@ def test_a_body_that_is_not_json_or_token_ids_that_are_not_integers_get_a_clear_
     assert len(sampler.sampled) == 1  # the good call only
 
 
+def test_a_body_too_large_an_unknown_path_or_method_and_a_tool_choice_it_cannot_honour_get_a_clear_4xx() -> None:
+    """The body had no bound (it was read whole), 404 and 405 answered FastAPI's {"detail"}, and
+    tool_choice "required" or a named function was ignored (sampled as "auto")."""
+    responses: list[httpx.Response] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        auth = {"Authorization": f"Bearer {ctx.api_key}"}
+        async with httpx.AsyncClient() as client:
+            big = b'{"model": "tiny", "prompt": "' + b"1" * (16 * 2**20) + b'"}'
+            responses.append(await client.post(ctx.base_url + "/completions", content=big, headers=auth))
+            responses.append(await client.get(ctx.base_url + "/nothing", headers=auth))
+            responses.append(await client.get(ctx.base_url + "/completions", headers=auth))
+            for choice in ("required", {"type": "function", "function": {"name": "calculate"}}):
+                body = {"model": ctx.model, "messages": [{"role": "user", "content": "1+1="}], "tool_choice": choice}
+                responses.append(await client.post(ctx.base_url + "/chat/completions", json=body, headers=auth))
+        await call(ctx)
+        return 1.0
+
+    _, sampler = run(agent)
+    assert [r.status_code for r in responses] == [413, 404, 405, 400, 400]
+    assert [r.json()["error"]["type"] for r in responses[1:3]] == ["invalid_request_error"] * 2
+    assert all(r.json()["error"]["param"] == "tool_choice" for r in responses[3:])
+    assert len(sampler.sampled) == 1
+
+
+def test_more_choices_at_once_than_max_n_on_one_episode_get_429() -> None:
+    """Concurrent calls of one episode used to be queued without bound (every choice of every
+    call in one generate_turns batch of the replica)."""
+    tok = tiny_tokenizer()
+    release = asyncio.Event()
+
+    class Held(ScriptedSampler):
+        async def generate_turns(self, requests: Any) -> Any:
+            await release.wait()
+            return await super().generate_turns(requests)
+
+    sampler = Held(tok, arithmetic)
+    statuses: list[int] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        body = {"model": ctx.model, "prompt": "1+1="}
+        first = asyncio.create_task(post(ctx, {**body, "n": 16}))
+        await asyncio.sleep(0.2)  # the first call's 16 choices are being sampled (held)
+        over = await asyncio.wait_for(post(ctx, body), 10)
+        release.set()
+        statuses.extend([over.status_code, (await first).status_code, (await post(ctx, body)).status_code])
+        assert "at most 16 at once" in over.json()["error"]["message"] and over.json()["error"]["type"] == "rate_limit_exceeded"
+        return 1.0
+
+    rollout = make_rollout(tok, agent)
+
+    async def main() -> list[Group]:
+        await rollout.endpoint.start()
+        try:
+            return await rollout(SamplerSlot(0, sampler), requests_for(tok, PROMPT, 1))
+        finally:
+            await rollout.endpoint.stop()
+
+    groups = asyncio.run(main())
+    assert statuses == [429, 200, 200]
+    assert [len(c) for c in sampler.calls] == [16, 1] and len(groups[0].trajectories) == 17
+
+
 # -- agents ---------------------------------------------------------------------------------
 
 
