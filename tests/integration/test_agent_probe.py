@@ -332,3 +332,26 @@ def test_an_agent_that_cannot_be_called_with_ctx_is_refused_when_loaded(tmp_path
     with pytest.raises(UserError, match=re.escape(message)) as info:
         load_agent(f"{path}:agent")
     assert "task.agent" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_agent_that_blocks_the_event_loop_is_named_in_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint and every agent share the run's loop: time.sleep in an agent stops them all,
+    and other agents' timeouts fire late. It used to go unsaid; now the first such agent is named."""
+    import time
+
+    from relayrl.orchestrator.stages import agents as stage
+
+    monkeypatch.setattr(stage, "BLOCKED_WARN_S", 0.05)
+
+    async def agent(ctx: AgentContext) -> float:
+        await call(ctx)
+        if ctx.sample_index == 1:
+            time.sleep(0.2)  # blocks the loop
+        await asyncio.sleep(0.01)
+        return 1.0
+
+    with pytest.warns(stage.AgentBlockedWarning) as caught:
+        groups, _ = run(agent, samples=3)
+    blocked = [w for w in caught if issubclass(w.category, stage.AgentBlockedWarning)]
+    assert len(blocked) == 1 and "sample 1 held the event loop for 0.2 s" in str(blocked[0].message)
+    assert all(t.status is TrajectoryStatus.OK for t in groups[0].trajectories)

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
-__all__ = ["CANCEL_GRACE_S", "EpisodeTasks"]
+__all__ = ["CANCEL_GRACE_S", "Clocked", "EpisodeTasks"]
 
 #: how long an episode's cancelled tasks are waited for before they are left to end on their own
 CANCEL_GRACE_S = 2.0
@@ -91,6 +92,39 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
     """Mark a finished task's exception as seen: the episode is over, its outcome no longer matters."""
     if task.done() and not task.cancelled():
         task.exception()
+
+
+class Clocked:
+    """`await Clocked(coro, report)` awaits `coro` as `await coro` would, and calls
+    `report(seconds)` for its longest step (the code it ran between two awaits, holding the event
+    loop) when it ends: an agent that blocks the loop (time.sleep, blocking I/O) is told apart."""
+
+    def __init__(self, coro: Coroutine[Any, Any, T], report: Callable[[float], None]) -> None:
+        self._coro = coro
+        self._report = report
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, longest = self._coro, 0.0
+        value: Any = None
+        thrown: BaseException | None = None
+        try:
+            while True:
+                began = time.perf_counter()
+                try:
+                    yielded = coro.throw(thrown) if thrown is not None else coro.send(value)
+                except StopIteration as stop:
+                    return stop.value
+                finally:
+                    longest = max(longest, time.perf_counter() - began)
+                try:
+                    value, thrown = (yield yielded), None
+                except GeneratorExit:
+                    coro.close()
+                    raise
+                except BaseException as exc:  # thrown into the awaiting task (a cancellation): passed on
+                    value, thrown = None, exc
+        finally:
+            self._report(longest)
 
 
 class EpisodeTasks:

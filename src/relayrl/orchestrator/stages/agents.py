@@ -39,11 +39,12 @@ import math
 import numbers
 import reprlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relayrl.agents.context import AgentContext, AgentFn
-from relayrl.agents.tasks import EpisodeTasks
+from relayrl.agents.tasks import Clocked, EpisodeTasks
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
@@ -54,7 +55,17 @@ from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, Tu
 if TYPE_CHECKING:  # the endpoint's module imports FastAPI and uvicorn: only a task.agent run loads it
     from relayrl.agents.endpoint import AgentEndpoint
 
-__all__ = ["AGENT_FAILURE", "AgentError", "AgentFailedWarning", "AgentRollout", "AgentSettings", "TurnBatcher", "agent_failure_reason"]
+__all__ = [
+    "AGENT_FAILURE",
+    "BLOCKED_WARN_S",
+    "AgentBlockedWarning",
+    "AgentError",
+    "AgentFailedWarning",
+    "AgentRollout",
+    "AgentSettings",
+    "TurnBatcher",
+    "agent_failure_reason",
+]
 
 #: where the ledger counts the samples an agent failed, and the head of their trajectories' `error`
 AGENT_FAILURE = "agent"
@@ -69,6 +80,14 @@ def agent_failure_reason(t: Trajectory) -> str | None:
 
 class AgentError(RunFailed):
     """An agent failed under `task.strict_agents`: one line naming the agent, the prompt and the sample."""
+
+
+#: an agent step (code between two awaits) holding the event loop this long is warned about
+BLOCKED_WARN_S = 1.0
+
+
+class AgentBlockedWarning(RuntimeWarning):
+    """The first agent of a run that held the event loop (BLOCKED_WARN_S or more without awaiting)."""
 
 
 class AgentFailedWarning(RuntimeWarning):
@@ -173,6 +192,7 @@ class AgentRollout:
         self._settings = settings
         self._tracer = tracer
         self._warned = False
+        self._warned_blocked = False
 
     async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
         batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s)
@@ -206,7 +226,7 @@ class AgentRollout:
         )
         ctx = AgentContext(episode.base_url, self.endpoint.token, s.model, request.prompt, index)
         tasks = EpisodeTasks(f"agent/{request.group_id}/{index}/call")
-        agent = tasks.start(_guarded(self._agent, ctx))
+        agent = tasks.start(_guarded(self._agent, ctx, lambda seconds: self._blocked(request, index, seconds)))
         timed_out = False
         try:
             done, _ = await asyncio.wait({agent}, timeout=s.timeout_s if s.timeout_s > 0 else None)
@@ -237,6 +257,19 @@ class AgentRollout:
         if failure is not None:
             self._fail(request, index, *failure)
         return _Outcome(request, index, leaves, reward, failure)
+
+    def _blocked(self, request: SampleRequest, index: int, seconds: float) -> None:
+        """The agent's longest step held the event loop `seconds`: said once a run past BLOCKED_WARN_S."""
+        if seconds < BLOCKED_WARN_S or self._warned_blocked:
+            return
+        self._warned_blocked = True
+        warnings.warn(
+            f"{self._where(request, index)} held the event loop for {seconds:.1f} s without awaiting (time.sleep, blocking "
+            "I/O or CPU work in async code): the endpoint, every other agent and the run stop meanwhile, and other agents' "
+            "rollout.agent_timeout_s fire late; use await asyncio.sleep / asyncio.to_thread (said once)",
+            AgentBlockedWarning,
+            stacklevel=2,
+        )
 
     def _where(self, request: SampleRequest, index: int) -> str:
         return f"agent {self._settings.name!r}, prompt {request.prompt.prompt_id!r}, sample {index}"
@@ -297,12 +330,13 @@ class AgentRollout:
         return out
 
 
-async def _guarded(agent: AgentFn, ctx: AgentContext) -> tuple[object, BaseException | None]:
+async def _guarded(agent: AgentFn, ctx: AgentContext, report: Callable[[float], None]) -> tuple[object, BaseException | None]:
     """(what the agent returned, None) or (None, what it raised): whatever its code raises,
     SystemExit and KeyboardInterrupt included, ends its task normally (asyncio lets those two
-    break the loop); a CancelledError ends it cancelled."""
+    break the loop); a CancelledError ends it cancelled. `report` gets its longest step."""
     try:
-        return await agent(ctx), None
+        call = agent(ctx)
+        return (await Clocked(call, report) if inspect.iscoroutine(call) else await call), None
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # the agent's own code
