@@ -6,8 +6,8 @@ model name to send), `prompt` (the task's `Prompt`: text, answer, metadata) and 
 (0..G-1 within its group). `load_agent` imports a `task.agent` entry (`module:function` or
 `file.py:function`, loaded as reward files are: rewards/registry.py).
 
-Invariant: `load_agent` returns an async callable or raises one `UserError` naming `task.agent`
-and the entry; these field names are the interface users' agents depend on.
+Invariant: `load_agent` returns an async callable that takes one positional argument, or raises
+one `UserError` naming `task.agent` and the entry; these field names are the interface users' agents depend on.
 """
 
 from __future__ import annotations
@@ -42,6 +42,20 @@ def load_agent(spec: str) -> AgentFn:
     except UserError as exc:
         raise UserError(f"task.agent = {spec!r}: {exc}") from None
     if not callable(found) or not is_async(found):
-        kind = "a class" if inspect.isclass(found) else f"a {type(found).__name__}"
+        if inspect.isasyncgenfunction(found):
+            kind = "an async generator function (it yields)"
+        else:
+            kind = "a class" if inspect.isclass(found) else f"a {type(found).__name__}"
         raise UserError(f"task.agent = {spec!r} is {kind}, not an async function (async def agent(ctx) -> float | None)")
+    try:
+        signature: inspect.Signature | None = inspect.signature(found)
+    except (TypeError, ValueError):  # some callables have none: the call will tell
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(object())
+        except TypeError as exc:
+            raise UserError(
+                f"task.agent = {spec!r} cannot be called with one argument, ctx ({exc}): async def agent(ctx) -> float | None"
+            ) from None
     return found

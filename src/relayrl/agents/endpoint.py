@@ -21,7 +21,10 @@ Invariants:
   field (`param`), and nothing is sampled or recorded: an unknown or finished episode (404), one
   past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
   (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
-  them), penalties or logit biases, a context beyond the episode's token room (400);
+  them), penalties or logit biases, a `tool_choice` other than "auto" / "none", a context beyond
+  the episode's token room, a prompt that encodes to no token (400), a body over
+  `max_body_bytes` (413), more than `max_n` choices being sampled at once for one episode (429:
+  OpenAI clients retry it); an unknown path or method gets the same JSON shape (404, 405);
 - a call answered after its episode closed (its agent returned, failed or timed out) is refused
   (410) and not recorded: a closed episode's transcript never changes.
 """
@@ -43,7 +46,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
@@ -77,7 +81,8 @@ class EndpointSettings:
     max_total_tokens: int = 128  # an episode's sequence (context and sampled), at most
     temperature: float = 1.0
     top_p: float = 1.0
-    max_n: int = 16  # choices per call, at most
+    max_n: int = 16  # choices per call, at most, and choices being sampled at once per episode
+    max_body_bytes: int = 16 * 2**20  # a request's body, at most (413 beyond)
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +99,7 @@ class AgentEpisode:
     open: bool = True
     calls: int = 0
     replies: dict[str, str] = field(default_factory=dict)  # tool-call id -> the text of the reply it was parsed from
+    in_flight: int = 0  # choices being sampled for its calls now
 
     def sampler_key(self, chain: int) -> str:
         """The sampler's episode name of a KV-cache chain."""
@@ -135,7 +141,7 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]  # token ids as JSON integers: "5" or true is no token id
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
@@ -231,11 +237,19 @@ class AgentEndpoint:
 
     # -- the app ------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, max_body_size=self.settings.max_body_bytes)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # no such path or method, a body too large
+            return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, "invalid_request_error")
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
+            if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+                at = [p for p in first.get("loc", ()) if isinstance(p, int)]
+                where = f" (at character {at[0]})" if at else ""
+                return _error(400, f"the body is not valid JSON{where}", None, "invalid_request_error")
             loc = [str(p) for p in first.get("loc", ()) if p != "body"]
             param = ".".join(loc) or None
             return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param, "invalid_request_error")
@@ -371,6 +385,13 @@ class AgentEndpoint:
 
     async def _chat(self, episode: AgentEpisode, body: ChatBody) -> Any:
         max_new, stops = self._check_common(body)
+        if body.tool_choice not in (None, "auto", "none"):
+            raise HTTPFailure(
+                400,
+                f"tool_choice = {body.tool_choice!r} is not supported: the policy's tokens are sampled as they come "
+                "(send 'auto' or 'none')",
+                "tool_choice",
+            )
         if self._native_tools is None and getattr(self._tok, "chat_template", None):
             self._native_tools = renders_tools(self._tok)
         try:
@@ -434,6 +455,8 @@ class AgentEndpoint:
     async def _sample(self, episode: AgentEpisode, start: Start, n: int, max_new: int, stops: Sequence[str]) -> list[_Answered]:
         """Sample `n` choices from `start`'s context on the episode's replica and record them (see the module)."""
         s = self.settings
+        if not start.context:  # e.g. only characters the tokenizer drops: the sampler needs a token to start from
+            raise HTTPFailure(400, "the prompt encodes to no tokens (the tokenizer drops every character of it)", "prompt")
         room = s.max_total_tokens - len(start.context)
         if room < 1:
             raise HTTPFailure(
@@ -444,6 +467,14 @@ class AgentEndpoint:
                 "context_length_exceeded",
             )
         max_new = min(max_new, room)
+        if episode.in_flight + n > s.max_n:
+            raise HTTPFailure(
+                429,
+                f"episode {episode.id!r} has {episode.in_flight} choices being sampled: at most {s.max_n} at once "
+                f"(the n of its concurrent calls together); retry when one is answered",
+                "n",
+                "rate_limit_exceeded",
+            )
         episode.calls += 1
         chains = [start.chain] + [episode.transcript.new_chain() for _ in range(n - 1)]
         asks = [
@@ -456,6 +487,7 @@ class AgentEndpoint:
             )
             for j, chain in enumerate(chains)
         ]
+        episode.in_flight += n
         try:
             results = await episode.sample(asks)
         except Exception as exc:  # the replica failed (the sampler stage handles it) or the rollout ended
@@ -464,6 +496,8 @@ class AgentEndpoint:
                     410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over"
                 ) from None
             raise HTTPFailure(500, f"sampling failed: {exc}", None, "server_error") from None
+        finally:
+            episode.in_flight -= n
         if not episode.open:
             raise HTTPFailure(410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over")
         answered = []

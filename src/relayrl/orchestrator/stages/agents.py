@@ -14,12 +14,19 @@ all of the episode's reward: the agent's return value, or, when it returned None
 functions' score of the trajectory's last completion (`completion_text`).
 
 Invariants:
-- an agent that raises (anything but a cancellation), runs past `rollout.agent_timeout_s`
-  (cancelled), returns something that is neither None nor a finite number, or made no call,
+- an agent that raises (anything, SystemExit, GeneratorExit and a CancelledError of its own
+  included, but KeyboardInterrupt), runs past `rollout.agent_timeout_s` (cancelled), returns
+  something that is neither None nor a finite number (a coroutine is closed), or made no call,
   fails its sample: one trajectory `failed` with an `error` "agent: REASON: DETAIL (agent NAME,
-  prompt ID, sample I)", not scored, counted by the score stage (`reward_failures["agent"]`),
-  out of its group's baseline; the run goes on. Under `task.strict_agents` it fails the run
-  (`AgentError`, one line), the task's error: no replica is retired for it;
+  prompt ID, sample I)" (DETAIL one line of at most ~300 characters), not scored, counted by the
+  score stage (`reward_failures["agent"]`), out of its group's baseline; the run goes on. Under
+  `task.strict_agents` it fails the run (`AgentError`, one line), the task's error: no replica is
+  retired for it. An agent that raises KeyboardInterrupt fails the run so (asyncio would let it
+  break the event loop);
+- each agent call runs in its own task (agents/tasks.py): when its episode ends (it returned,
+  failed, timed out, or the rollout is cancelled) that task and every task it started are
+  cancelled and waited for at most `CANCEL_GRACE_S`; one that ignores cancelling is left running
+  (its sample failed as a timeout) rather than hang the rollout;
 - a sampling call that raises or exceeds its bound fails the replica as a `generate` would (the
   sampler stage retires or restarts it and re-queues the requests); its agents are cancelled;
 - the episodes are closed before their transcripts are read: nothing is recorded afterwards;
@@ -31,13 +38,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import numbers
+import reprlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relayrl.agents.context import AgentContext, AgentFn
+from relayrl.agents.tasks import Clocked, EpisodeTasks
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
@@ -48,7 +59,17 @@ from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, Tu
 if TYPE_CHECKING:  # the endpoint's module imports FastAPI and uvicorn: only a task.agent run loads it
     from relayrl.agents.endpoint import AgentEndpoint
 
-__all__ = ["AGENT_FAILURE", "AgentError", "AgentFailedWarning", "AgentRollout", "AgentSettings", "TurnBatcher", "agent_failure_reason"]
+__all__ = [
+    "AGENT_FAILURE",
+    "BLOCKED_WARN_S",
+    "AgentBlockedWarning",
+    "AgentError",
+    "AgentFailedWarning",
+    "AgentRollout",
+    "AgentSettings",
+    "TurnBatcher",
+    "agent_failure_reason",
+]
 
 #: where the ledger counts the samples an agent failed, and the head of their trajectories' `error`
 AGENT_FAILURE = "agent"
@@ -63,6 +84,14 @@ def agent_failure_reason(t: Trajectory) -> str | None:
 
 class AgentError(RunFailed):
     """An agent failed under `task.strict_agents`: one line naming the agent, the prompt and the sample."""
+
+
+#: an agent step (code between two awaits) holding the event loop this long is warned about
+BLOCKED_WARN_S = 1.0
+
+
+class AgentBlockedWarning(RuntimeWarning):
+    """The first agent of a run that held the event loop (BLOCKED_WARN_S or more without awaiting)."""
 
 
 class AgentFailedWarning(RuntimeWarning):
@@ -169,6 +198,7 @@ class AgentRollout:
         self._settings = settings
         self._tracer = tracer
         self._warned = False
+        self._warned_blocked = False
 
     async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
         batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s)
@@ -201,29 +231,51 @@ class AgentRollout:
             f"{request.group_id}/{index}", request.prompt, batcher.sample, f"{request.seed_key}\x00{index}", s.timeout_s
         )
         ctx = AgentContext(episode.base_url, self.endpoint.token, s.model, request.prompt, index)
-        failure: tuple[str, str] | None = None
-        reward: float | None = None
-        limit = asyncio.timeout(s.timeout_s if s.timeout_s > 0 else None)
+        tasks = EpisodeTasks(f"agent/{request.group_id}/{index}/call")
+        agent = tasks.start(_guarded(self._agent, ctx, lambda seconds: self._blocked(request, index, seconds)))
+        timed_out = False
         try:
-            async with limit:
-                value = await self._agent(ctx)
-            reward, failure = _reward(value)
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            raise
-        except BaseException as exc:  # the agent's own code: anything it raises fails its sample
-            if isinstance(exc, TimeoutError) and limit.expired():
-                failure = ("timeout", f"no return within rollout.agent_timeout_s = {s.timeout_s:g} s")
-            else:
-                failure = ("raised", _one_line(exc))
-        finally:
+            done, _ = await asyncio.wait({agent}, timeout=s.timeout_s if s.timeout_s > 0 else None)
+            timed_out = not done
+        finally:  # also when the rollout is cancelled: the episode and every task of its agent end here
             self.endpoint.close(episode)
             keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
+            await tasks.end()
+        failure: tuple[str, str] | None = None
+        reward: float | None = None
+        if timed_out:
+            failure = ("timeout", f"no return within rollout.agent_timeout_s = {s.timeout_s:g} s")
+            if not agent.done():
+                failure = (failure[0], f"{failure[1]}; it ignored cancelling and was left running")
+        elif agent.cancelled():  # nobody cancelled it: the agent raised CancelledError itself
+            failure = ("raised", "CancelledError (raised by the agent, not a cancellation)")
+        else:
+            value, error = agent.result()
+            if isinstance(error, KeyboardInterrupt):  # asyncio would let it break the loop: the run stops, in one line
+                raise AgentError(f"{self._where(request, index)}: raised KeyboardInterrupt: the run stops")
+            if error is not None:
+                failure = ("raised", _one_line(error))
+            else:
+                reward, failure = _reward(value)
         leaves = episode.transcript.leaves
         if failure is None and not leaves:
             failure = ("no_calls", "the agent made no call through ctx.base_url")
         if failure is not None:
             self._fail(request, index, *failure)
         return _Outcome(request, index, leaves, reward, failure)
+
+    def _blocked(self, request: SampleRequest, index: int, seconds: float) -> None:
+        """The agent's longest step held the event loop `seconds`: said once a run past BLOCKED_WARN_S."""
+        if seconds < BLOCKED_WARN_S or self._warned_blocked:
+            return
+        self._warned_blocked = True
+        warnings.warn(
+            f"{self._where(request, index)} held the event loop for {seconds:.1f} s without awaiting (time.sleep, blocking "
+            "I/O or CPU work in async code): the endpoint, every other agent and the run stop meanwhile, and other agents' "
+            "rollout.agent_timeout_s fire late; use await asyncio.sleep / asyncio.to_thread (said once)",
+            AgentBlockedWarning,
+            stacklevel=2,
+        )
 
     def _where(self, request: SampleRequest, index: int) -> str:
         return f"agent {self._settings.name!r}, prompt {request.prompt.prompt_id!r}, sample {index}"
@@ -285,10 +337,26 @@ class AgentRollout:
         return out
 
 
+async def _guarded(agent: AgentFn, ctx: AgentContext, report: Callable[[float], None]) -> tuple[object, BaseException | None]:
+    """(what the agent returned, None) or (None, what it raised): whatever its code raises,
+    SystemExit and KeyboardInterrupt included, ends its task normally (asyncio lets those two
+    break the loop); a CancelledError ends it cancelled. `report` gets its longest step."""
+    try:
+        call = agent(ctx)
+        return (await Clocked(call, report) if inspect.iscoroutine(call) else await call), None
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # the agent's own code
+        return None, exc
+
+
 def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
     """(reward, failure) of what an agent returned: None, or a finite real number."""
     if value is None:
         return None, None
+    if inspect.iscoroutine(value):
+        value.close()  # never awaited: closed here rather than warned about when collected
+        return None, ("raised", "returned a coroutine (an un-awaited call?), not a number or None")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None, ("raised", f"returned a {type(value).__name__}, not a number or None")
     try:
@@ -296,10 +364,22 @@ def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
     except OverflowError:
         reward = math.inf
     if not math.isfinite(reward):
-        return None, ("non_finite", f"returned {value!r}")
+        return None, ("non_finite", f"returned {_short(value)}")
     return reward, None
 
 
+def _short(value: object) -> str:
+    """`repr(value)`, at most ~100 characters (a huge int's digits are elided)."""
+    short = reprlib.Repr()
+    short.maxlong = short.maxother = 100
+    return short.repr(value)
+
+
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """`Type: message` on one line, at most ~300 characters; an exception whose str() fails too."""
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:  # its __str__ raises: the type says enough
+        text = "(its message could not be read)"
+    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
