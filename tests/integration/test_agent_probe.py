@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import re
 import warnings
 from pathlib import Path
@@ -166,9 +167,9 @@ def test_more_choices_at_once_than_max_n_on_one_episode_get_429() -> None:
     assert [len(c) for c in sampler.calls] == [16, 1] and len(groups[0].trajectories) == 17
 
 
-@pytest.mark.parametrize(("gone", "stream"), [("timeout", False), ("cancelled", True)])
+@pytest.mark.parametrize(("gone", "stream"), [("closed", False), ("cancelled", True), ("cancelled", False)])
 def test_a_call_whose_client_disconnected_while_it_was_sampled_is_not_recorded(gone: str, stream: bool) -> None:
-    """A call whose client went away (its timeout, its task cancelled) while it was sampled used to
+    """A call whose client went away (its connection closed, its task cancelled) while it was sampled used to
     be recorded: the answer the agent never saw took over the node it continued, so the agent's
     retry of that call became a sample of its own, and both were trained with the episode's reward."""
     tok = tiny_tokenizer()
@@ -189,12 +190,18 @@ def test_a_call_whose_client_disconnected_while_it_was_sampled_is_not_recorded(g
         first = await post(ctx, {"model": ctx.model, "prompt": "1+1="})
         texts.append(first.json()["choices"][0]["text"])
         body = {"model": ctx.model, "prompt": "1+1=" + texts[0] + "3+4="}
-        headers = {"Authorization": f"Bearer {ctx.api_key}"}
-        if gone == "timeout":  # the sampler holds the call until released: the client always times out first
-            with pytest.raises(httpx.ReadTimeout):
-                async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=0.2)) as client:
-                    await client.post(ctx.base_url + "/completions", json={**body, "stream": stream}, headers=headers)
-        else:
+        if gone == "closed":  # the connection closed once the request is being sampled
+            url = httpx.URL(ctx.base_url + "/completions")
+            payload = json.dumps({**body, "stream": stream}).encode()
+            head = f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}\r\nAuthorization: Bearer {ctx.api_key}\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+            _, writer = await asyncio.open_connection(url.host, url.port)
+            writer.write(head.encode() + payload)
+            await writer.drain()
+            await held.wait()
+            writer.close()
+            await writer.wait_closed()
+        else:  # the agent's task that makes the call cancelled (its own timeout, say)
             task = asyncio.create_task(post(ctx, {**body, "stream": stream}))
             await held.wait()
             task.cancel()
