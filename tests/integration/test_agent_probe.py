@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import re
 import warnings
 from pathlib import Path
@@ -164,6 +165,93 @@ def test_more_choices_at_once_than_max_n_on_one_episode_get_429() -> None:
     groups = asyncio.run(main())
     assert statuses == [429, 200, 200]
     assert [len(c) for c in sampler.calls] == [16, 1] and len(groups[0].trajectories) == 17
+
+
+@pytest.mark.parametrize(("gone", "stream"), [("closed", False), ("cancelled", True), ("cancelled", False)])
+def test_a_call_whose_client_disconnected_while_it_was_sampled_is_not_recorded(gone: str, stream: bool) -> None:
+    """A call whose client went away (its connection closed, its task cancelled) while it was sampled used to
+    be recorded: the answer the agent never saw took over the node it continued, so the agent's
+    retry of that call became a sample of its own, and both were trained with the episode's reward."""
+    tok = tiny_tokenizer()
+    held, release = asyncio.Event(), asyncio.Event()
+    answers = iter(["2", "9", "7"])  # the first call's, the call nobody got, its retry's
+
+    class Held(ScriptedSampler):
+        async def generate_turns(self, requests: Any) -> Any:
+            if len(self.calls) == 1:  # the second call: sampled until its client is gone
+                held.set()
+                await release.wait()
+            return await super().generate_turns(requests)
+
+    sampler = Held(tok, lambda context: next(answers))
+    texts: list[str] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        first = await post(ctx, {"model": ctx.model, "prompt": "1+1="})
+        texts.append(first.json()["choices"][0]["text"])
+        body = {"model": ctx.model, "prompt": "1+1=" + texts[0] + "3+4="}
+        if gone == "closed":  # the connection closed once the request is being sampled
+            url = httpx.URL(ctx.base_url + "/completions")
+            payload = json.dumps({**body, "stream": stream}).encode()
+            head = f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}\r\nAuthorization: Bearer {ctx.api_key}\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+            _, writer = await asyncio.open_connection(url.host, url.port)
+            writer.write(head.encode() + payload)
+            await writer.drain()
+            await held.wait()
+            writer.close()
+            await writer.wait_closed()
+        else:  # the agent's task that makes the call cancelled (its own timeout, say)
+            task = asyncio.create_task(post(ctx, {**body, "stream": stream}))
+            await held.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        server = rollout.endpoint._server
+        assert server is not None
+        while server.server_state.connections:  # until the endpoint has seen the connection close
+            await asyncio.sleep(0.01)
+        release.set()
+        retry = await post(ctx, body)
+        texts.append(retry.json()["choices"][0]["text"])
+        return 1.0
+
+    rollout = make_rollout(tok, agent)
+
+    async def main() -> list[Group]:
+        await rollout.endpoint.start()
+        try:
+            return await rollout(SamplerSlot(0, sampler), requests_for(tok, PROMPT, 1))
+        finally:
+            await rollout.endpoint.stop()
+
+    groups = asyncio.run(main())
+    assert texts == ["2", "7"] and len(sampler.sampled) == 3
+    assert len(groups[0].trajectories) == 1  # exactly one sequence: the first call continued by the retry
+    [t] = groups[0].trajectories
+    assert t.status is TrajectoryStatus.OK and [u.action for u in t.turns] == ["2", "7"]
+    (_, first, _), (dropped_context, _, _), (context, retried, _) = sampler.sampled
+    assert context == dropped_context and t.completion_tokens[t.turns[1].start :] == retried
+    assert t.completion_tokens[: t.turns[0].end] == first and t.completion_text == "7"
+    # the retry continued the first call's KV chain (the dropped call left nothing in the transcript)
+    assert sampler.calls[2][0].episode == sampler.calls[0][0].episode
+
+
+def test_the_token_is_checked_before_routing_and_the_scheme_in_any_case() -> None:
+    responses: list[httpx.Response] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        async with httpx.AsyncClient() as client:
+            responses.append(await client.get(ctx.base_url + "/nothing"))
+            responses.append(await client.get(ctx.base_url + "/models", headers={"Authorization": f"Bearer {ctx.api_key}x"}))
+            responses.append(await client.get(ctx.base_url + "/models", headers={"Authorization": f"bearer {ctx.api_key}"}))
+        await call(ctx)
+        return 1.0
+
+    _, sampler = run(agent)
+    assert [r.status_code for r in responses] == [401, 401, 200]
+    assert [r.json()["error"]["type"] for r in responses[:2]] == ["authentication_error"] * 2
+    assert len(sampler.sampled) == 1
 
 
 # -- agents ---------------------------------------------------------------------------------

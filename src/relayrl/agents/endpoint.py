@@ -26,7 +26,16 @@ Invariants:
   `max_body_bytes` (413), more than `max_n` choices being sampled at once for one episode (429:
   OpenAI clients retry it); an unknown path or method gets the same JSON shape (404, 405);
 - a call answered after its episode closed (its agent returned, failed or timed out) is refused
-  (410) and not recorded: a closed episode's transcript never changes.
+  (410) and not recorded: a closed episode's transcript never changes;
+- a call whose client disconnected before its choices are recorded (a client-side timeout, a
+  cancelled agent task, a closed connection: checked once sampling returns, so before a stream
+  starts) is not recorded (its answer reaches nobody; a retry of it is sampled and recorded as a
+  call of its own). The auth check is a pure ASGI middleware so that the routes see the server's
+  `receive`, hence the disconnect. The chain it sampled on keeps no trace in the transcript: a
+  fresh chain stays unused (forgotten with the episode's), and a continued node's chain is
+  continued by the next call as before; the replica's cache for that chain then covers tokens the
+  next context does not start with, and the samplers reuse a cache only for a context it is a
+  prefix of, so that call is prefilled afresh.
 """
 
 from __future__ import annotations
@@ -47,7 +56,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
@@ -122,6 +133,26 @@ class HTTPFailure(Exception):
 
 def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+class _Auth:
+    """Pure ASGI middleware: an HTTP request without `Authorization: Bearer <token>` gets 401 in
+    OpenAI's shape (checked in constant time, before routing: any path). A pure one, not Starlette's
+    `BaseHTTPMiddleware`, so that the routes' `Request` reads the server's own `receive` and sees
+    the client disconnect (`Request.is_disconnected`)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token):
+                refused = _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Common(BaseModel):
@@ -258,13 +289,7 @@ class AgentEndpoint:
         async def _refused(request: Request, exc: HTTPFailure) -> JSONResponse:
             return _error(exc.status, str(exc), exc.param, exc.kind)
 
-        @app.middleware("http")
-        async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token.encode()):
-                return _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
-            return await call_next(request)
+        app.add_middleware(_Auth, token=self.token)
 
         @app.get("/episodes/{eid}/v1/models")
         async def _models(eid: str) -> dict[str, object]:
@@ -272,12 +297,12 @@ class AgentEndpoint:
             return {"object": "list", "data": [{"id": self.settings.model, "object": "model", "owned_by": "relayrl"}]}
 
         @app.post("/episodes/{eid}/v1/completions", response_model=None)
-        async def _completions(eid: str, body: CompletionBody) -> Any:
-            return await self._complete(self._episode(eid), body)
+        async def _completions(eid: str, body: CompletionBody, request: Request) -> Any:
+            return await self._complete(self._episode(eid), body, request)
 
         @app.post("/episodes/{eid}/v1/chat/completions", response_model=None)
-        async def _chat(eid: str, body: ChatBody) -> Any:
-            return await self._chat(self._episode(eid), body)
+        async def _chat(eid: str, body: ChatBody, request: Request) -> Any:
+            return await self._chat(self._episode(eid), body, request)
 
         return app
 
@@ -319,7 +344,7 @@ class AgentEndpoint:
         ids = self._tok(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
-    async def _complete(self, episode: AgentEpisode, body: CompletionBody) -> Any:
+    async def _complete(self, episode: AgentEpisode, body: CompletionBody, request: Request) -> Any:
         max_new, stops = self._check_common(body)
         if body.echo:
             raise HTTPFailure(400, "echo is not supported", "echo")
@@ -339,7 +364,7 @@ class AgentEndpoint:
         else:
             text = prompt
             start = episode.transcript.context(text, self._encode)
-        answered = await self._sample(episode, start, body.n, max_new, stops)
+        answered = await self._sample(episode, start, body.n, max_new, stops, request)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         choices = []
         for i, a in enumerate(answered):
@@ -383,7 +408,7 @@ class AgentEndpoint:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.settings.model}
         return _sse([{**head, "choices": [chunk]} for chunk in chunks])
 
-    async def _chat(self, episode: AgentEpisode, body: ChatBody) -> Any:
+    async def _chat(self, episode: AgentEpisode, body: ChatBody, request: Request) -> Any:
         max_new, stops = self._check_common(body)
         if body.tool_choice not in (None, "auto", "none"):
             raise HTTPFailure(
@@ -400,7 +425,7 @@ class AgentEndpoint:
             raise HTTPFailure(400, str(exc), exc.param) from None
         parse = bool(body.tools) and body.tool_choice != "none"
         start = episode.transcript.context(text, self._encode)
-        answered = await self._sample(episode, start, body.n, max_new, stops)
+        answered = await self._sample(episode, start, body.n, max_new, stops, request)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices: list[dict[str, Any]] = []
         for i, a in enumerate(answered):
@@ -452,8 +477,11 @@ class AgentEndpoint:
             events.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"], "logprobs": None}]})
         return _sse(events)
 
-    async def _sample(self, episode: AgentEpisode, start: Start, n: int, max_new: int, stops: Sequence[str]) -> list[_Answered]:
-        """Sample `n` choices from `start`'s context on the episode's replica and record them (see the module)."""
+    async def _sample(
+        self, episode: AgentEpisode, start: Start, n: int, max_new: int, stops: Sequence[str], request: Request
+    ) -> list[_Answered]:
+        """Sample `n` choices from `start`'s context on the episode's replica and record them (see the
+        module), unless the episode closed or `request`'s client disconnected meanwhile."""
         s = self.settings
         if not start.context:  # e.g. only characters the tokenizer drops: the sampler needs a token to start from
             raise HTTPFailure(400, "the prompt encodes to no tokens (the tokenizer drops every character of it)", "prompt")
@@ -500,6 +528,10 @@ class AgentEndpoint:
             episode.in_flight -= n
         if not episode.open:
             raise HTTPFailure(410, f"episode {episode.id!r} ended while this call was sampled: not recorded", None, "episode_over")
+        if await request.is_disconnected():  # nobody gets this answer: recording it would train what the agent never saw
+            raise HTTPFailure(
+                499, f"the client of episode {episode.id!r} disconnected while this call was sampled: not recorded", None, "client_closed"
+            )
         answered = []
         for chain, result in zip(chains, results, strict=True):
             a = self._answer(result, stops)
