@@ -10,6 +10,7 @@ import gc
 import json
 import re
 import warnings
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,14 @@ def test_a_body_too_large_an_unknown_path_or_method_and_a_tool_choice_it_cannot_
         async with httpx.AsyncClient() as client:
             big = b'{"model": "tiny", "prompt": "' + b"1" * (16 * 2**20) + b'"}'
             responses.append(await client.post(ctx.base_url + "/completions", content=big, headers=auth))
+
+            async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: refused as it is read
+                yield b'{"model": "tiny", "prompt": "'
+                for _ in range(17):
+                    yield b"1" * 2**20
+                yield b'"}'
+
+            responses.append(await client.post(ctx.base_url + "/completions", content=chunked(), headers=auth))
             responses.append(await client.get(ctx.base_url + "/nothing", headers=auth))
             responses.append(await client.get(ctx.base_url + "/completions", headers=auth))
             for choice in ("required", {"type": "function", "function": {"name": "calculate"}}):
@@ -123,9 +132,9 @@ def test_a_body_too_large_an_unknown_path_or_method_and_a_tool_choice_it_cannot_
         return 1.0
 
     _, sampler = run(agent)
-    assert [r.status_code for r in responses] == [413, 404, 405, 400, 400]
-    assert [r.json()["error"]["type"] for r in responses[1:3]] == ["invalid_request_error"] * 2
-    assert all(r.json()["error"]["param"] == "tool_choice" for r in responses[3:])
+    assert [r.status_code for r in responses] == [413, 413, 404, 405, 400, 400]
+    assert [r.json()["error"]["type"] for r in responses[:4]] == ["invalid_request_error"] * 4
+    assert all(r.json()["error"]["param"] == "tool_choice" for r in responses[4:])
     assert len(sampler.sampled) == 1
 
 
@@ -441,5 +450,6 @@ def test_an_agent_that_blocks_the_event_loop_is_named_in_one_warning(monkeypatch
     with pytest.warns(stage.AgentBlockedWarning) as caught:
         groups, _ = run(agent, samples=3)
     blocked = [w for w in caught if issubclass(w.category, stage.AgentBlockedWarning)]
-    assert len(blocked) == 1 and "sample 1 held the event loop for 0.2 s" in str(blocked[0].message)
+    held = re.search(r"sample 1 held the event loop for (\d+\.\d) s", str(blocked[0].message)) if len(blocked) == 1 else None
+    assert held is not None and float(held.group(1)) >= 0.2  # its step ran at least the sleep (more on a busy machine)
     assert all(t.status is TrajectoryStatus.OK for t in groups[0].trajectories)

@@ -72,3 +72,18 @@ def test_tools_calls_and_results_are_rendered_the_qwen2_way_for_such_a_template(
     assert reply not in render(tok, changed, TOOLS, native_tools=False, replies={str(call["id"]): reply})
     # without a system message, the tools block is one
     assert render(tok, messages[1:2], TOOLS, native_tools=False).startswith("<|im_start|>system\n# Tools\n")
+
+
+def test_a_call_whose_arguments_are_no_json_is_answered_as_json_and_accepted_back() -> None:
+    tok = smollm2_like()
+    reply = '<tool_call>{"name": "calculate", "arguments": "2+3"}</tool_call>'  # a small model's arguments: a bare string
+    _, [call] = parse_tool_calls(reply)
+    function = call["function"]
+    assert isinstance(function, dict) and json.loads(function["arguments"]) == "2+3"
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "5"},
+    ]
+    text = render(tok, messages, TOOLS, native_tools=False, replies={str(call["id"]): reply})  # sent back unchanged: no 400
+    assert reply + "<|im_end|>" in text

@@ -241,6 +241,19 @@ def render(
     return text
 
 
+def _arguments_json(arguments: object) -> str:
+    """A parsed call's arguments as the JSON text OpenAI's format holds: a string that is JSON is
+    kept, any other value (an object, or a string that is no JSON, e.g. a model's
+    `"arguments": "2+3"`) is dumped, so the call is valid when the agent sends it back."""
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+            return arguments
+        except json.JSONDecodeError:
+            pass
+    return json.dumps(arguments)
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]]]:
     """(content, tool_calls) of a completion: each `<tool_call>` block holding a JSON object with
     a "name" becomes an OpenAI tool call (arguments as a JSON string); a block that is not such
@@ -260,7 +273,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]]]:
             {
                 "id": f"call_{secrets.token_hex(8)}",
                 "type": "function",
-                "function": {"name": value["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+                "function": {"name": value["name"], "arguments": _arguments_json(arguments)},
             }
         )
         kept.append(text[position : match.start()])

@@ -58,7 +58,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
@@ -135,24 +135,43 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
-class _Auth:
+class _Guard:
     """Pure ASGI middleware: an HTTP request without `Authorization: Bearer <token>` gets 401 in
-    OpenAI's shape (checked in constant time, before routing: any path). A pure one, not Starlette's
-    `BaseHTTPMiddleware`, so that the routes' `Request` reads the server's own `receive` and sees
-    the client disconnect (`Request.is_disconnected`)."""
+    OpenAI's shape (checked in constant time, before routing: any path), and one whose body is
+    over `max_body` bytes 413 (by its Content-Length before it is read, else as it is read). A
+    pure one, not Starlette's `BaseHTTPMiddleware`, so that the routes' `Request` reads the
+    server's own `receive` and sees the client disconnect (`Request.is_disconnected`)."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, token: str, max_body: int) -> None:
         self.app = app
         self.token = token.encode()
+        self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token):
-                refused = _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
-                await refused(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token):
+            refused = _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
+            await refused(scope, receive, send)
+            return
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            await _error(413, f"the body is over {self.max_body} bytes", None, "invalid_request_error")(scope, receive, send)
+            return
+        read = 0
+
+        async def limited() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_body:  # a body sent without its length: refused as it is read
+                raise StarletteHTTPException(413, f"the body is over {self.max_body} bytes")
+            return message
+
+        await self.app(scope, limited, send)
 
 
 class _Common(BaseModel):
@@ -268,7 +287,7 @@ class AgentEndpoint:
 
     # -- the app ------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, max_body_size=self.settings.max_body_bytes)
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # no such path or method, a body too large
@@ -289,7 +308,7 @@ class AgentEndpoint:
         async def _refused(request: Request, exc: HTTPFailure) -> JSONResponse:
             return _error(exc.status, str(exc), exc.param, exc.kind)
 
-        app.add_middleware(_Auth, token=self.token)
+        app.add_middleware(_Guard, token=self.token, max_body=self.settings.max_body_bytes)
 
         @app.get("/episodes/{eid}/v1/models")
         async def _models(eid: str) -> dict[str, object]:
