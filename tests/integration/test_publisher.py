@@ -301,3 +301,62 @@ def test_an_export_ahead_past_train_call_timeout_s_fails_at_its_bound_and_cancel
         assert pool.retired == [] and [s.started_before_export for s in samplers] == [[True], [True]]
 
     asyncio.run(main())
+
+
+def test_a_slow_export_ahead_does_not_count_against_the_load_bound() -> None:
+    async def main() -> None:
+        publisher, pool, samplers, gate = _ahead()
+        publisher._load_timeout_s = 0.2  # the export below takes 0.5 s; each load itself is instant
+
+        async def let_go() -> None:
+            await asyncio.sleep(0.5)
+            gate.set()
+
+        releasing = asyncio.create_task(let_go())
+        assert (await publisher.publish_newest()).version == 2
+        await releasing
+        assert pool.retired == [] and [slot.version for slot in pool.slots] == [2, 2]
+
+    asyncio.run(main())
+
+
+class RestartsAtOnce(WaitsForTheExport):
+    def restartable(self, exc: BaseException) -> bool:
+        return True
+
+    async def restart(self) -> None:
+        return None
+
+    async def load_weights(self, weights: Weights) -> None:
+        if isinstance(weights.payload, asyncio.Future):
+            await super().load_weights(weights)
+        else:
+            await SimSampler.load_weights(self, weights)
+
+
+def test_a_replica_whose_restart_ends_during_an_export_ahead_loads_that_version_too() -> None:
+    """Its restart loaded the newest version exported before the round's (the round skipped it, as
+    it was restarting): the round loads the new one into it before the window learns it."""
+
+    async def main() -> None:
+        cfg = sim_config()
+        gate = asyncio.Event()
+        trainer = ExportsAhead(cfg.sim, gate, exported=1)
+        trainer.version = 1
+        samplers = [RestartsAtOnce(gate, cfg.sim, cfg.rollout.max_new_tokens, cfg.run.seed, replica=i) for i in range(2)]
+        pool = ReplicaPool.of(samplers, failover=True)
+        publisher = WeightPublisher(trainer, pool, Tracer(None, {}), load_timeout_s=30.0)
+        gate.set()
+        assert (await publisher.publish_newest()).version == 1
+        gate.clear()
+        trainer.version = trainer.exported = 2
+        restarting = asyncio.create_task(publisher.restart(pool.slots[1], RuntimeError("died"), "generate"))
+        await asyncio.sleep(0)  # replica 1 is restarting: the round leaves it out
+        round_ = asyncio.create_task(publisher.publish_newest())
+        assert await restarting is None and pool.slots[1].version == 1  # restarted on the newest export so far
+        gate.set()
+        assert (await round_).version == 2
+        assert [slot.version for slot in pool.slots] == [2, 2]
+
+    with pytest.warns(SamplerRestartedWarning):
+        asyncio.run(main())

@@ -133,6 +133,31 @@ def test_samplers_load_an_export_ahead_as_it_ends_with_the_version_it_exported(c
     asyncio.run(go())
 
 
+def test_a_load_waiting_for_an_export_that_timed_out_is_cancelled_in_its_actor(cluster: RayCluster) -> None:
+    from relayrl.orchestrator.deadlines import BoundedTrainer, CallTimeoutError
+    from relayrl.orchestrator.publisher import WeightPublisher
+    from relayrl.orchestrator.replicas import ReplicaPool
+    from relayrl.telemetry.tracer import Tracer
+
+    cfg = sim_config("ray.enabled=true", "ray.address=auto", "rollout.num_samplers=1", "sim.weight_sync=60")  # the export hangs
+    backend = build_backend(cfg, __import__("threading").Event(), evaluate=False)
+    [sampler] = [s for s in backend.samplers if isinstance(s, RaySampler)]
+    pool = ReplicaPool.of(backend.samplers, failover=True)
+    publisher = WeightPublisher(BoundedTrainer(backend.trainer, 0.5), pool, Tracer(None, {}), load_timeout_s=30.0)
+
+    async def go() -> None:
+        try:
+            with pytest.raises(CallTimeoutError, match="export_weights"):
+                await publisher.publish_newest()
+            assert pool.retired == []
+            # the actor serves calls one at a time: it answers only once the load waiting for the export was cancelled there
+            assert await asyncio.wait_for(sampler.loaded_version(), 10.0) is None
+        finally:
+            await backend.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.slow
 def test_local_backend_on_ray_trains_and_its_weights_reach_the_samplers(cluster: RayCluster, tmp_path: Path) -> None:
     cfg = load_config(

@@ -105,8 +105,14 @@ class BoundedTrainer(Trainer):
         return await self._bound(self.inner.export_weights(), "export_weights")
 
     async def export_ahead(self) -> PendingExport | None:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         pending = await self._bound(self.inner.export_ahead(), "export_weights")
-        return None if pending is None else PendingExport(pending.weights, self._bound(pending.done, "export_weights"))
+        if pending is None:
+            return None
+        left = max(1e-3, self.seconds - (loop.time() - sent)) if self.seconds > 0 else 0.0  # one bound for send and export
+        done = bounded(pending.done, left, "trainer call export_weights", "train.call_timeout_s")
+        return PendingExport(pending.weights, done)
 
     async def save_state(self, directory: Path) -> None:
         await self._bound(self.inner.save_state(directory), "save_state")

@@ -32,7 +32,7 @@ load, the bounds, failover, restarts, tracing — and every caller stay as they 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from relayrl.backends.protocols import Trainer
 from relayrl.orchestrator.deadlines import bounded
@@ -67,8 +67,10 @@ class WeightPublisher:
     async def _load(self, slot: SamplerSlot, weights: Weights) -> None:
         # the worker's call is made in here: a round cancelled before this load started leaves no
         # coroutine that was never awaited
-        what = f"sampler replica {slot.replica}: load_weights"
-        await bounded(slot.worker.load_weights(weights), self._load_timeout_s, what, LOAD_KEY)
+        await self._bounded(slot, slot.worker.load_weights(weights))
+
+    async def _bounded(self, slot: SamplerSlot, load: Awaitable[None]) -> None:
+        await bounded(load, self._load_timeout_s, f"sampler replica {slot.replica}: load_weights", LOAD_KEY)
 
     async def publish_newest(self) -> Weights:
         """Export the trainer's newest version and load it into every replica in service but those
@@ -80,17 +82,29 @@ class WeightPublisher:
             weights = await self._export()
             slots = self._loading()
             outcomes = await asyncio.gather(*(self._load(s, weights) for s in slots), return_exceptions=True)
-        else:  # the loads start now and wait for the export where they run
+        else:  # the loads start now and wait for the export where they run, each bounded from its end
             slots = self._loading()
-            loads = [asyncio.ensure_future(self._load(s, pending.weights)) for s in slots]
+            loads = [asyncio.ensure_future(s.worker.load_weights(pending.weights)) for s in slots]
             try:
-                weights = self._keep(await pending.done)
+                weights = await pending.done
+                if weights.version < pending.weights.version:
+                    raise RuntimeError(
+                        f"the trainer exported version {weights.version}, older than its committed version {pending.weights.version}"
+                    )
             except BaseException:  # the trainer's failure (or the round's cancellation), not the replicas'
                 for load in loads:
                     load.cancel()
                 await asyncio.gather(*loads, return_exceptions=True)
                 raise
-            outcomes = await asyncio.gather(*loads, return_exceptions=True)
+            self._keep(weights)
+            # a replica whose restart ended during the export holds an older version: it loads this one too
+            late = [s for s in self._loading() if s not in slots and s.version < weights.version]
+            outcomes = await asyncio.gather(
+                *(self._bounded(s, load) for s, load in zip(slots, loads, strict=True)),
+                *(self._load(s, weights) for s in late),
+                return_exceptions=True,
+            )
+            slots += late
         for slot, outcome in zip(slots, outcomes, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 task = asyncio.current_task()

@@ -83,10 +83,8 @@ async def resolve(weights: Weights) -> Weights:
     still running is waited for first) and turned back into what the worker loads."""
     version, payload = weights.version, weights.payload
     if isinstance(payload, Exporting):
-        timed: Timed = await payload.call  # the export's failure fails this load too
+        timed: Timed = await payload.call  # the export's failure fails this load too (the publisher raises the export's)
         exported: Weights = timed.value
-        if exported.version < version:
-            raise RuntimeError(f"the trainer exported version {exported.version}, older than its committed version {version}")
         version, payload = exported.version, exported.payload  # newer when a commit landed before the export ran
     if isinstance(payload, ray.ObjectRef):
         payload = await payload
@@ -112,6 +110,7 @@ class TrainStepError(RuntimeError):
 ACTOR_GONE: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 SAMPLER_MAX_RESTARTS = 3  # Ray restarts a sampler actor whose process died up to this many times
 RESTART_TIMEOUT_S = 60.0  # a sampler actor not alive again within this is retired
+CLOSE_TIMEOUT_S = 30.0  # an actor whose worker has not closed within this is killed
 TRAIN_AHEAD = 1  # micro-batches sent to the trainer actor before the previous one's train_step returned
 
 
@@ -177,10 +176,12 @@ class _SamplerActor:
             return await _timed(self._load_weights(*args))
         return await _timed(getattr(self._worker, method)(*args))
 
-    async def _load_weights(self, weights: Weights) -> None:
+    async def _load_weights(self, weights: Weights) -> int:
+        """Load `weights`; returns the version loaded (an export's own: see `Exporting`)."""
         resolved = await resolve(weights)
         await self._worker.load_weights(resolved)
         self._loaded = resolved.version
+        return resolved.version
 
     async def loaded_version(self) -> int | None:
         """The version of the last weights this actor loaded (None: none yet)."""
@@ -260,11 +261,14 @@ def trainer_call(actor: Any, method: str, *args: Any) -> Any:
 
 async def _close_actor(actor: Any, close: Any) -> None:
     """Close the hosted worker (`close`: the ObjectRef of its close call), then end the actor's
-    process (even when closing failed). An actor whose process already died has nothing to close:
-    that is no error (it would hide the run's own)."""
+    process (even when closing failed or took over CLOSE_TIMEOUT_S, e.g. queued behind a call that
+    never ends). An actor whose process already died has nothing to close: that is no error (it
+    would hide the run's own)."""
     try:
-        await close
+        await asyncio.wait_for(close, CLOSE_TIMEOUT_S)
     except ACTOR_GONE:
+        pass
+    except TimeoutError:  # stuck behind a call that never ends: killed below
         pass
     finally:
         ray.kill(actor, no_restart=True)
@@ -293,7 +297,15 @@ class RaySampler(Sampler):
         await self.spans.sync(self.actor)
         start = self.spans.now()
         call = self.actor.call if group is None else self.actor.call.options(concurrency_group=group)
-        timed: Timed = await call.remote(method, *args)
+        ref = call.remote(method, *args)
+        try:
+            timed: Timed = await ref
+        except asyncio.CancelledError:
+            if method == "load_weights":  # a load waiting for an export that failed: it must not hold the actor
+                ray.cancel(ref)
+            raise
+        if method == "load_weights":
+            span_args = {**span_args, "version": timed.value}  # the version loaded (an export's own)
         self.spans.record(method, start, timed, **span_args)
         return timed.value
 

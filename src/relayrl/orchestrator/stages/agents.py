@@ -238,9 +238,11 @@ class AgentRollout:
             done, _ = await asyncio.wait({agent}, timeout=s.timeout_s if s.timeout_s > 0 else None)
             timed_out = not done
         finally:  # also when the rollout is cancelled: the episode and every task of its agent end here
-            self.endpoint.close(episode)
-            keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
-            await tasks.end()
+            try:
+                self.endpoint.close(episode)
+                keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
+            finally:
+                await tasks.end()
         failure: tuple[str, str] | None = None
         reward: float | None = None
         if timed_out:
