@@ -151,6 +151,12 @@ class TurnResult:
     cached_tokens: int = 0
 
 
+def versions_used(results: Sequence[TurnResult]) -> list[int]:
+    """The versions that sampled a token of `results`, ascending (more than one when a load landed
+    during the call: rollout.interruptible)."""
+    return sorted({v for r in results for _, v in (r.completion.versions or [(0, r.policy_version)])})
+
+
 @dataclass(slots=True)
 class Turn:
     """One policy turn of a multi-turn trajectory. Its action tokens are

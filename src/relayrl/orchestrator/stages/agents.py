@@ -54,7 +54,7 @@ from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import SamplerSlot, forget_episodes
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult
+from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult, versions_used
 
 if TYPE_CHECKING:  # the endpoint's module imports FastAPI and uvicorn: only a task.agent run loads it
     from relayrl.agents.endpoint import AgentEndpoint
@@ -171,7 +171,7 @@ class TurnBatcher:
                             future.exception()  # retrieved: the caller may be gone
                     raise
                 version = min(r.policy_version for r in results)
-                used = sorted({v for r in results for _, v in (r.completion.versions or [(0, r.policy_version)])})
+                used = versions_used(results)
                 extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
                 self._tracer.complete(lane, "generate", start, self._tracer.now(), n=len(batch), version=version, agents=True, **extra)
                 for (_, future), result in zip(batch, results, strict=True):

@@ -58,7 +58,7 @@ from relayrl.envs.calls import Call, CallFailed, EnvCalls, TooManyStuckCalls
 from relayrl.errors import RunFailed
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import OrchestratorThreads
-from relayrl.types import Completion, Group, SampleRequest, Trajectory, TrajectoryStatus, Turn, TurnRequest, TurnResult
+from relayrl.types import Completion, Group, SampleRequest, Trajectory, TrajectoryStatus, Turn, TurnRequest, TurnResult, versions_used
 
 __all__ = [
     "ENV_FAILURE",
@@ -218,7 +218,7 @@ class EpisodeRunner:
             if lane is not None:
                 version = min(r.policy_version for r in results)
                 cached = sum(r.cached_tokens for r in results)
-                used = sorted({v for r in results for _, v in (r.completion.versions or [(0, r.policy_version)])})
+                used = versions_used(results)
                 extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
                 self._tracer.complete(
                     lane, "generate", start, self._tracer.now(), n=len(asks), version=version, turn=number, cached=cached, **extra
