@@ -19,6 +19,7 @@ from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.stages.agents import AgentError, AgentFailedWarning
 from relayrl.recipes import shipped_recipe
 from relayrl.types import MicroBatch, Trajectory, TurnRequest, TurnResult
+from support.agentutil import Sampled, assert_trained_as_sampled, sampled_of
 from support.simutil import run_checked
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agents" / "completions_agent.py"
@@ -39,13 +40,13 @@ def agent_config(agent: str, *extra: str) -> list[str]:
 
 
 def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sampled: list[tuple[list[int], list[int], list[float], int]] = []  # (context, tokens, log-probs, version)
+    sampled: list[Sampled] = []
     trained: list[Trajectory] = []
     generate_turns, collate = LocalSampler.generate_turns, TorchCollator.collate
 
     async def recording_turns(self: LocalSampler, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         results = await generate_turns(self, requests)
-        sampled.extend((list(q.context), r.completion.tokens, r.completion.logprobs, r.policy_version) for q, r in zip(requests, results))
+        sampled.extend(sampled_of(requests, results))
         return results
 
     def recording_collate(self: TorchCollator, mb: MicroBatch) -> object:
@@ -61,23 +62,8 @@ def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
     assert summary["ledger"]["trajectories_failed"] == 0
-    assert trained
-    # (context, sampled tokens) -> the (log-probs, version) of each such sample (a group's agents share a first prompt)
-    unused: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[list[float], int]]] = {}
-    for context, tokens, logprobs, version in sampled:
-        unused.setdefault((tuple(context), tuple(tokens)), []).append((logprobs, version))
-    two_calls = 0
-    for t in trained:
-        assert t.loss_mask is not None and t.agent_reward is not None
-        sequence = t.prompt_tokens + t.completion_tokens
-        for turn in t.turns:  # each call's trained tokens are ones its replica sampled from this very prefix, used once
-            key = (tuple(sequence[: len(t.prompt_tokens) + turn.start]), tuple(t.completion_tokens[turn.start : turn.end]))
-            candidates = unused.get(key, [])
-            match = (t.sampler_logprobs[turn.start : turn.end], turn.policy_version)
-            assert match in candidates, f"trained tokens {key[1]} after {key[0]} were not sampled so"
-            candidates.remove(match)
-        assert sum(t.loss_mask) == sum(u.end - u.start for u in t.turns)
-        two_calls += len(t.turns) == 2
+    assert all(t.agent_reward is not None for t in trained)
+    two_calls = assert_trained_as_sampled(sampled, trained)
     assert two_calls > len(trained) // 2  # the answer call continues the draft's sequence
 
 

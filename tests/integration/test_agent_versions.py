@@ -10,33 +10,24 @@ from typing import Any
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from relayrl.agents.context import AgentContext
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.types import Prompt, SampleRequest, TrajectoryStatus, Weights, token_versions
 from support.agentutil import make_rollout, run_rollout
-from support.interrupt import interrupted_logprobs, load_after_pass, reread_logprobs
-from support.modelutil import random_qwen2
+from support.interrupt import (
+    NEW_TOKENS,
+    PROMPT,
+    SWAP_AFTER,
+    interrupted_logprobs,
+    load_after_pass,
+    qwen2,
+    reread_logprobs,
+    word_tokenizer,
+)
 
-VOCAB, PAD, EOS = 32, 0, 1
-PROMPT = [5, 6, 7, 8]
 OBSERVATION = [9, 10, 11]  # what the agent appends before its second call
-NEW_TOKENS = 10
-SWAP_AFTER = 4  # forward passes with the old weights: the prefill and 3 decode steps -> tokens 0..3
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": PAD, "<eos>": EOS} | {f"t{i}": i for i in range(2, VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
-
-
-def qwen2(seed: int) -> Qwen2ForCausalLM:
-    return random_qwen2(VOCAB, seed, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
 
 
 async def two_calls(ctx: AgentContext) -> float:

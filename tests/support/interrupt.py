@@ -15,11 +15,31 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from relayrl.backends.local.generation import _cache_kwarg
 from relayrl.backends.local.sampler import SamplerCompute
 from relayrl.types import Weights
+from support.modelutil import random_qwen2
+
+VOCAB, PAD, EOS = 32, 0, 1
+PROMPT = [5, 6, 7, 8]
+NEW_TOKENS = 10
+SWAP_AFTER = 4  # forward passes with the old weights: the prefill and 3 decode steps -> tokens 0..3
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Words t2..t31 are token ids 2..31 (so a prompt's text is its ids)."""
+    vocab = {"<pad>": PAD, "<eos>": EOS} | {f"t{i}": i for i in range(2, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+
+
+def qwen2(seed: int) -> Qwen2ForCausalLM:
+    """A random Qwen2 over that vocabulary."""
+    return random_qwen2(VOCAB, seed, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def load_after_pass(compute: SamplerCompute, weights: Weights, after: int) -> list[threading.Thread]:

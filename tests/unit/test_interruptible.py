@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 import relayrl.backends.local.generation as generation
 import relayrl.backends.sim.workers as sim_workers
@@ -27,26 +26,18 @@ from relayrl.backends.sim.workers import SimSampler
 from relayrl.config.schema import SimConfig, load_config
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.types import Prompt, SampleRequest, TurnRequest, Weights, token_versions
-from support.interrupt import interrupted_logprobs, load_after_pass, reread_logprobs
-from support.modelutil import random_qwen2
+from support.interrupt import (
+    NEW_TOKENS,
+    PROMPT,
+    SWAP_AFTER,
+    interrupted_logprobs,
+    load_after_pass,
+    qwen2,
+    reread_logprobs,
+)
+from support.interrupt import word_tokenizer as tokenizer
 
 torch.set_num_threads(1)
-
-VOCAB, PAD, EOS = 32, 0, 1
-PROMPT = [5, 6, 7, 8]
-NEW_TOKENS = 10
-SWAP_AFTER = 4  # forward passes with the old weights: the prefill and 3 decode steps -> tokens 0..3
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": PAD, "<eos>": EOS} | {f"t{i}": i for i in range(2, VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
-
-
-def qwen2(seed: int) -> Qwen2ForCausalLM:
-    return random_qwen2(VOCAB, seed, tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def request(n: int = 2) -> SampleRequest:
