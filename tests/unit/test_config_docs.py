@@ -39,6 +39,7 @@ RESUMABLE_BEFORE = [
     "orchestrator.overlap_bookkeeping",
     "orchestrator.queue_size",
     "orchestrator.loop_lag_interval_ms",
+    "orchestrator.switch_interval_ms",  # added with issue 22's sync rounds (not a result: how often threads switch)
     "orchestrator.log_trajectories",
     "orchestrator.release_memory",
     "orchestrator.malloc_trim",
@@ -124,7 +125,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
 
 def test_resumable_keys_are_the_former_prefixes_keys() -> None:
     assert sorted(resumable_keys()) == sorted(RESUMABLE_BEFORE)
-    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 56
+    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 57
 
 
 def test_resume_changes_reads_the_marks() -> None:
