@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from relayrl import abandoned
 from relayrl.envs import calls as calls_module
 from relayrl.envs.calls import CallFailed, EnvCalls, TooManyStuckCalls
 
@@ -102,7 +103,7 @@ def test_an_async_call_past_its_bound_is_cancelled_and_one_that_ignores_it_is_le
     timeout = CallFailed("timeout", "no result within 0.1 s (rollout.env_step_timeout_s)")
     assert [value for value, _ in out] == [timeout, timeout, "ok"]
     assert set(cancelled) == {"forever", "stubborn ignored it"}
-    assert not calls_module._abandoned_tasks
+    assert abandoned.running() == 0  # the stubborn call, abandoned, ended and was let go
 
 
 def test_cancelling_the_caller_abandons_a_stuck_sync_call_at_once(release: threading.Event) -> None:

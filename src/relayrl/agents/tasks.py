@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
+from relayrl.abandoned import abandon
+
 __all__ = ["CANCEL_GRACE_S", "Clocked", "EpisodeTasks"]
 
 #: how long an episode's cancelled tasks are waited for before they are left to end on their own
@@ -34,7 +36,6 @@ CANCEL_GRACE_S = 2.0
 T = TypeVar("T")
 
 _EPISODE: contextvars.ContextVar[EpisodeTasks | None] = contextvars.ContextVar("relayrl_agent_episode", default=None)
-_abandoned: set[asyncio.Task[Any]] = set()  # cancelled, still running (see the module)
 
 
 class _Factory:
@@ -73,11 +74,6 @@ def _release(loop: asyncio.AbstractEventLoop) -> None:
             loop.set_task_factory(factory.previous)
 
 
-def _forget(task: asyncio.Task[Any]) -> None:
-    _abandoned.discard(task)
-    _retrieve(task)
-
-
 def _close(task: asyncio.Task[Any]) -> None:
     """Throw GeneratorExit into a task's coroutine where it waits, then cancel the task, whose
     next step then ends it; a coroutine that catches GeneratorExit too cannot be ended."""
@@ -86,12 +82,6 @@ def _close(task: asyncio.Task[Any]) -> None:
     except RuntimeError:  # "coroutine ignored GeneratorExit"
         return
     task.cancel()
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark a finished task's exception as seen: the episode is over, its outcome no longer matters."""
-    if task.done() and not task.cancelled():
-        task.exception()
 
 
 class Clocked:
@@ -169,10 +159,7 @@ class EpisodeTasks:
                 _release(self._loop)
                 self._loop = None
             left = {t for t in self._tasks if not t.done()}
-            for task in left:
-                _abandoned.add(task)
-                task.add_done_callback(_forget)
-            for task in self._tasks - left:
-                _retrieve(task)
+            for task in self._tasks:  # those left running stay referenced until they end; every outcome is dropped
+                abandon(task)
             self._tasks.clear()
         return len(left)

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from relayrl.abandoned import cancel_within
 from relayrl.errors import first_error
 
 __all__ = ["CANCEL_GRACE_S", "MAX_ABANDONED_THREADS", "Call", "CallFailed", "EnvCalls", "TooManyStuckCalls", "describe"]
@@ -130,24 +131,6 @@ def _finish(done: asyncio.Future[None]) -> None:
         done.set_result(None)
 
 
-_abandoned_tasks: set[asyncio.Task[object]] = set()  # cancelled async calls still running (see module)
-
-
-def _forget(task: asyncio.Task[object]) -> None:
-    _abandoned_tasks.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: its outcome no longer matters
-
-
-async def _cancel(task: asyncio.Task[object]) -> None:
-    """Cancel `task` and wait up to CANCEL_GRACE_S for it to end; one still running is left
-    referenced until it ends."""
-    task.cancel()
-    _abandoned_tasks.add(task)
-    task.add_done_callback(_forget)
-    await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-
-
 async def _invoke(method: Callable[[object], object], arg: object) -> object:
     """`await method(arg)`, whatever it raises as a CallFailed (but our own cancelling and a
     KeyboardInterrupt: asyncio would let SystemExit end the loop)."""
@@ -209,12 +192,12 @@ class EnvCalls:
         try:
             done, _ = await asyncio.wait({task}, timeout=self.timeout_s if self.timeout_s > 0 else None)
         except asyncio.CancelledError:
-            await _cancel(task)
+            await cancel_within(task, CANCEL_GRACE_S)
             raise
         if done:
             out[i] = (task.result(), time.perf_counter() - began)
             return
-        await _cancel(task)
+        await cancel_within(task, CANCEL_GRACE_S)
         out[i] = (self._timed_out(), self.timeout_s)
 
     async def _run_plain(self, calls: Sequence[Call], order: list[int], out: list[tuple[object, float]]) -> None:

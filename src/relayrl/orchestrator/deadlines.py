@@ -20,22 +20,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from relayrl.abandoned import cancel_within
 from relayrl.backends.protocols import PendingExport, Trainer
 from relayrl.types import TrainBatch, Weights
 
 T = TypeVar("T")
 CANCEL_GRACE_S = 5.0
-_abandoned: set[asyncio.Future[object]] = set()  # timed-out calls still running (see module)
 
 
 class CallTimeoutError(TimeoutError):
     """A worker call did not return within its bound."""
-
-
-def _forget(future: asyncio.Future[object]) -> None:
-    _abandoned.discard(future)
-    if not future.cancelled():
-        future.exception()  # retrieved: its outcome no longer matters
 
 
 async def bounded(call: Awaitable[T], seconds: float, what: str, key: str) -> T:
@@ -47,20 +41,12 @@ async def bounded(call: Awaitable[T], seconds: float, what: str, key: str) -> T:
     try:
         done, _ = await asyncio.wait({task}, timeout=seconds)
     except asyncio.CancelledError:  # the caller is cancelled: so is the call, as with a plain await
-        await _cancel(task, CANCEL_GRACE_S)
+        await cancel_within(task, CANCEL_GRACE_S)
         raise
     if done:
         return task.result()
-    await _cancel(task, min(CANCEL_GRACE_S, seconds))
+    await cancel_within(task, min(CANCEL_GRACE_S, seconds))
     raise CallTimeoutError(f"{what} did not return within {seconds:g}s ({key})")
-
-
-async def _cancel(task: asyncio.Future[T], grace: float) -> None:
-    """Cancel `task` and wait up to `grace` for it to end; one still running is abandoned (see module)."""
-    task.cancel()
-    _abandoned.add(task)  # type: ignore[arg-type]  # referenced until it ends, its outcome then dropped
-    task.add_done_callback(_forget)  # type: ignore[arg-type]
-    await asyncio.wait({task}, timeout=grace)
 
 
 class BoundedTrainer(Trainer):
