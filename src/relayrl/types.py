@@ -151,6 +151,15 @@ class TurnResult:
     cached_tokens: int = 0
 
 
+def extend_version_runs(runs: list[tuple[int, int]], segments: Sequence[tuple[int, int]] | None, version: int, begin: int) -> None:
+    """Append to `runs` ((first completion token index, version), in order) a turn's tokens that
+    start at completion index `begin`: its (first token index, version) `segments`, or all
+    `version` when None; a run goes on while the version does not change."""
+    for first, v in segments or [(0, version)]:
+        if not runs or runs[-1][1] != v:
+            runs.append((begin + first, v))
+
+
 def versions_used(results: Sequence[TurnResult]) -> list[int]:
     """The versions that sampled a token of `results`, ascending (more than one when a load landed
     during the call: rollout.interruptible)."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from relayrl.types import Turn
+from relayrl.types import Turn, extend_version_runs
 
 __all__ = ["Choice", "Node", "Start", "Transcript"]
 
@@ -148,9 +148,7 @@ class Transcript:
             prompt_len = len(context)
             logprobs, mask, turns, versions = [], [], [], []
         begin = len(context) - prompt_len
-        for first, version in choice.versions or [(0, choice.policy_version)]:
-            if not versions or versions[-1][1] != version:
-                versions.append((begin + first, version))
+        extend_version_runs(versions, choice.versions, choice.policy_version, begin)
         tokens = context + choice.tokens
         node = Node(
             text=(parent.text if parent is not None else "") + start.suffix + choice.text,

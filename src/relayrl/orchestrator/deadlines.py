@@ -62,8 +62,9 @@ class BoundedTrainer(Trainer):
         self.inner = inner
         self.seconds = seconds
 
-    def _bound(self, call: Awaitable[T], name: str) -> Awaitable[T]:
-        return bounded(call, self.seconds, f"trainer call {name}", "train.call_timeout_s")
+    def _bound(self, call: Awaitable[T], name: str, seconds: float | None = None) -> Awaitable[T]:
+        """`call` bounded by `seconds` (default: the trainer's bound)."""
+        return bounded(call, self.seconds if seconds is None else seconds, f"trainer call {name}", "train.call_timeout_s")
 
     async def train_step(self, batch: TrainBatch) -> None:
         await self._bound(self.inner.train_step(batch), f"train_step(step {batch.step}, microbatch {batch.index})")
@@ -97,8 +98,7 @@ class BoundedTrainer(Trainer):
         if pending is None:
             return None
         left = max(1e-3, self.seconds - (loop.time() - sent)) if self.seconds > 0 else 0.0  # one bound for send and export
-        done = bounded(pending.done, left, "trainer call export_weights", "train.call_timeout_s")
-        return PendingExport(pending.weights, done)
+        return PendingExport(pending.weights, self._bound(pending.done, "export_weights", left))
 
     async def save_state(self, directory: Path) -> None:
         await self._bound(self.inner.save_state(directory), "save_state")

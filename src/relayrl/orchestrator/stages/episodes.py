@@ -58,7 +58,18 @@ from relayrl.envs.calls import Call, CallFailed, EnvCalls, TooManyStuckCalls
 from relayrl.errors import RunFailed
 from relayrl.telemetry.tracer import Tracer
 from relayrl.threads import OrchestratorThreads
-from relayrl.types import Completion, Group, SampleRequest, Trajectory, TrajectoryStatus, Turn, TurnRequest, TurnResult, versions_used
+from relayrl.types import (
+    Completion,
+    Group,
+    SampleRequest,
+    Trajectory,
+    TrajectoryStatus,
+    Turn,
+    TurnRequest,
+    TurnResult,
+    extend_version_runs,
+    versions_used,
+)
 
 __all__ = [
     "ENV_FAILURE",
@@ -333,9 +344,7 @@ class EpisodeRunner:
         e.text.append(c.text)
         e.finish_reason = c.finish_reason
         e.turns.append(Turn(begin, len(e.completion), result.policy_version, result.replica, c.text))
-        for first, version in c.versions or [(0, result.policy_version)]:
-            if not e.versions or e.versions[-1][1] != version:
-                e.versions.append((begin + first, version))
+        extend_version_runs(e.versions, c.versions, result.policy_version, begin)
 
     async def _add_observations(self, stepping: Sequence[_Live], steps: Sequence[EnvStep | None], last: bool) -> None:
         """Record each step's reward part and append its observation as context (unless the
