@@ -469,3 +469,45 @@ def test_console_and_resume_message_agree_with_the_files(tmp_path: Path) -> None
     assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000004", "step-000006"]
     changes = [json.loads(line) for line in (run_dir / "config_changes.jsonl").read_text().splitlines()]
     assert changes == [{"from_step": 5, "key": "run.steps", "old": 4, "new": 6}]
+
+
+def test_a_stop_during_a_slow_step_checkpoints_the_last_committed_step_without_waiting(tmp_path: Path) -> None:
+    """A SIGTERM in the middle of a slow step (each micro-batch trains 4 s) checkpoints the last
+    step that committed at once and stops, instead of waiting for the step in flight to commit;
+    the stop names that checkpoint and the resume goes on after it."""
+    slow = [*SIM_RUN, "run.steps=4", "sim.train_step=4.0", "orchestrator.checkpoint_every=50", "orchestrator.stop_grace_s=30"]
+    sets = [f"--set={s}" for s in [*slow, f"run.output_dir={tmp_path}", "run.name=s"]]
+    run_dir = tmp_path / "s"
+    proc = subprocess.Popen(_cli(*sets), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):  # step 1 is logged; step 2 is training
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    stopped_after = time.monotonic() - signalled
+    assert proc.returncode == 143, stderr
+    assert stopped_after < 3.5, f"the stop waited {stopped_after:.1f} s: for the step in flight"
+    assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000001"]
+    assert f"step-000001" in stderr and f"relayrl train --resume {run_dir}" in stderr
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "cancelled"
+    assert check_run_dir(run_dir).ok
+    resumed = relayrl("train", "--resume", str(run_dir), "--set", "sim.train_step=0.01", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after step 1 " in resumed.stdout + resumed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == 4
+
+
+def test_checkpoint_every_s_checkpoints_by_time_between_the_step_cadence(tmp_path: Path) -> None:
+    """orchestrator.checkpoint_every_s: a run whose step cadence (1000) never comes still
+    checkpoints the first step to commit after each interval, and a resume from one works."""
+    sets = ["run.steps=12", "sim.train_step=0.05", "orchestrator.checkpoint_every=1000", "orchestrator.keep_checkpoints=20"]
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=t", *sets, "orchestrator.checkpoint_every_s=0.3")
+    run_checked(build_program(cfg, run_dir=tmp_path / "t"))
+    steps = [int(p.name.removeprefix("step-")) for p in complete_checkpoints(tmp_path / "t" / CHECKPOINTS)]
+    assert steps[-1] == 12 and len(steps) >= 2, steps  # the last step's, and at least one by time
+    off = sim_config(f"run.output_dir={tmp_path}", "run.name=u", *sets, "orchestrator.checkpoint_every_s=0")
+    run_checked(build_program(off, run_dir=tmp_path / "u"))
+    assert [p.name for p in complete_checkpoints(tmp_path / "u" / CHECKPOINTS)] == ["step-000012"]

@@ -44,6 +44,7 @@ RESUMABLE_BEFORE = [
     "orchestrator.release_memory",
     "orchestrator.malloc_trim",
     "orchestrator.checkpoint_every",
+    "orchestrator.checkpoint_every_s",  # added with issue 32 (time-based checkpoints)
     "orchestrator.keep_checkpoints",
     "orchestrator.stop_grace_s",
     "orchestrator.stall_timeout_s",
@@ -125,7 +126,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
 
 def test_resumable_keys_are_the_former_prefixes_keys() -> None:
     assert sorted(resumable_keys()) == sorted(RESUMABLE_BEFORE)
-    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 57
+    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 58
 
 
 def test_resume_changes_reads_the_marks() -> None:

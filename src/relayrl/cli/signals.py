@@ -4,11 +4,12 @@ Outside a run (parsing, imports, loading a model) a signal exits at once: there 
 wind down, and an interrupted import must not end in a traceback. During a run the handlers are
 plain `signal.signal` handlers, which the main thread runs at its next bytecode even while the
 event loop is busy (asyncio's own handlers wait for the loop); they only schedule the stop: the
-next step to commit is checkpointed (orchestrator/checkpointing.py `stop_at_next_commit`), then
-the run is cancelled, which winds it down cleanly (summary "cancelled", trace closed, no task or
-worker thread left). Without checkpoints, before the run's first commit (start-up), or when no
-step's checkpoint is written within half of `grace_s`, the run is cancelled at once and a resume
-starts from the newest checkpoint.
+last step that committed is checkpointed without waiting for the step in flight
+(orchestrator/checkpointing.py `Checkpointer.stop`), then the run is cancelled, which winds it
+down cleanly (summary "cancelled", trace closed, no task or worker thread left). Without
+checkpoints, before the run's first commit (start-up), or when that checkpoint is not written
+within three quarters of `grace_s`, the run is cancelled at once and a resume starts from the
+newest checkpoint.
 
 Invariant: a signal is answered within `grace_s` seconds whatever the run is doing: if the run has
 not wound down by then (a callback stuck on the loop, a hung worker call), or a second signal
@@ -87,10 +88,10 @@ async def run_until_stopped(program: Program, grace_s: float, resume_hint: Calla
             task.cancel()
 
     def begin_stop() -> None:
-        # checkpoint the next step to commit, then cancel; without checkpoints (or when no step
-        # commits within half the grace) cancel at once, as a kill would find the newest checkpoint
-        if program.checkpointer.stop_at_next_commit(cancel_once):
-            loop.call_later(grace_s / 2, cancel_once)
+        # checkpoint the last step that committed, then cancel; without checkpoints (or when it is
+        # not written within 3/4 of the grace) cancel at once, as a kill would find the newest checkpoint
+        if program.checkpointer.stop(cancel_once):
+            loop.call_later(grace_s * 0.75, cancel_once)
         else:
             cancel_once()
 

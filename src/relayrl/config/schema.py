@@ -693,18 +693,26 @@ class OrchestratorConfig(_Section):
     """After release_memory's gc.collect(): glibc malloc_trim(0), handing freed memory back to the OS."""
     checkpoint_every: int = Field(50, ge=0, json_schema_extra=RESUMABLE)
     """Write checkpoints/step-N/ (the state after step N) after every K-th step and after the last
-    one, and after the next step to commit when Ctrl-C / SIGTERM stops the run, so that `relayrl
-    train --resume RUN_DIR` can continue from the newest; 0 = never (not even after the last
-    step). A checkpoint is written in the step's background bookkeeping: for the default
+    one, after the first step to commit once checkpoint_every_s has passed, and for the last step
+    that committed when Ctrl-C / SIGTERM stops the run (without waiting for the step in flight),
+    so that `relayrl train --resume RUN_DIR` can continue from the newest; 0 = never (not even
+    after the last step). A checkpoint is written in the step's background bookkeeping: for the default
     recipe's model it takes 20-50 ms and 9.3 MB on 2 CPU cores, under 0.1 s of one step's time,
     so the default cadence costs well under 1% of a run."""
+    checkpoint_every_s: float = Field(600.0, ge=0.0, json_schema_extra=RESUMABLE)
+    """Also checkpoint the first step to commit once this many seconds have passed since the run
+    started or since the last such checkpoint (with checkpoint_every > 0; 0 = by steps only): a
+    run of slow steps (a real model on a small machine: a minute a step) loses at most this much
+    to a kill -9, whatever checkpoint_every."""
     keep_checkpoints: int = Field(2, ge=1, json_schema_extra=RESUMABLE)
     """The newest K checkpoints are kept (older ones are deleted as each new one is complete), so
     a run's checkpoints take at most K times one checkpoint's size on disk."""
-    stop_grace_s: float = Field(10.0, gt=0.0, json_schema_extra=RESUMABLE)
-    """After Ctrl-C / SIGTERM the next step to commit is checkpointed (if that takes at most half
-    of this) and the run is cancelled cleanly; if it has not wound down after this many seconds
-    (e.g. the event loop is stuck in one long call) the process exits at once."""
+    stop_grace_s: float = Field(20.0, gt=0.0, json_schema_extra=RESUMABLE)
+    """After Ctrl-C / SIGTERM the last step that committed is checkpointed without waiting for the
+    step in flight (if that takes at most three quarters of this) and the run is cancelled
+    cleanly; if it has not wound down after this many seconds (e.g. the event loop is stuck in one
+    long call) the process exits at once. The default fits inside the usual 30 s between a
+    scheduler's SIGTERM and its SIGKILL."""
     stall_timeout_s: float = Field(1800.0, ge=0.0, json_schema_extra=RESUMABLE)
     """No step committed for this many seconds: write every thread's and task's stack to
     stall.txt in the run directory, print where it is stuck and fail the run (0 = never)."""

@@ -3,11 +3,20 @@ restoring a resume point before a resumed run starts. (The checkpoint's format, 
 and the rewind of the run directory are rundir/checkpoint.py's.)
 
 A checkpoint is due at the commit of every `orchestrator.checkpoint_every`-th step, of the
-last step, and of the first step to commit after a stop was asked for (`stop_at_next_commit`: a
-signal, see cli/signals.py) — never without a run directory, nor with `checkpoint_every = 0`; steps are numbered
-from 1, so step N's checkpoint is `checkpoints/step-N/`, holding version N. Its state is taken at that commit (`on_commit`) and
-written only once that step's metrics and trajectories are (`after_bookkeeping`), together with
-the metrics.jsonl rows logged since the previous checkpoint (`LoggedSteps`).
+last step, of the first step to commit once `orchestrator.checkpoint_every_s` seconds have passed
+since the run started or its last checkpoint was due, and — when a stop is asked for (a signal,
+see cli/signals.py: `stop`) — of the last step that committed, without waiting for the step in
+flight; never without a run directory, nor with `checkpoint_every = 0`. Steps are numbered from 1,
+so step N's checkpoint is `checkpoints/step-N/`, holding version N. Its state is taken at that
+commit (`on_commit`) and written only once that step's metrics and trajectories are
+(`after_bookkeeping`), together with the metrics.jsonl rows logged since the previous checkpoint
+(`LoggedSteps`).
+
+A stop's checkpoint of a step whose logs were already written (the trainer is in the next step's
+train steps) is written at once, as a deferred job that the next `optim_step` waits for: the
+trainer's committed state is what it saves (`Trainer.save_state` is safe between a commit and the
+next optim_step), and the trajectory log is sealed first. Only when the next optim_step is
+already running does the stop wait for that step's commit and checkpoint it instead.
 
 Invariant: a checkpoint never claims a step whose logs a kill could still lose, and it holds the
 state of the moment its step committed (prompts drawn, in-flight prompts, settled ledger,
@@ -18,13 +27,16 @@ bounded and failed over like any sync round: a replica that cannot load them is 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.backends.protocols import Trainer, Weights
+from relayrl.orchestrator.deferred import DeferredJobs, before_optim, commit
 from relayrl.orchestrator.publisher import WeightPublisher
 from relayrl.orchestrator.state import RunState
 from relayrl.rundir.checkpoint import (
@@ -83,6 +95,7 @@ class CheckpointPolicy:
     every: int  # orchestrator.checkpoint_every (0: never, not even after the last step)
     steps: int  # run.steps: the last step's commit always checkpoints
     keep: int  # orchestrator.keep_checkpoints
+    every_s: float = 0.0  # orchestrator.checkpoint_every_s (0: no time-based checkpoints)
 
 
 class Checkpointer:
@@ -101,9 +114,11 @@ class Checkpointer:
         tracer: Tracer,
         logged: LoggedSteps,
         state: RunState,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._run_dir = run_dir
         self._every = policy.every if run_dir is not None else 0
+        self._every_s = policy.every_s
         self._steps = policy.steps
         self._keep = policy.keep
         self._backend_name = backend_name
@@ -112,52 +127,114 @@ class Checkpointer:
         self._tracer = tracer
         self._logged = logged
         self._state = state
-        self._pending: dict[int, dict[str, object]] = {}  # due, state taken, not yet written
+        self._clock = clock
+        self._timed_from = clock()  # the run's start or its last time-based checkpoint's commit
+        self._timed: set[int] = set()  # steps due by orchestrator.checkpoint_every_s
+        self._pending: dict[int, Callable[[], dict[str, object]]] = {}  # due, state taken, not yet written
+        self._last: tuple[int, Callable[[], dict[str, object]]] | None = None  # the last commit: its step and state
+        self._logs_written = 0  # the last step whose logs were written (its after_bookkeeping ran)
+        self._claimed: set[int] = set()  # steps whose checkpoint is being written or was written
+        self._written = 0  # the newest step whose checkpoint is complete
         self._on_stop: Callable[[], None] | None = None  # a stop was asked for: called once its checkpoint is written
-        self._stop_step: int | None = None  # the step whose commit came first after the stop was asked for
-        self._committed = False  # a step of this run committed (its steps come at a known pace)
+        self._stop_step: int | None = None  # the step a stop checkpoints
+        self._jobs: DeferredJobs | None = None
+        self._seal: Callable[[], None] | None = None
+
+    def attach(self, jobs: DeferredJobs, seal: Callable[[], None]) -> None:
+        """The run's deferred jobs (a stop's checkpoint of an already logged step is one) and the
+        bookkeeper's `seal_trajectories`, which completes the trajectory file before it."""
+        self._jobs = jobs
+        self._seal = seal
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._every)
 
     def due(self, step: int) -> bool:
         """Whether the commit of `step` (numbered from 1: `step` steps done) takes a checkpoint.
         Stable for a step once it committed (the bookkeeping thread asks again)."""
-        return bool(self._every) and (step % self._every == 0 or step == self._steps or step == self._stop_step)
+        return bool(self._every) and (step % self._every == 0 or step == self._steps or step == self._stop_step or step in self._timed)
 
-    def stop_at_next_commit(self, written: Callable[[], None]) -> bool:
-        """Checkpoint the next step to commit, then call `written` (on the loop) once that
-        checkpoint is complete; False (and nothing asked) when this run writes no checkpoints or
-        none of its steps committed yet (start-up: workers starting, a first step of unknown
-        length — a stop then cancels at once)."""
-        if not self._every or not self._committed or self._on_stop is not None:
+    def stop(self, written: Callable[[], None]) -> bool:
+        """A stop: checkpoint the last step that committed (at once when its logs are written,
+        else right after them; the next step to commit when its optim_step is already running),
+        then call `written` (on the loop) once that checkpoint is complete. False (and nothing
+        asked) when this run writes no checkpoints or none of its steps committed yet (start-up:
+        workers starting, a first step of unknown length — a stop then cancels at once)."""
+        if not self._every or self._last is None or self._on_stop is not None:
             return False
         self._on_stop = written
+        step, state = self._last
+        if self._written >= step:  # already on disk
+            asyncio.get_running_loop().call_soon(written)
+        elif step in self._claimed or step in self._pending or self._logs_written < step:
+            self._stop_step = step  # written after its logs (after_bookkeeping), then `written`
+            if step not in self._claimed:
+                self._pending.setdefault(step, state)
+        elif self._jobs is not None and (self._jobs.reached is None or self._jobs.reached < before_optim(step + 1)):
+            self._stop_step = step
+            self._claimed.add(step)
+            self._jobs.schedule(
+                f"stop-checkpoint:{step}",
+                lambda: self._write_logged(step, state),
+                start_after=commit(step),
+                finish_before=before_optim(step + 1),  # the next update waits for it
+            )
+        # else: optim_step(step + 1) is running: its commit is checkpointed (on_commit)
         return True
 
+    async def _write_logged(self, step: int, state: Callable[[], dict[str, object]]) -> None:
+        if self._seal is not None:
+            await self._threads.run("bookkeeping", self._seal)
+        await self.write(step, state())
+        if self._on_stop is not None:
+            self._on_stop()
+
     def on_commit(self, record: StepRecord) -> None:
-        self._committed = True
+        step = record.step
+        if not self._every:
+            return
         if self._on_stop is not None and self._stop_step is None:
-            self._stop_step = record.step
-        if self.due(record.step):
-            self._pending[record.step] = self.state(record.step)  # the state at this commit
+            self._stop_step = step
+        now = self._clock()
+        if self._every_s and now - self._timed_from >= self._every_s:
+            self._timed.add(step)
+            self._timed_from = now
+        state = self._capture(step)  # the state at this commit
+        self._last = (step, state)
+        if self.due(step):
+            self._pending[step] = state
 
     async def after_bookkeeping(self, record: StepRecord) -> None:
         # written once the step's metrics and trajectories are: a checkpoint never
         # claims a step whose logs a kill could still lose
-        state = self._pending.pop(record.step, None)
+        step = record.step
+        self._logs_written = step
+        state = self._pending.pop(step, None)
         if state is not None:
-            await self.write(record.step, state)
-        if record.step == self._stop_step and self._on_stop is not None:
+            self._claimed.add(step)
+            if step == self._stop_step and self._seal is not None:  # due since its logs were written, maybe
+                await self._threads.run("bookkeeping", self._seal)
+            await self.write(step, state())
+        if step == self._stop_step and self._on_stop is not None:
             self._on_stop()
 
-    def state(self, step: int) -> dict[str, object]:
+    def _capture(self, step: int) -> Callable[[], dict[str, object]]:
+        """The state at this moment, as a function that builds it: what changes after the commit
+        is copied now (cheap: references and counters), the per-prompt dicts are built only for a
+        checkpoint that is written."""
         state = self._state
-        return checkpoint_state(
+        drawn, in_flight = state.prompts.drawn, [*state.ledger.in_flight(), *state.prompts.pending()]
+        ledger, evals, elapsed = state.ledger.checkpoint(), list(state.evals), state.elapsed()
+        backend = self._backend_name
+        return lambda: checkpoint_state(
             step=step,
-            backend=self._backend_name,
-            source=state.prompts,
-            in_flight=state.ledger.in_flight(),
-            ledger=state.ledger.checkpoint(),
-            evals=[eval_row(e) for e in state.evals],
-            elapsed_s=state.elapsed(),
+            backend=backend,
+            prompts_drawn=drawn,
+            in_flight=in_flight,
+            ledger=ledger,
+            evals=[eval_row(e) for e in evals],
+            elapsed_s=elapsed,
         )
 
     async def write(self, step: int, state: dict[str, object]) -> None:
@@ -176,6 +253,7 @@ class Checkpointer:
         await self._threads.run("bookkeeping", prepare)
         await self._trainer.save_state(staging)
         await self._threads.run("bookkeeping", lambda: commit_checkpoint(staging, final, state, keep))
+        self._written = max(self._written, step)
         self._tracer.complete("orchestrator", "checkpoint", start, self._tracer.now(), step=step)
 
 

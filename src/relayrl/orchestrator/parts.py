@@ -176,7 +176,9 @@ def assemble(
     user_callbacks = list(callbacks)
     checkpointer = Checkpointer(
         run_dir=run_dir,
-        policy=CheckpointPolicy(cfg.orchestrator.checkpoint_every, cfg.run.steps, cfg.orchestrator.keep_checkpoints),
+        policy=CheckpointPolicy(
+            cfg.orchestrator.checkpoint_every, cfg.run.steps, cfg.orchestrator.keep_checkpoints, cfg.orchestrator.checkpoint_every_s
+        ),
         backend_name=cfg.run.backend,
         trainer=trainer,
         threads=threads,

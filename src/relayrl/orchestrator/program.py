@@ -288,6 +288,7 @@ class Program:
                 ]
 
                 jobs = DeferredJobs(tg)
+                self.checkpointer.attach(jobs, seal=self.bookkeeper.seal_trajectories)
 
                 def commit_figures() -> CommitFigures:  # the train loop writes them into the step's record
                     return CommitFigures(weight_sync_time=sync_times.drain(), loop_lag_max_ms=lag.take_max_ms())

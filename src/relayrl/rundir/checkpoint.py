@@ -95,20 +95,20 @@ def checkpoint_state(
     *,
     step: int,
     backend: str,
-    source: PromptSource,
+    prompts_drawn: int,
     in_flight: list[Drawn],
     ledger: dict[str, object],
     evals: list[dict[str, object]],
     elapsed_s: float,
 ) -> dict[str, object]:
-    """The state.json fields known at a commit. `in_flight`: the ledger's unsettled prompts; the
-    source's undispatched replays follow."""
+    """The state.json fields known at a commit. `prompts_drawn`: the prompt source's cursor;
+    `in_flight`: the ledger's unsettled prompts, then the source's undispatched replays."""
     return {
         "format": FORMAT,
         "step": step,
         "backend": backend,
-        "prompts_drawn": source.drawn,
-        "in_flight": [{"index": d.index, "prompt": asdict(d.prompt)} for d in in_flight + source.pending()],
+        "prompts_drawn": prompts_drawn,
+        "in_flight": [{"index": d.index, "prompt": asdict(d.prompt)} for d in in_flight],
         "ledger": ledger,
         "evals": evals,
         "elapsed_s": elapsed_s,

@@ -178,6 +178,13 @@ class StepBookkeeper:
             # so each later collection walks only what the step itself allocated
             freeze_long_lived()
 
+    def seal_trajectories(self) -> None:
+        """Close the trajectory log's open file (bookkeeping thread): every step logged so far is
+        then in a complete file. For a checkpoint decided after its step's logs were written (a
+        stop: orchestrator/checkpointing.py)."""
+        if self._trajs is not None:
+            self._trajs.roll()
+
     def close(self) -> None:
         for writer in (self._metrics, self._trajs):
             if writer is not None:
