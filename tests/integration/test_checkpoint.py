@@ -491,7 +491,7 @@ def test_a_stop_during_a_slow_step_checkpoints_the_last_committed_step_without_w
     assert proc.returncode == 143, stderr
     assert stopped_after < 3.5, f"the stop waited {stopped_after:.1f} s: for the step in flight"
     assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000001"]
-    assert f"step-000001" in stderr and f"relayrl train --resume {run_dir}" in stderr
+    assert "step-000001" in stderr and f"relayrl train --resume {run_dir}" in stderr
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "cancelled"
     assert check_run_dir(run_dir).ok
     resumed = relayrl("train", "--resume", str(run_dir), "--set", "sim.train_step=0.01", timeout=120)

@@ -18,6 +18,7 @@ import pytest
 from relayrl.analysis.checker import check_run_dir
 from relayrl.orchestrator.build import build_program
 from relayrl.orchestrator.ledger import FilterBoundError, FilterWatch, Ledger, NoGroupKeptWarning
+from relayrl.orchestrator.stages.score import RewardFailedWarning
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.types import FilterReason, Group, Trajectory
 from support.cli import relayrl
@@ -145,6 +146,22 @@ def test_a_run_in_which_no_group_can_train_fails_in_one_line_after_the_bound(tmp
     assert ledger["groups_trained"] == 0 and ledger["groups_filtered"] == {reason: 31}
     assert ledger["groups_dispatched"] == 31 + ledger["groups_unused"]
     assert check_run_dir(run).ok  # the trace of the failed run checks
+
+
+def test_a_failing_reward_is_named_with_its_exception_once_and_in_the_runs_failure(tmp_path: Path) -> None:
+    """The first failed call of a reward function prints its exception once (the run goes on);
+    a run that its failures stop names the function and that exception, not only the bound."""
+    cfg = sim_config("algorithm.dynamic_sampling=true", "orchestrator.max_filtered_per_step=30")
+    program = build_program(cfg, run_dir=tmp_path / "run", reward_fns=[_raises])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(FilterBoundError) as info:
+            asyncio.run(asyncio.wait_for(program.run(), 60))
+    failed = [str(w.message) for w in caught if issubclass(w.category, RewardFailedWarning)]
+    assert len(failed) == 1, failed  # 31 groups × 4 failed calls: one warning
+    assert "_raises" in failed[0] and "raised: KeyError: 'answer'" in failed[0]
+    message = str(info.value)
+    assert "(first failures: " in message and "_raises" in message and "raised: KeyError: 'answer'" in message
 
 
 def test_a_healthy_dynamic_sampling_run_that_filters_some_groups_neither_warns_nor_fails(tmp_path: Path) -> None:

@@ -25,3 +25,8 @@ def test_busy_counts_the_optim_step_call() -> None:
 
 def test_busy_of_metrics_without_optim_time_is_the_training_share() -> None:
     assert "busy 40%" in _printed({"step_time_sec": 1.0, "train_time": 0.4})
+
+
+def test_the_line_counts_the_steps_failed_trajectories_when_there_are_any() -> None:
+    assert "failed 3 " in _printed({"step_time_sec": 1.0, "train_time": 0.4, "failed_trajectories": 3})
+    assert "failed" not in _printed({"step_time_sec": 1.0, "train_time": 0.4, "failed_trajectories": 0})

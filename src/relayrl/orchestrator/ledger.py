@@ -80,6 +80,9 @@ class FilterWatch:
     streak: Counter[str] = field(default_factory=Counter)  # filtered since the last kept group, by reason
     total: int = 0  # = the streak's total
     warned: bool = False
+    # the first failure of each function (reward, environment, agent): "reason: detail", named when
+    # failed groups end the run
+    first_failures: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, groups_per_step: int, max_filtered_per_step: int, start_step: int = 1) -> FilterWatch:
@@ -117,8 +120,11 @@ class FilterWatch:
         reasons = [r for r, _ in self.streak.most_common()]
         causes = "; ".join(_CAUSES[r] for r in reasons if r in _CAUSES)
         check = "check the reward" if {"zero_variance", "all_failed"} & set(reasons) else "check the config"
+        first = ""
+        if "all_failed" in reasons and self.first_failures:
+            first = " (first failures: " + "; ".join(f"{fn!r} {what}" for fn, what in self.first_failures.items()) + ")"
         return (
-            f"step {self.step}: {total} groups filtered in a row ({self._reasons()}) and none kept to train: {causes}; "
+            f"step {self.step}: {total} groups filtered in a row ({self._reasons()}) and none kept to train: {causes}{first}; "
             f"raise orchestrator.max_filtered_per_step (now {self.bound}) or {check}"
         )
 
@@ -137,6 +143,7 @@ class Ledger:
     _settled_before: Counter[str] = field(default_factory=Counter)  # outcomes restored from a checkpoint
     _next_id: int = 0  # group ids are never reused, across resumes too
     _base_ids: int = 0  # ids below this belong to the run before the resume
+    _first_failures: dict[str, str] = field(default_factory=dict)  # function -> its first failure in this run
     watch: FilterWatch | None = None  # the run's bound on filtering (None: no bound)
 
     def dispatch(self, prompts: list[Drawn], group_size: int) -> range:
@@ -155,6 +162,16 @@ class Ledger:
             self.reward_errors[function] += 1
             self.reward_failures[function, reason] += 1
         self.trajectories_failed += trajectories
+
+    def first_failure(self, function: str, what: str) -> bool:
+        """Note a failed call's `what` ("reason: detail") if it is `function`'s first in this run
+        (the filter bound's message names it); True when it was the first."""
+        if function in self._first_failures:
+            return False
+        self._first_failures[function] = what[:300]
+        if self.watch is not None:
+            self.watch.first_failures[function] = self._first_failures[function]
+        return True
 
     def failures_by_function(self) -> dict[str, dict[str, int]]:
         """`reward_failures` as {function: {reason: count}}, sorted."""

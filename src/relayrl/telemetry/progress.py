@@ -59,10 +59,11 @@ class ProgressPrinter(Callback):
         )
         gap = m.get("boundary_gap_sec")
         gap_ms = gap * 1e3 if isinstance(gap, float) else None
+        failed = m.get("failed_trajectories")  # a reward (or environment, agent) failed on them
         return (
             f"reward {_fmt(m.get('reward_mean'), '.3f')}  acc {_fmt(self._accuracy, '.3f')}  "
             f"step {_fmt(step_time, '.2f')}s  busy {_fmt(busy, '.0%')}  gap {_fmt(gap_ms, '.1f')}ms  "
-            f"stale {_fmt(m.get('staleness_mean'), '.2f')}  eta {eta:.0f}s"
+            f"stale {_fmt(m.get('staleness_mean'), '.2f')}  " + (f"failed {failed}  " if failed else "") + f"eta {eta:.0f}s"
         )
 
     def on_step_begin(self, step: int) -> None:

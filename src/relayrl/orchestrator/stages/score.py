@@ -18,14 +18,34 @@ from __future__ import annotations
 
 import asyncio
 import operator
+import warnings
 
 from relayrl.orchestrator.ledger import Ledger
 from relayrl.orchestrator.stages.agents import AGENT_FAILURE, agent_failure_reason
 from relayrl.orchestrator.stages.episodes import ENV_FAILURE, env_failure_reason
-from relayrl.rewards.scoring import RewardError, Scorer, strict_error
+from relayrl.rewards.scoring import FailedCall, RewardError, Scorer, strict_error
 from relayrl.types import Group, TrajectoryStatus
 
 _STATUS = operator.attrgetter("status")
+
+
+class RewardFailedWarning(RuntimeWarning):
+    """A reward function's first failed call in this run (one warning per function)."""
+
+
+def _note_first_failures(ledger: Ledger, failed: list[FailedCall]) -> None:
+    """The first failed call of each reward function: remembered for the filter bound's message
+    and printed once (function, reason, exception), so a failing reward is seen while the run
+    goes on, not only in summary.json."""
+    for f in failed:
+        if ledger.first_failure(f.function, f"{f.reason.value}: {f.detail}"):
+            warnings.warn(
+                f"{f.describe()}; the trajectory is failed (reward 0, out of its group's baseline) and the run goes on; "
+                "further failures of this function are only counted (the progress line's `failed`, summary.json reward_failures; "
+                "task.strict_rewards = true fails the run instead)",
+                RewardFailedWarning,
+                stacklevel=2,
+            )
 
 
 async def score_stage(
@@ -44,6 +64,9 @@ async def score_stage(
             agents = [agent_failure_reason(t) if r is None else None for t, r in zip(trajectories, reasons)]
             counted = [(ENV_FAILURE, r) for r in reasons if r is not None] + [(AGENT_FAILURE, r) for r in agents if r is not None]
             ledger.count_reward_failures(counted, len(counted))
+            for t, r, a in zip(trajectories, reasons, agents):  # their own warnings were printed by their stage
+                if (r or a) is not None and t.error:  # "environment: reason: detail"
+                    ledger.first_failure(ENV_FAILURE if r is not None else AGENT_FAILURE, t.error.split(": ", 1)[-1])
             trajectories = [t for t, r, a in zip(trajectories, reasons, agents) if r is None and a is None]
         if any(t.agent_reward is not None for t in trajectories):  # agents that returned their reward
             for t in trajectories:
@@ -58,6 +81,7 @@ async def score_stage(
             raise
         if failed:
             ledger.count_reward_failures([(f.function, f.reason.value) for f in failed], len({id(f.trajectory) for f in failed}))
+            _note_first_failures(ledger, failed)
             if strict:  # a weighted sum that overflows is found only when the batch is settled
                 raise strict_error(failed)
         await outbox.put(groups)
