@@ -314,7 +314,12 @@ def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a local-backend run with checkpoints.")],
     step: Annotated[int | None, typer.Option("--step", help="The checkpoint after step N (default: the newest).")] = None,
     out_dir: Annotated[
-        Path | None, typer.Option("--out", help="Output directory (default: RUN_DIR/model, or RUN_DIR/model-step-N for an older step).")
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Output directory (default: RUN_DIR/model, or RUN_DIR/model-step-N for an older step; "
+            "with --merged RUN_DIR/model-merged[-step-N]).",
+        ),
     ] = None,
     merged: Annotated[
         bool, typer.Option("--merged", help="A LoRA run: write the model with the adapter merged in, not the adapter (PEFT format).")
@@ -338,7 +343,10 @@ def export(
         _fail(_one_line(exc), 1)
     note = " (loaded from GGUF, written as safetensors)" if exported.gguf else ""
     what = "a LoRA adapter (PEFT format) on" if exported.adapter else "a Hugging Face model of"
-    out.print(f"wrote {exported.directory}: the policy after step {exported.step}, {what} {exported.source}{note}")
+    if exported.adapter and exported.gguf:
+        note = f" (its base written as a Hugging Face directory in {exported.directory / 'base'})"
+    replaced = " (replacing the previous export there)" if exported.replaced else ""
+    out.print(f"wrote {exported.directory}{replaced}: the policy after step {exported.step}, {what} {exported.source}{note}")
 
 
 def _bench(run: Callable[[], T], as_json: bool) -> T:

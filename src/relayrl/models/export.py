@@ -23,8 +23,12 @@ Invariants:
 - a LoRA run (train.lora) exports its adapter in PEFT format (`adapter_config.json`,
   `adapter_model.safetensors`: `PeftModel.from_pretrained(base, DIR)` loads it, its
   `base_model_name_or_path` the model it was trained from) with the tokenizer's files, or with
-  `merged` the model with the adapter merged in (W + alpha/r · B·A), written as a plain model.
-  `run.save_model` writes the adapter.
+  `merged` the model with the adapter merged in (W + alpha/r · B·A), written as a plain model
+  (by default beside the adapter, `RUN_DIR/model-merged`: never over it). `run.save_model` writes
+  the adapter. A base loaded from a GGUF file is no directory peft can load: the adapter's export
+  then holds the base as a Hugging Face directory (`base/`: dequantized safetensors and its
+  tokenizer) and names it (absolute path) as `base_model_name_or_path`, so
+  `AutoPeftModelForCausalLM.from_pretrained(EXPORT)` loads it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +52,7 @@ MODEL_DIR = "model"  # RUN_DIR/model: the export of a run's newest checkpoint (a
 MARKER = "relayrl_export.json"  # in an export: what it was exported from; marks a directory an export may replace
 MODEL_STATE = ".model-state"  # RUN_DIR/.model-state: the last step's trainer state, for a run without checkpoints
 TRAINER_STATE = "trainer.pt"
+BASE_DIR = "base"  # in a LoRA adapter's export from a GGUF base: that base as a Hugging Face directory
 # the shipped model's files that are not its tokenizer's
 _NOT_TOKENIZER = {"config.json", "generation_config.json", "model.safetensors", "relayrl_meta.json"}
 
@@ -77,6 +83,7 @@ class Exported:
     source: str  # the model the run was trained from (a directory, or a GGUF file in one)
     gguf: bool  # loaded from a GGUF file: written as safetensors
     adapter: bool = False  # a LoRA run's adapter in PEFT format (not merged)
+    replaced: bool = False  # a previous export was there and was replaced
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -84,9 +91,11 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return [int(p.name.removeprefix("step-")) for p in complete_checkpoints(run_dir / CHECKPOINTS)]
 
 
-def default_out(run_dir: Path, step: int, newest: int) -> Path:
-    """`RUN_DIR/model` for the newest checkpoint, `RUN_DIR/model-step-N` for an older one."""
-    return run_dir / (MODEL_DIR if step == newest else f"{MODEL_DIR}-step-{step}")
+def default_out(run_dir: Path, step: int, newest: int, merged: bool = False) -> Path:
+    """`RUN_DIR/model` for the newest checkpoint, `RUN_DIR/model-step-N` for an older one; a
+    LoRA run's merged model beside its adapter: `RUN_DIR/model-merged[-step-N]`."""
+    name = f"{MODEL_DIR}-merged" if merged else MODEL_DIR
+    return run_dir / (name if step == newest else f"{name}-step-{step}")
 
 
 def run_config(run_dir: Path) -> Config:
@@ -118,7 +127,7 @@ def export_run(run_dir: Path, *, step: int | None = None, out: Path | None = Non
             f"{run_dir}: no checkpoint of step {chosen} (--step); checkpoints there: step{'s' if len(steps) > 1 else ''} "
             f"{', '.join(map(str, steps))}"
         )
-    target = out if out is not None else default_out(run_dir, chosen, steps[-1])
+    target = out if out is not None else default_out(run_dir, chosen, steps[-1], merged=merged and cfg.train.lora is not None)
     return write_model(cfg, checkpoint_dir(run_dir, chosen), target, step=chosen, run_dir=run_dir, merged=merged)
 
 
@@ -190,7 +199,9 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
             load_adapter_payload(adapter, weights)
         except ValueError as exc:
             raise ExportError(f"{state_file}: {exc} (train.lora in {run_dir / 'config.toml'})") from None
-        adapter.peft_config["default"].base_model_name_or_path = source
+        # a GGUF file is no base peft can load: the export holds the base as a directory (below)
+        base_dir = out.resolve() / BASE_DIR
+        adapter.peft_config["default"].base_model_name_or_path = str(base_dir) if gguf and not merged else source
         if merged:
             model, adapter = adapter.merge_and_unload(), None
     else:
@@ -213,8 +224,15 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    replaced = out.is_dir() and any(out.iterdir())
     try:
-        (adapter if adapter is not None else model).save_pretrained(staging)
+        with warnings.catch_warnings():  # peft looks for the base's config.json, written just below
+            warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
+            (adapter if adapter is not None else model).save_pretrained(staging)
+        if adapter is not None and gguf:  # the base, as a directory the adapter names
+            base = adapter.unload()  # the adapter's files are written: its modules are no longer needed
+            base.save_pretrained(staging / BASE_DIR)
+            tokenizer.save_pretrained(staging / BASE_DIR)
         shipped = shipped_model_dir()
         if not gguf and source_dir.resolve() == shipped.resolve():  # the shipped model's own tokenizer files, as they are
             for path in sorted(shipped.iterdir()):
@@ -234,7 +252,7 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Exported(directory=out, step=step, source=source, gguf=gguf is not None, adapter=adapter is not None)
+    return Exported(directory=out, step=step, source=source, gguf=gguf is not None, adapter=adapter is not None, replaced=replaced)
 
 
 def _restore_dropout(config: object, original: object) -> None:
