@@ -425,6 +425,22 @@ def test_batch_bytes_grow_linearly_with_tokens() -> None:
         assert t.dim() <= 2 and t.numel() <= 2 * large.num_real_tokens, name
 
 
+def test_a_batch_crosses_the_ray_transport_whole(microbatch: MicroBatch) -> None:
+    """What the Ray host ships (numpy arrays, `backends/ray/transport`) comes back as the same
+    batch, ids included, and scores the same: nothing there expects a mask field."""
+    from relayrl.backends.ray.transport import decode, encode
+
+    batch = TorchCollator(PAD).collate(microbatch)
+    back = decode(encode(batch), writable=True)
+    assert isinstance(back, PackedBatch)
+    for name in PackedBatch.__slots__:
+        a, b = getattr(batch, name), getattr(back, name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    model = tiny_qwen2("sdpa")
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, back)[0], token_logprobs(model, batch)[0])
+
+
 def test_mask_form_is_chosen_per_device() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert attention.mask_form("sdpa", cpu) == "bool"

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 MaskForm = Literal["bool", "float", "block"]
 
@@ -56,7 +58,10 @@ def to_additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
 
 
 def prefix_tree_block_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor) -> BlockMask:
-    """The same rule as a FlexAttention `BlockMask` (B rows, heads broadcast), on the ids' device."""
+    """The same rule as a FlexAttention `BlockMask` (B rows, heads broadcast), on the ids' device
+    (flex attention: torch >= 2.5, imported only here)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     rows, length = segment_ids.shape
     seg = _own_segments(segment_ids)
     branch = branch_ids
