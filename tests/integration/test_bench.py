@@ -62,5 +62,7 @@ def test_collate_bench_json_output() -> None:
             assert {"tokens", "collate_ms", "batch_bytes"} <= case[path].keys()
         assert case["new"]["tokens"] == case["old"]["tokens"] == case["tokens"] < case["tokens_unshared"]
         assert case["new"]["batch_bytes"] < case["old"]["batch_bytes"]
+        assert case["new"]["mask_ms"] >= 0  # the trainer's own build of the mask
+    assert data["device"] == "cpu"
     res = relayrl("bench", "collate", "--scale", "2", timeout=60)
     assert res.returncode == 2 and "--scale" in res.stderr

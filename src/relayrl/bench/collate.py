@@ -7,7 +7,9 @@ Cases: micro-batches of about 3k, 6k and 11k tokens, two rows each holding one g
 completions behind one shared prompt copy. Per case and path: `tokens` (laid-out tokens),
 `collate_ms` (median of the timed repeats, after one warm-up) and `batch_bytes` (the bytes of
 every tensor in the batch); `tokens_unshared` (what the same trajectories take without prompt
-sharing) shows the sharing's saving, which both paths keep.
+sharing) shows the sharing's saving, which both paths keep. The new path also reports `mask_ms`:
+what the trainer itself now spends building the mask on `--device` (the dense boolean mask on
+the CPU, a FlexAttention block mask on CUDA), off the driver.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from relayrl.backends.local import attention
 from relayrl.backends.local.collate import PackedBatch, TorchCollator
 from relayrl.errors import UserError
 from relayrl.packing import build_microbatch, plan
@@ -104,12 +107,28 @@ def _timed_ms(fn: Any, repeats: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
-def run_collate(repeats: int = 5, scale: float = 1.0) -> dict[str, object]:
+def _device_mask(batch: PackedBatch, device: torch.device) -> object:
+    """The mask the trainer builds on `device` for sdpa (`attention.mask_form`), finished."""
+    if attention.mask_form("sdpa", device) == "block":
+        block = attention.prefix_tree_block_mask(batch.segment_ids, batch.branch_ids)
+        torch.cuda.synchronize(device)
+        return block
+    return attention.prefix_tree_mask(batch.segment_ids, batch.branch_ids)
+
+
+def run_collate(repeats: int = 5, scale: float = 1.0, device: str = "cpu") -> dict[str, object]:
     """{"cases": [per case: name, rows, length, tokens, tokens_unshared, and per path ("new",
-    "old") tokens, collate_ms, batch_bytes], "target_11k_ms", "repeats", "scale"} (see the
-    module). `scale` (0, 1] shortens every prompt and completion (a quick run)."""
+    "old") tokens, collate_ms, batch_bytes; "new" also mask_ms, the trainer's own build of the
+    mask on `device`], "target_11k_ms", "repeats", "scale", "device"} (see the module). `scale`
+    (0, 1] shortens every prompt and completion (a quick run)."""
     if repeats < 1 or not 0 < scale <= 1:
         raise UserError(f"bench collate: --repeats must be >= 1 and --scale in (0, 1], got {repeats} and {scale}")
+    try:
+        where = torch.device(device)
+    except RuntimeError as exc:
+        raise UserError(f"bench collate: --device {device!r}: {exc}") from None
+    if where.type not in ("cpu", "cuda") or (where.type == "cuda" and not torch.cuda.is_available()):
+        raise UserError(f"bench collate: --device {device!r}: cpu, or cuda[:N] where CUDA is available")
     collator = TorchCollator(pad_token_id=0)
     out: list[dict[str, object]] = []
     for name, n_prompt, n_comp, completions, rows in CASES:
@@ -119,6 +138,7 @@ def run_collate(repeats: int = 5, scale: float = 1.0) -> dict[str, object]:
         del old["attention_mask"]  # (60 MiB at 11k: freed before the next case)
         old_bytes = batch_bytes(old) + int(batch.shape[0]) * int(batch.shape[1]) ** 2  # + the bool mask
         tokens = batch.num_real_tokens
+        mask_ms, _ = _timed_ms(partial(_device_mask, batch.to(where), where), repeats)
         out.append(
             {
                 "name": name,
@@ -126,8 +146,8 @@ def run_collate(repeats: int = 5, scale: float = 1.0) -> dict[str, object]:
                 "length": batch.shape[1],
                 "tokens": tokens,
                 "tokens_unshared": sum(t.num_tokens for t in mb.trajectories),
-                "new": {"tokens": tokens, "collate_ms": new_ms, "batch_bytes": batch_bytes(_tensors(batch))},
+                "new": {"tokens": tokens, "collate_ms": new_ms, "batch_bytes": batch_bytes(_tensors(batch)), "mask_ms": mask_ms},
                 "old": {"tokens": tokens, "collate_ms": old_ms, "batch_bytes": old_bytes},
             }
         )
-    return {"cases": out, "target_11k_ms": TARGET_11K_MS, "repeats": repeats, "scale": scale}
+    return {"cases": out, "target_11k_ms": TARGET_11K_MS, "repeats": repeats, "scale": scale, "device": str(where)}

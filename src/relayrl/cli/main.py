@@ -429,6 +429,7 @@ def bench_e2e(
 def bench_collate(
     repeats: int = typer.Option(5, help="Timed collations per case and path (after one warm-up); the median is printed."),
     scale: float = typer.Option(1.0, help="Shorten every prompt and completion by this factor (0, 1] (a quick run)."),
+    device: str = typer.Option("cpu", help="Where the trainer's own mask build is timed (mask_ms): cpu or cuda[:N]."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Collation of packed micro-batches of about 3k, 6k and 11k tokens with shared prompts: the
@@ -436,13 +437,16 @@ def bench_collate(
     driver), measured in the same run: tokens, collate_ms, batch_bytes."""
     from relayrl.bench.collate import run_collate
 
-    figures = _bench(lambda: run_collate(repeats=repeats, scale=scale), as_json)
-    out.print(f"micro-batches of 2 rows, each one prompt shared by 4 completions; median of {repeats} collations")
+    figures = _bench(lambda: run_collate(repeats=repeats, scale=scale, device=device), as_json)
+    out.print(
+        f"micro-batches of 2 rows, each one prompt shared by 4 completions; median of {repeats} collations; "
+        f"the trainer's mask build on {figures['device']}"
+    )
     for case in cast(list[dict[str, Any]], figures["cases"]):
         new, old = case["new"], case["old"]
         out.print(
             f"{case['name']:>4}: {case['tokens']:6,} tokens ({case['tokens_unshared']:,} unshared), rows of {case['length']:,}   "
-            f"new {new['collate_ms']:8.1f} ms {new['batch_bytes'] / 2**20:7.2f} MiB   "
+            f"new {new['collate_ms']:8.1f} ms {new['batch_bytes'] / 2**20:7.2f} MiB (mask on the trainer {new['mask_ms']:7.1f} ms)   "
             f"old {old['collate_ms']:8.1f} ms {old['batch_bytes'] / 2**20:7.2f} MiB   "
             f"({old['collate_ms'] / max(new['collate_ms'], 1e-9):.0f}x faster, {old['batch_bytes'] / new['batch_bytes']:.0f}x fewer bytes)"
         )
