@@ -47,3 +47,22 @@ def test_control_plane_bench_pushes_every_trajectory_through() -> None:
     figures = run_control_plane(steps=2, one_core=False)
     assert figures["trajectories"] == 2 * 64 * 16
     assert cast(float, figures["trajectories_per_s"]) > 0
+
+
+def test_collate_bench_json_output() -> None:
+    """`bench collate --json` (a quick run): one object, every case with the new and the old
+    path's tokens, collate_ms and batch_bytes; prompt sharing saves the same tokens on both, and
+    the new batch is smaller than the old (which carries the L x L mask)."""
+    res = relayrl("bench", "collate", "--json", "--repeats", "1", "--scale", "0.05", timeout=120)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [c["name"] for c in data["cases"]] == ["3k", "6k", "11k"]
+    for case in data["cases"]:
+        for path in ("new", "old"):
+            assert {"tokens", "collate_ms", "batch_bytes"} <= case[path].keys()
+        assert case["new"]["tokens"] == case["old"]["tokens"] == case["tokens"] < case["tokens_unshared"]
+        assert case["new"]["batch_bytes"] < case["old"]["batch_bytes"]
+        assert case["new"]["mask_ms"] >= 0  # the trainer's own build of the mask
+    assert data["device"] == "cpu"
+    res = relayrl("bench", "collate", "--scale", "2", timeout=60)
+    assert res.returncode == 2 and "--scale" in res.stderr

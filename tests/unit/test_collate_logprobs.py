@@ -1,6 +1,8 @@
 """Packed collation + log-probs: packed per-token log-probs (and gradients) equal unpacked ones,
 with and without prompt sharing, and the packed tensors line up (positions, segments, the
-position that predicts each completion token, advantages and sampler log-probs).
+position that predicts each completion token, advantages and sampler log-probs). The batch carries
+segment and branch ids only; the attention mask built from them where the model runs (dense,
+additive or a FlexAttention block mask) equals the old collator's dense mask exactly.
 
 The model comes from a factory `(attn_implementation) -> model`, so the shipped tiny model can be
 swapped in for the random Qwen2 below.
@@ -16,8 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relayrl.backends.local.collate import PackedBatch, TorchCollator, prefix_tree_mask
+from relayrl.backends.local import attention
+from relayrl.backends.local.attention import prefix_tree_block_mask, prefix_tree_mask, to_additive_mask
+from relayrl.backends.local.collate import PackedBatch, TorchCollator
 from relayrl.backends.local.logprobs import token_logprobs, unpacked_token_logprobs
+from relayrl.bench.collate import _old_prefix_tree_mask
 from relayrl.packing import layout_tokens
 from relayrl.types import MicroBatch, Prompt, Trajectory
 from support.modelutil import PAD, VOCAB, tiny_qwen2
@@ -84,15 +89,10 @@ def _max_error(batch: PackedBatch, packed: torch.Tensor, unpacked: list[torch.Te
 
 
 @pytest.mark.parametrize("factory_name", sorted(MODEL_FACTORIES))
-@pytest.mark.parametrize(
-    ("attn", "mask_kind", "pad_rows_to"),
-    [("sdpa", "bool", "longest"), ("sdpa", "float", 32), ("eager", "float", "longest")],
-)
-def test_packed_logprobs_equal_unpacked(
-    microbatch: MicroBatch, factory_name: str, attn: str, mask_kind: str, pad_rows_to: str | int
-) -> None:
+@pytest.mark.parametrize(("attn", "pad_rows_to"), [("sdpa", "longest"), ("sdpa", 32), ("eager", "longest")])
+def test_packed_logprobs_equal_unpacked(microbatch: MicroBatch, factory_name: str, attn: str, pad_rows_to: str | int) -> None:
     model = MODEL_FACTORIES[factory_name](attn)
-    batch = TorchCollator(PAD, mask_kind=mask_kind, pad_rows_to=pad_rows_to).collate(microbatch)  # type: ignore[arg-type]
+    batch = TorchCollator(PAD, pad_rows_to=pad_rows_to).collate(microbatch)  # type: ignore[arg-type]
     with torch.no_grad():
         logp, ent = token_logprobs(model, batch)
         ref_logp, ref_ent = unpacked_token_logprobs(model, microbatch.trajectories)
@@ -185,21 +185,14 @@ def test_vocabulary_projection_runs_on_loss_positions_only(microbatch: MicroBatc
         torch.testing.assert_close(a, b)
 
 
-def test_eager_with_bool_mask_is_refused(microbatch: MicroBatch) -> None:
-    model = tiny_qwen2("eager")
-    batch = TorchCollator(PAD, mask_kind="bool").collate(microbatch)
-    with pytest.raises(ValueError, match="mask_kind='float'"):
-        token_logprobs(model, batch)
-
-
 def test_layout(microbatch: MicroBatch) -> None:
     batch = TorchCollator(PAD).collate(microbatch)
     trajs = microbatch.trajectories
     share = microbatch.share_prompt
     lengths = [layout_tokens(trajs, row, share) for row in ROWS]
     assert batch.shape == (len(ROWS), max(lengths))  # padded to the longest row only
-    assert batch.attention_mask.shape == (len(ROWS), 1, max(lengths), max(lengths))
-    assert batch.attention_mask.dtype == torch.bool
+    assert batch.branch_ids.shape == batch.segment_ids.shape == batch.shape
+    assert not hasattr(batch, "attention_mask")  # built where the model runs, never shipped
     assert batch.num_real_tokens == sum(lengths)
     assert batch.num_loss_tokens == batch.target_ids.numel() == sum(len(t.completion_tokens) for t in trajs)
     assert batch.num_sequences == len(trajs)
@@ -265,10 +258,11 @@ def test_prefix_tree_mask_shares_the_prompt_and_isolates_completions() -> None:
 
 def test_float_mask_is_additive(microbatch: MicroBatch) -> None:
     b = TorchCollator(PAD).collate(microbatch)
-    f = TorchCollator(PAD, mask_kind="float").collate(microbatch)
-    assert f.attention_mask.dtype == torch.float32
-    assert torch.equal(f.attention_mask == 0, b.attention_mask)
-    assert (f.attention_mask[~b.attention_mask] == torch.finfo(torch.float32).min).all()
+    mask = prefix_tree_mask(b.segment_ids, b.branch_ids)
+    f = to_additive_mask(mask)
+    assert f.dtype == torch.float32
+    assert torch.equal(f == 0, mask)
+    assert (f[~mask] == torch.finfo(torch.float32).min).all()
 
 
 def test_bad_microbatches_are_named(microbatch: MicroBatch) -> None:
@@ -309,15 +303,17 @@ def test_layout_invariants_hold_for_any_packing(groups: list[tuple[int, list[int
     assert int(starts.sum()) == copies == int(batch.segment_ids.max()) + 1
     # every real position attends to exactly its sequence's prefix (prompt + own earlier tokens):
     # position + 1 keys; padding attends to itself only
-    attended = batch.attention_mask[:, 0].sum(-1)
+    attended = prefix_tree_mask(batch.segment_ids, batch.branch_ids)[:, 0].sum(-1)
     assert torch.equal(attended[real], batch.position_ids[real] + 1)
     assert (attended[~real] == 1).all()
 
 
-def test_float_mask_follows_model_dtype(microbatch: MicroBatch) -> None:
-    """A float32 mask on a float64 model is rebuilt in the model's dtype (sdpa needs it)."""
-    model = tiny_qwen2("sdpa").double()
-    batch = TorchCollator(PAD, mask_kind="float").collate(microbatch)
+@pytest.mark.parametrize(("attn", "dtype"), [("eager", torch.float64), ("sdpa", torch.bool)])
+def test_mask_follows_the_attention_implementation(microbatch: MicroBatch, attn: str, dtype: torch.dtype) -> None:
+    """The mask is built at train time in the form the model takes: additive in the model's dtype
+    for eager (which misreads a boolean mask), boolean for sdpa on the CPU."""
+    model = tiny_qwen2(attn).double()
+    batch = TorchCollator(PAD).collate(microbatch)
     seen: list[torch.dtype] = []
 
     def spy(module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
@@ -331,14 +327,14 @@ def test_float_mask_follows_model_dtype(microbatch: MicroBatch) -> None:
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch)
     handle.remove()
-    assert seen == [torch.float64]
+    assert seen == [dtype]
     with torch.no_grad():
         ref, _ = unpacked_token_logprobs(model, microbatch.trajectories)
     assert _max_error(batch, logp, ref) < 1e-5
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> None:
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_equal_unpacked_on_the_shipped_model(attn: str) -> None:
     """The production path (sdpa, packer + collator, prompts shared) on the shipped model, with
     real arithmetic groups packed several to a row: per-token log-probs equal the
     one-sequence-at-a-time ones to float32 precision.
@@ -354,6 +350,8 @@ def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> 
     from relayrl.tasks.arithmetic import ArithmeticTask
 
     model, tok = load_model_and_tokenizer(shipped_model_dir(), dtype=torch.float64)
+    if attn != "sdpa":
+        model.set_attn_implementation(attn)
     rng = random.Random(1)
     trajectories = []
     for g, prompt in zip(range(6), ArithmeticTask().stream()):
@@ -367,7 +365,7 @@ def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> 
     mb = build_microbatch(0, 0, trajectories, plan(trajectories, 40, 8, share_prompt=True))
     assert max(len({mb.trajectories[i].group_id for i in row}) for row in mb.rows) >= 2  # really packed
     assert mb.num_tokens < sum(t.num_tokens for t in trajectories)  # really shared
-    batch = TorchCollator(tok.pad_token_id, mask_kind=mask_kind).collate(mb)  # type: ignore[arg-type]
+    batch = TorchCollator(tok.pad_token_id).collate(mb)
     largest: list[float] = []  # the largest |logit| either path hands to the float32 log-softmax
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda m, args, out: largest.append(float(out.abs().max())))
@@ -379,3 +377,94 @@ def test_packed_logprobs_equal_unpacked_on_the_shipped_model(mask_kind: str) -> 
     # round-off of logsumexp and of the subtraction
     bound = 8 * torch.finfo(torch.float32).eps * max(largest)
     assert _max_error(batch, logp, ref_logp) <= bound
+
+
+def _dense(block: object, rows: int, length: int) -> torch.Tensor:
+    """A block mask's own rule evaluated at every (query, key) pair."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    return create_mask(block.mask_mod, rows, 1, length, length, device="cpu")  # type: ignore[attr-defined]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(1, 6), st.lists(st.integers(0, 6), min_size=1, max_size=4)), min_size=1, max_size=5),
+    share=st.booleans(),
+    pad=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_device_masks_equal_the_old_dense_mask(groups: list[tuple[int, list[int]]], share: bool, pad: int, seed: int) -> None:
+    """On random packings (prompts shared or not, rows padded), the boolean, additive and block
+    masks built from the batch's segment and branch ids are exactly the old collator's dense mask."""
+    rng = random.Random(seed)
+    trajs = make_groups(rng, groups)
+    order = list(range(len(trajs)))
+    rng.shuffle(order)
+    rows: list[list[int]] = []
+    while order:
+        k = rng.randint(1, 4)
+        rows.append(order[:k])
+        order = order[k:]
+    longest = max(layout_tokens(trajs, row, share) for row in rows)
+    batch = TorchCollator(PAD, pad_rows_to=longest + pad).collate(make_microbatch(trajs, rows, share))
+    old = _old_prefix_tree_mask(batch.segment_ids, batch.branch_ids)
+    assert torch.equal(prefix_tree_mask(batch.segment_ids, batch.branch_ids), old)
+    assert torch.equal(to_additive_mask(old, torch.float64) == 0, old)
+    assert torch.equal(_dense(prefix_tree_block_mask(batch.segment_ids, batch.branch_ids), *batch.shape), old)
+
+
+def test_batch_bytes_grow_linearly_with_tokens() -> None:
+    """Doubling a micro-batch's tokens (rows twice as long) at most doubles its bytes: nothing in
+    the batch is (L × L)."""
+    from relayrl.bench.collate import _tensors, batch_bytes, microbatch
+
+    small, large = (TorchCollator(PAD).collate(microbatch(p, c, 4, 2)) for p, c in ((64, 96), (128, 192)))
+    assert large.num_real_tokens == 2 * small.num_real_tokens
+    assert batch_bytes(_tensors(large)) <= 2 * batch_bytes(_tensors(small))
+    for name, t in _tensors(large).items():
+        assert t.dim() <= 2 and t.numel() <= 2 * large.num_real_tokens, name
+
+
+def test_a_batch_crosses_the_ray_transport_whole(microbatch: MicroBatch) -> None:
+    """What the Ray host ships (numpy arrays, `backends/ray/transport`) comes back as the same
+    batch, ids included, and scores the same: nothing there expects a mask field."""
+    from relayrl.backends.ray.transport import decode, encode
+
+    batch = TorchCollator(PAD).collate(microbatch)
+    back = decode(encode(batch), writable=True)
+    assert isinstance(back, PackedBatch)
+    for name in PackedBatch.__slots__:
+        a, b = getattr(batch, name), getattr(back, name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    model = tiny_qwen2("sdpa")
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, back)[0], token_logprobs(model, batch)[0])
+
+
+def test_mask_form_is_chosen_per_device() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert attention.mask_form("sdpa", cpu) == "bool"
+    assert attention.mask_form("sdpa", cuda) == "block"
+    assert attention.mask_form("flex_attention", cpu) == "block"
+    assert attention.mask_form("eager", cuda) == "float"
+
+
+@pytest.mark.slow
+def test_block_mask_logprobs_equal_unpacked(microbatch: MicroBatch, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path on the CPU: an sdpa model handed the block mask runs transformers'
+    flex_attention for the packed forward only (compiled on first use: slow here), and its
+    log-probs equal the unpacked ones; the model's attention setting is restored. (Flex attention
+    has no backward on the CPU: the gradients are checked on CUDA only.)"""
+    monkeypatch.setattr(attention, "mask_form", lambda implementation, device: "block")
+    model = tiny_qwen2("sdpa")
+    seen: list[str] = []
+    base = model.base_model
+    assert isinstance(base, torch.nn.Module)
+    base.register_forward_pre_hook(lambda m, args: seen.append(model.config._attn_implementation))
+    batch = TorchCollator(PAD, pad_rows_to=32).collate(microbatch)
+    with torch.no_grad():
+        logp, ent = token_logprobs(model, batch)
+        assert seen == ["flex_attention"] and model.config._attn_implementation == "sdpa"
+        ref, ref_ent = unpacked_token_logprobs(model, microbatch.trajectories)
+    assert _max_error(batch, logp, ref) < 1e-5
+    assert _max_error(batch, ent, ref_ent) < 1e-5

@@ -433,6 +433,38 @@ def bench_e2e(
         )
 
 
+@bench_app.command("collate")
+def bench_collate(
+    repeats: int = typer.Option(5, help="Timed collations per case and path (after one warm-up); the median is printed."),
+    scale: float = typer.Option(1.0, help="Shorten every prompt and completion by this factor (0, 1] (a quick run)."),
+    device: str = typer.Option("cpu", help="Where the trainer's own mask build is timed (mask_ms): cpu or cuda[:N]."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Collation of packed micro-batches of about 3k, 6k and 11k tokens with shared prompts: the
+    current path (segment and branch ids) beside the old one (a dense L x L mask built on the
+    driver), measured in the same run: tokens, collate_ms, batch_bytes."""
+    from relayrl.bench.collate import run_collate
+
+    figures = _bench(lambda: run_collate(repeats=repeats, scale=scale, device=device), as_json)
+    out.print(
+        f"micro-batches of 2 rows, each one prompt shared by 4 completions; median of {repeats} collations; "
+        f"the trainer's mask build on {figures['device']}"
+    )
+    for case in cast(list[dict[str, Any]], figures["cases"]):
+        new, old = case["new"], case["old"]
+        out.print(
+            f"{case['name']:>4}: {case['tokens']:6,} tokens ({case['tokens_unshared']:,} unshared), rows of {case['length']:,}   "
+            f"new {new['collate_ms']:8.1f} ms {new['batch_bytes'] / 2**20:7.2f} MiB (mask on the trainer {new['mask_ms']:7.1f} ms)   "
+            f"old {old['collate_ms']:8.1f} ms {old['batch_bytes'] / 2**20:7.2f} MiB   "
+            f"({old['collate_ms'] / max(new['collate_ms'], 1e-9):.0f}x faster, {old['batch_bytes'] / new['batch_bytes']:.0f}x fewer bytes)"
+        )
+    target = cast(float, figures["target_11k_ms"])
+    largest = cast(list[dict[str, Any]], figures["cases"])[-1]
+    if scale == 1.0:
+        ok = largest["new"]["collate_ms"] <= target
+        out.print(f"{largest['name']}: {largest['new']['collate_ms']:.1f} ms (target <= {target:.0f} ms)  {'ok' if ok else 'MISSED'}")
+
+
 @bench_app.command("engines")
 def bench_engines(
     repeats: int = typer.Option(2, help="Timed generate calls per engine (after one warm-up)."),

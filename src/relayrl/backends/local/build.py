@@ -260,7 +260,7 @@ def make_greedy_engine(
 
 def make_collator(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TorchCollator:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TorchCollator(pad_token_id=pad, mask_kind="bool" if cfg.model.attn_implementation == "sdpa" else "float")
+    return TorchCollator(pad_token_id=pad)
 
 
 _Base = tuple[PreTrainedModel, PreTrainedTokenizerBase]

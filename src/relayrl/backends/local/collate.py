@@ -6,10 +6,14 @@ tokens: for every completion token, the row position whose logits predict it.
 
 Invariant: a packed forward pass gives every completion token exactly the log-prob one unpacked
 forward pass of its own sequence gives. Positions restart at 0 at each segment's prompt and a
-completion continues from the prompt's length; the 4D `attention_mask` lets a prompt token attend
-to earlier tokens of its prompt, and a completion token to its segment's prompt and to earlier
-tokens of its own completion — never to another completion or segment. Padding positions attend
-only to themselves (so softmax stays defined and nothing becomes NaN) and are never attended to.
+completion continues from the prompt's length. Who attends to whom (the prefix tree) is carried
+compactly, per position: `segment_ids` and `branch_ids` (a completion's branch; -1 on a prompt
+and on padding); the attention mask itself is built from them on the trainer's device at train
+time (`relayrl.backends.local.attention`): a prompt token attends to earlier tokens of its prompt,
+and a completion token to its segment's prompt and to earlier tokens of its own completion —
+never to another completion or segment. Padding positions attend only to themselves (so softmax
+stays defined and nothing becomes NaN) and are never attended to. The batch is O(tokens): no
+(L × L) tensor is built here or shipped to the trainer.
 The first completion token of every completion in a segment is predicted by the prompt's last
 position (shared); completion token j > 0 by the completion's own token j − 1.
 
@@ -32,8 +36,6 @@ import torch
 from relayrl.packing import segment_tokens, segments
 from relayrl.types import MicroBatch, Trajectory
 
-MaskKind = Literal["bool", "float"]
-
 
 @dataclass(slots=True)
 class PackedBatch:
@@ -44,8 +46,10 @@ class PackedBatch:
     - `position_ids`: 0.. along each segment's prompt, then prompt length.. along each completion;
       0 on padding.
     - `segment_ids`: the segment (numbered across the micro-batch) owning the position; -1 on pad.
-    - `attention_mask`: (B, 1, L, L); bool (True = attend, for sdpa) or additive float
-      (0 = attend, dtype min = blocked, for eager or sdpa).
+    - `branch_ids`: on a completion token, its branch (the index of its trajectory in the
+      micro-batch): it attends to its segment's prompt (branch -1) and its own branch only; -1 on
+      prompt tokens and padding. The attention mask is built from `segment_ids` and `branch_ids`
+      where the model runs (`relayrl.backends.local.attention.packed_attention`).
     Per loss token (one per policy token of a completion: every completion token, or those with
     `loss_mask` 1), shape (T,), in trajectory order and, within a trajectory, in completion order:
     - `source_index`: flat index into (B·L) of the position whose logits predict the token.
@@ -58,7 +62,7 @@ class PackedBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     segment_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    branch_ids: torch.Tensor
     source_index: torch.Tensor
     target_ids: torch.Tensor
     old_logprobs: torch.Tensor
@@ -92,51 +96,20 @@ class PackedBatch:
         return [values[self.seq_index == i] for i in range(self.num_sequences)]
 
 
-def prefix_tree_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, L, L) mask, True = attend: causal within each segment, nothing across
-    segments, and a position of branch b >= 0 (a completion) sees only branch -1 (the segment's
-    prompt) and its own branch; a padding position (segment < 0) attends only to itself."""
-    rows, length = segment_ids.shape
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids >= 0)[:, :, None]
-    visible = (branch_ids[:, None, :] < 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril_()
-    eye = torch.eye(length, dtype=torch.bool, device=segment_ids.device)
-    mask = (same & real & visible & causal) | eye
-    return mask.unsqueeze(1)
-
-
-def to_additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Boolean attend-mask to an additive one: 0 where attended, the dtype's minimum elsewhere."""
-    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return out.masked_fill_(~mask, torch.finfo(dtype).min)
-
-
 class TorchCollator:
     """Collator for the local torch trainer (see module docstring for the layout).
 
     `pad_rows_to="longest"` pads rows to the longest row of the micro-batch; an int pads every row
-    to exactly that many tokens (a row longer than it is an error). `mask_kind="bool"` suits sdpa;
-    `"float"` (additive, `float_dtype`) suits eager and sdpa — eager misreads a boolean mask.
+    to exactly that many tokens (a row longer than it is an error). The attention mask's form
+    (boolean for sdpa, additive for eager, a FlexAttention block mask on CUDA) is chosen where the
+    model runs, not here.
     """
 
-    def __init__(
-        self,
-        pad_token_id: int,
-        mask_kind: MaskKind = "bool",
-        pad_rows_to: Literal["longest"] | int = "longest",
-        float_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        if mask_kind not in ("bool", "float"):
-            raise ValueError(f"TorchCollator: mask_kind must be 'bool' or 'float', got {mask_kind!r}")
+    def __init__(self, pad_token_id: int, pad_rows_to: Literal["longest"] | int = "longest") -> None:
         if pad_rows_to != "longest" and (not isinstance(pad_rows_to, int) or pad_rows_to < 1):
             raise ValueError(f"TorchCollator: pad_rows_to must be 'longest' or a positive int, got {pad_rows_to!r}")
-        if not float_dtype.is_floating_point:
-            raise ValueError(f"TorchCollator: float_dtype must be a floating dtype, got {float_dtype}")
         self.pad_token_id = pad_token_id
-        self.mask_kind: MaskKind = mask_kind
         self.pad_rows_to: Literal["longest"] | int = pad_rows_to
-        self.float_dtype = float_dtype
 
     def collate(self, mb: MicroBatch) -> PackedBatch:
         trajectories = mb.trajectories
@@ -220,14 +193,11 @@ class TorchCollator:
                 segment_id += 1
 
         shape = (rows, length)
-        segment_t = torch.tensor(segment_ids, dtype=torch.long).view(shape)
-        mask = prefix_tree_mask(segment_t, torch.tensor(branch_ids, dtype=torch.long).view(shape))
-        attention_mask = mask if self.mask_kind == "bool" else to_additive_mask(mask, self.float_dtype)
         return PackedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long).view(shape),
             position_ids=torch.tensor(position_ids, dtype=torch.long).view(shape),
-            segment_ids=segment_t,
-            attention_mask=attention_mask,
+            segment_ids=torch.tensor(segment_ids, dtype=torch.long).view(shape),
+            branch_ids=torch.tensor(branch_ids, dtype=torch.long).view(shape),
             source_index=torch.tensor(source, dtype=torch.long),
             target_ids=torch.tensor(target, dtype=torch.long),
             old_logprobs=torch.tensor(old, dtype=torch.float32),

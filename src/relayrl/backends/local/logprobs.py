@@ -4,10 +4,12 @@ Job: run the model once on a `PackedBatch` and return, for every loss token (com
 its log π(token | its sequence's earlier tokens) and the entropy of that next-token distribution.
 
 Invariant: packed results equal what one unpacked forward pass per sequence gives (to float
-round-off), because the collator's 4D prefix-tree mask and positions isolate the sequences (see
-`collate`). The log-probs carry gradient; the entropy is detached (a statistic) unless
-`entropy_grad` asks for its gradient (an entropy bonus in the loss: backward then keeps each
-chunk's full-vocabulary probabilities).
+round-off), because the prefix-tree attention mask and positions isolate the sequences (see
+`collate`); the mask is built here, on the batch's device, from the batch's segment and branch
+ids, in the form the model's attention implementation takes on that device (`attention`).
+The log-probs carry gradient; the entropy is detached (a statistic) unless `entropy_grad` asks
+for its gradient (an entropy bonus in the loss: backward then keeps each chunk's full-vocabulary
+probabilities).
 Memory: only the positions that predict a loss token get logits — for Qwen2/Qwen3/Llama/Mistral
 the vocabulary projection itself runs on those hidden states only (a prompt's other positions
 never get a full-vocabulary row); other models compute all logits and select. The log-prob is
@@ -24,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from relayrl.backends.local.collate import PackedBatch, to_additive_mask
+from relayrl.backends.local.attention import packed_attention
+from relayrl.backends.local.collate import PackedBatch
 from relayrl.types import Trajectory
 
 
@@ -40,13 +43,7 @@ class CausalLM(Protocol):
     ) -> object: ...
 
 
-def _attn_implementation(model: CausalLM) -> str | None:
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    return impl if isinstance(impl, str) else None
-
-
-def _logits(model: CausalLM, **inputs: torch.Tensor | bool) -> torch.Tensor:
+def _logits(model: CausalLM, **inputs: object) -> torch.Tensor:
     out = model(**inputs)  # type: ignore[arg-type]
     logits = getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
@@ -112,28 +109,21 @@ def token_logprobs(
     to be comparable. `chunk_tokens`: see `logprobs_from_logits` (a small vocabulary takes the
     whole batch in one chunk).
     """
-    if batch.attention_mask.dtype == torch.bool and _attn_implementation(model) == "eager":
-        raise ValueError("eager attention misreads a boolean 4D attention mask; collate with mask_kind='float'")
-    mask = batch.attention_mask
-    model_dtype = getattr(model, "dtype", None)
-    if mask.is_floating_point() and isinstance(model_dtype, torch.dtype) and mask.dtype != model_dtype:
-        # sdpa wants the additive mask in the query dtype; rebuild it so "blocked" is that
-        # dtype's own minimum rather than a rounded float32 minimum.
-        mask = to_additive_mask(mask == 0, model_dtype)
-    inputs: dict[str, torch.Tensor | bool] = {
-        "input_ids": batch.input_ids,
-        "attention_mask": mask,
-        "position_ids": batch.position_ids,
-        "use_cache": False,
-    }
-    split = _plain_head(model)
-    if split is not None:  # the vocabulary projection only where a loss token is predicted
-        base, head = split
-        hidden = base(**inputs, return_dict=True).last_hidden_state
-        predicting = head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.source_index))
-    else:
-        logits = _logits(model, **inputs)
-        predicting = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.source_index)
+    with packed_attention(model, batch.segment_ids, batch.branch_ids) as mask:
+        inputs: dict[str, object] = {
+            "input_ids": batch.input_ids,
+            "attention_mask": mask,
+            "position_ids": batch.position_ids,
+            "use_cache": False,
+        }
+        split = _plain_head(model)
+        if split is not None:  # the vocabulary projection only where a loss token is predicted
+            base, head = split
+            hidden = base(**inputs, return_dict=True).last_hidden_state
+            predicting = head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.source_index))
+        else:
+            logits = _logits(model, **inputs)
+            predicting = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.source_index)
     return logprobs_from_logits(predicting, batch.target_ids, temperature, chunk_tokens, entropy_grad)
 
 

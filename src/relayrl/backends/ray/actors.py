@@ -33,8 +33,9 @@ Invariants:
 - every call's span inside the actor (`Timed`) is traced onto the driver's clock, next to the
   driver's own span of it (`relayrl.backends.ray.spans`);
 - a collated micro-batch crosses to the trainer actor as numpy arrays, as weights do
-  (`relayrl.backends.ray.transport`); collating there instead would put the attention mask's
-  construction on the trainer's critical path;
+  (`relayrl.backends.ray.transport`); collating there instead would put the layout's Python loop
+  on the trainer's critical path (the batch holds no attention mask: the trainer builds it on its
+  device, `relayrl.backends.local.attention`);
 - training calls are numbered by the driver and the actor runs them in that order, one at a time
   (`_in_turn`): a micro-batch sent ahead (TRAIN_AHEAD; the next step's first one queued behind
   `optim_step`, `RayTrainer.optim_step_ahead`) starts only once every call sent before it ended,
