@@ -118,6 +118,8 @@ else
   else fail "the driver supports CUDA $smi_cuda; torch 2.13.0 needs 12.6 or newer (cu126, cu128 or PyPI's cu130 wheels): update the driver"
   fi
   say "torch index: ${torch_index:-PyPI default (torch 2.13.0 cu130 wheels)} (driver CUDA $smi_cuda)"
+  [ "$with_vllm" = 0 ] || [ -z "$torch_index" ] ||
+    fail "--vllm: vllm 0.32.0's PyPI wheel is built for CUDA 13.0 (driver CUDA $smi_cuda); install vLLM's cu128 build into .venv-gpu yourself"
   VENV="${RELAYRL_GPU_VENV:-.venv-gpu}"
   PY="$VENV/bin/python"
   if ! "$PY" -m pip --version >/dev/null 2>&1; then  # missing or half made: made again, before any download
@@ -140,7 +142,6 @@ else
   fi
   pip_gpu -c scripts/constraints.txt -e '.[local]' || fail "cannot install relayrl[local] into $VENV"
   if [ "$with_vllm" = 1 ]; then
-    [ -z "$torch_index" ] || fail "--vllm: vllm 0.32.0's PyPI wheel is built for CUDA 13.0 (driver CUDA $smi_cuda); install vLLM's cu128 build into $VENV yourself"
     pip_gpu -c scripts/constraints-vllm-cuda.txt vllm==0.32.0 || fail "cannot install vllm==0.32.0 into $VENV"
   fi
   has_cuda_torch || fail "the torch in $VENV is not a CUDA build the driver supports: $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"

@@ -142,6 +142,19 @@ def test_install_names_local_only(stubs: dict[str, object]) -> None:
     assert len(editable) == 1 and ".[local]" in editable[0] and "tasks" not in editable[0] and "ray" not in editable[0]
 
 
+@pytest.mark.parametrize("cuda", ["13.0", "12.8"])
+def test_vllm_install_is_pinned(stubs: dict[str, object], cuda: str) -> None:
+    _smi(stubs, cuda)
+    proc = _run(GPU_CHECK, ["--vllm"], stubs["env"], Path(str(stubs["tmp"])))  # type: ignore[arg-type]
+    vllm = [c for c in _pip_calls(stubs) if "vllm" in c]
+    if cuda == "13.0":  # PyPI's vllm 0.32.0 wheel is a CUDA 13.0 build, as its torch
+        assert proc.returncode == 0, proc.stderr
+        assert len(vllm) == 1 and "-c scripts/constraints-vllm-cuda.txt vllm==0.32.0" in vllm[0]
+    else:
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "cu128" in proc.stderr
+        assert _pip_calls(stubs) == []  # refused before any download
+
+
 def test_no_gpu_stops_in_one_line(stubs: dict[str, object]) -> None:
     proc = _run(GPU_CHECK, [], stubs["env"], Path(str(stubs["tmp"])))  # type: ignore[arg-type]  # no nvidia-smi
     assert proc.returncode == 1 and "no CUDA GPU" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -448,6 +448,8 @@ def _run_bounded(name: str, out_dir: Path, limit_s: float, tiny: bool) -> dict[s
     """Run a section in its own process group under `limit_s`; its outcome with `seconds`."""
     result = out_dir / f"{name}.result.json"
     result.unlink(missing_ok=True)
+    if name in RECIPE_SETTINGS:  # a run directory of an earlier check must not lend its figures to this one
+        shutil.rmtree(out_dir / name, ignore_errors=True)
     log = out_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "relayrl.bench.gpu_check", "--section", name, "--out-dir", str(out_dir), "--result", str(result)]
     if tiny:
