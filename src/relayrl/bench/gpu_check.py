@@ -139,8 +139,12 @@ def section_environment(out_dir: Path, tiny: bool) -> dict[str, Any]:
     import relayrl
 
     figures["relayrl"] = {"version": relayrl.__version__, "path": str(Path(relayrl.__file__).parent)}
-    import torch  # after the figures above: they are reported even where torch cannot import
-
+    try:  # after the figures above: they are reported even where torch cannot import
+        import torch
+    except Exception as exc:
+        figures["torch_error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        figures["cuda_available"] = False
+        return figures
     figures["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
     available = bool(torch.cuda.is_available())
     figures["cuda_available"] = available
@@ -584,7 +588,10 @@ def run_check(out_dir: Path, *, budget_s: float, only: Sequence[str] | None, mod
                 "dev_shm_bytes": figures.get("dev_shm_bytes"),
             }
             if stop_reason is None and not tiny and not figures.get("cuda_available"):
-                why = "torch cannot import" if outcome["status"] != "ok" else "torch.cuda.is_available() is False"
+                if outcome["status"] != "ok" or figures.get("torch_error"):
+                    why = f"torch cannot import: {figures.get('torch_error') or outcome.get('error')}"
+                else:
+                    why = "torch.cuda.is_available() is False"
                 stop_reason = f"no usable CUDA GPU ({why}): the remaining sections need a real GPU"
             if stop_reason is not None:
                 report["stopped"] = stop_reason
