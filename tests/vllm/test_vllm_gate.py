@@ -68,7 +68,7 @@ class FakeEngine:
     async def abort(self, ids: list[str]) -> None:
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         return None
 
 
