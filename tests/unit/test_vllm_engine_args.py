@@ -186,3 +186,12 @@ def test_replica_devices_are_checked() -> None:
         load_config(None, ["run.backend=local", "rollout.replica_devices=['cuda:0']"])
     with pytest.raises(ConfigError, match="CUDA device"):
         load_config(None, ["run.backend=local", "rollout.engine=vllm", "rollout.replica_devices=['cpu']"])
+
+
+def test_on_ray_a_cuda_build_refuses_cpu_replicas_on_the_driver(monkeypatch: pytest.MonkeyPatch, qwen_half_b: Path) -> None:
+    from relayrl.backends.vllm.build import check_on_driver
+
+    pretend_cuda(monkeypatch, count=1)
+    with pytest.raises(ConfigError, match="rollout.device = 'cpu' with rollout.engine = 'vllm'"):
+        check_on_driver(_cfg(qwen_half_b, "ray.enabled=true"))
+    check_on_driver(_cfg(qwen_half_b, "ray.enabled=true", "rollout.device=cuda"))  # Ray gives the actor its GPU

@@ -418,8 +418,9 @@ def sampler_factories(
     engine's: rollout.device, None on Ray where each actor resolves it). `gpu`: the run's GPU plan
     (a vLLM replica's share of its GPU)."""
     if cfg.rollout.engine == "vllm":
-        from relayrl.backends.vllm.build import VllmSamplerFactory
+        from relayrl.backends.vllm.build import VllmSamplerFactory, check_on_driver
 
+        check_on_driver(cfg)
         share = gpu.utilization if gpu is not None else {}
         return [VllmSamplerFactory(cfg, i, model_dir(cfg), share.get(i)) for i in range(cfg.rollout.num_samplers)]
     return [SamplerFactory(cfg, (i, threads), base, device) for i in range(cfg.rollout.num_samplers)]

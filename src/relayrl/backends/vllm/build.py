@@ -27,7 +27,7 @@ from relayrl.backends.vllm.engine import EngineSettings, context_length
 from relayrl.config.schema import Config, ConfigError
 from relayrl.config.sizing import VLLM_MAX_UTILIZATION
 
-__all__ = ["VllmSamplerFactory", "engine_dtype", "engine_settings", "replica_device", "replica_key"]
+__all__ = ["VllmSamplerFactory", "check_on_driver", "engine_dtype", "engine_settings", "replica_device", "replica_key"]
 
 
 def replica_key(cfg: Config, replica: int) -> tuple[str, str]:
@@ -37,18 +37,32 @@ def replica_key(cfg: Config, replica: int) -> tuple[str, str]:
     return "rollout.device", cfg.rollout.device
 
 
+def _refuse_cpu_on_cuda_build(key: str, spec: str, accel: Accelerators) -> None:
+    if accel.cuda_build is not None:
+        raise ConfigError(
+            f"{key} = {spec!r} with rollout.engine = 'vllm': this vLLM is a CUDA build (torch {torch.__version__}, CUDA "
+            f"{accel.cuda_build}), which cannot run on the CPU; set {key} = 'cuda', 'cuda:N' or 'auto'"
+        )
+
+
 def replica_device(cfg: Config, replica: int, accel: Accelerators | None = None) -> torch.device:
     """The device replica `replica`'s engine computes on, as this process sees it (a DeviceError,
     exit 2, for one the machine lacks, or for the CPU with a CUDA build)."""
     key, spec = replica_key(cfg, replica)
     device = process_device(spec, key, ray=cfg.ray.enabled)
-    accel = accel if accel is not None else Accelerators.probe()
-    if device.type == "cpu" and accel.cuda_build is not None:
-        raise ConfigError(
-            f"{key} = {spec!r} with rollout.engine = 'vllm': this vLLM is a CUDA build (torch {torch.__version__}, CUDA "
-            f"{accel.cuda_build}), which cannot run on the CPU; set {key} = 'cuda', 'cuda:N' or 'auto'"
-        )
+    if device.type == "cpu":
+        _refuse_cpu_on_cuda_build(key, spec, accel if accel is not None else Accelerators.probe())
     return device
+
+
+def check_on_driver(cfg: Config) -> None:
+    """On Ray, before any actor starts: replicas asked onto "cpu" from a driver whose torch is a
+    CUDA build (so is the cluster's vLLM, as a rule) are refused here rather than in their actors
+    (no GPU is asked for them: rollout.device = "cpu", the default, asks Ray for none)."""
+    if cfg.ray.enabled:
+        key, spec = replica_key(cfg, 0)
+        if spec == "cpu":
+            _refuse_cpu_on_cuda_build(key, spec, Accelerators.probe())
 
 
 def engine_dtype(name: str, device: torch.device, accel: Accelerators) -> str:

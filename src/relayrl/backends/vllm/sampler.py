@@ -5,8 +5,9 @@ weights of one policy version, greedy completions for evaluation, and in-place w
 
 Invariants:
 - a call samples with the weights loaded when it starts and reports that version: a weight load
-  waits for the calls running when it was asked for and calls made after it wait for the load
-  (calls run concurrently otherwise, so vLLM batches them together);
+  first writes its file (calls keep running and starting meanwhile), then takes the gate: it
+  waits for the calls running then, and calls made after that wait for the load (calls run
+  concurrently otherwise, so vLLM batches them together);
 - except with `interruptible` (rollout.interruptible at max_staleness > 0): a load then waits only
   for running greedy calls (evaluation), not for sampling calls. It pauses the engine between two
   steps keeping the requests in flight (`pause_generation(mode="keep")`), loads, resets the prefix
