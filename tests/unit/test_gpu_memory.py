@@ -122,3 +122,10 @@ def test_gradient_checkpointing_is_turned_on_for_the_trainer() -> None:
     assert not any(getattr(layer, "gradient_checkpointing", False) for layer in layers)
     checkpointing(model, True)
     assert all(layer.gradient_checkpointing for layer in layers)
+
+
+def test_ranks_past_the_last_gpu_are_refused(monkeypatch: pytest.MonkeyPatch, qwen05b: Path) -> None:
+    pretend_cuda(monkeypatch, count=2, total_gib=141)
+    cfg = _cfg(qwen05b, "train.device=cuda:1", "train.world_size=2")
+    with pytest.raises(ConfigError, match="up to cuda:2, but this process sees 2 CUDA devices"):
+        gpu_preflight(cfg, torch.device("cuda", 1), torch.device("cuda", 0))

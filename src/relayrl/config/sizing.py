@@ -411,6 +411,14 @@ def check_gpu_fits(
         return None
     if where.trainer is not None:
         devices |= {where.trainer + r for r in range(cfg.train.world_size)}
+    import torch
+
+    count = torch.cuda.device_count()
+    if max(devices) >= count:
+        raise ConfigError(
+            f"train.device = {cfg.train.device!r} with train.world_size = {cfg.train.world_size}: rank r computes on the trainer's "
+            f"device + r, up to cuda:{max(devices)}, but this process sees {count} CUDA device{'s' if count != 1 else ''}"
+        )
     return plan_gpu_memory(
         cfg,
         shape,
