@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import warnings
@@ -145,28 +146,38 @@ def visible_devices(index: int, inherited: str | None) -> str:
     return ids[index]
 
 
-@contextmanager
-def _placed(settings: EngineSettings) -> Iterator[None]:
-    """While an engine core spawns: CUDA_VISIBLE_DEVICES naming its GPU (restored after). This
-    process's own CUDA is initialised first, so it keeps seeing what it saw."""
-    if settings.cuda_device is None:
-        yield
-        return
-    import torch
+# Set while an engine core spawns (unless already set), for its processes only: the CPU worker's
+# NUMA-binding notice (a torch C++ warning) and a deprecation vLLM's import triggers stay quiet
+SPAWN_ENV: dict[str, str] = {
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore::FutureWarning:vllm.triton_utils.dispatcher",
+}
 
-    if torch.cuda.is_available():
-        torch.cuda.init()
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM forces once CUDA is up, without its warning
+
+@contextmanager
+def _spawn_env(settings: EngineSettings) -> Iterator[None]:
+    """While an engine core spawns: SPAWN_ENV, and for CUDA, CUDA_VISIBLE_DEVICES naming its GPU
+    (all restored after). This process's own CUDA is initialised first, so it keeps seeing what
+    it saw."""
+    changes = {key: value for key, value in SPAWN_ENV.items() if key not in os.environ}
+    if settings.cuda_device is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.init()
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM forces once CUDA is up, without its warning
+        changes["CUDA_VISIBLE_DEVICES"] = visible_devices(settings.cuda_device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     with _SPAWN_LOCK:
-        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(settings.cuda_device, inherited)
+        saved = {key: os.environ.get(key) for key in changes}
+        os.environ.update(changes)
         try:
             yield
         finally:
-            if inherited is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = inherited
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 _QUIET = False
@@ -195,11 +206,13 @@ def start_engine(settings: EngineSettings) -> Any:
     uses it."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    # vLLM applies its log level once an engine is configured: its import-time notes too
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.* is deprecated", category=FutureWarning)
     quiet_shutdown()
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(**engine_args(settings))
-    with _placed(settings):
+    with _spawn_env(settings):
         return AsyncLLM.from_engine_args(args)
