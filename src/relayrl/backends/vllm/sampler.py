@@ -148,6 +148,21 @@ def _write_weights(state: dict[str, torch.Tensor], replica: int) -> str:
     return path
 
 
+async def _stop_output_handler(engine: Any) -> None:
+    """Cancel the engine's output handler (an asyncio task on the loop of its first call) before
+    the engine core stops: left running, it sees the core go and logs an EngineDeadError at the
+    end of every successful run."""
+    handler = getattr(engine, "output_handler", None)
+    if not isinstance(handler, asyncio.Task) or handler.done():
+        return
+    loop = handler.get_loop()
+    if loop is asyncio.get_running_loop():
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(handler.cancel)
+
+
 def _remove_written(write: asyncio.Future[str]) -> None:
     if not write.cancelled() and write.exception() is None:
         try:
@@ -291,6 +306,7 @@ class VllmSampler(Sampler):
             return
         self._closed = True
         engine, self._engine = self._engine, None
+        await _stop_output_handler(engine)
         await asyncio.to_thread(engine.shutdown, timeout=SHUTDOWN_TIMEOUT_S)
 
     # --- helpers ----------------------------------------------------------------------------
