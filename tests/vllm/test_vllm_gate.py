@@ -68,7 +68,7 @@ class FakeEngine:
     async def abort(self, ids: list[str]) -> None:
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         return None
 
 
@@ -90,6 +90,10 @@ def test_a_load_waits_for_running_calls_and_later_calls_wait_for_it(weights: dic
         while engine.started == 0:
             await asyncio.sleep(0)
         load = asyncio.ensure_future(sampler.load_weights(Weights(version=1, payload=weights)))
+        for _ in range(3000):  # its weight file is written first (calls made meanwhile sample v0), then it takes the gate
+            if sampler._loading:
+                break
+            await asyncio.sleep(0.01)
         later = asyncio.ensure_future(sampler.generate([_request()]))
         for _ in range(20):
             await asyncio.sleep(0)

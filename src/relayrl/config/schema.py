@@ -383,10 +383,39 @@ resume needs."""
     agent_port: int = Field(0, ge=0, le=65535)
     """Agents: the endpoint's port (0 = a free port chosen when the run starts)."""
 
+    gpu_memory_utilization: float = Field(0.0, ge=0.0, lt=1.0)
+    """rollout.engine = "vllm" on a CUDA device: the fraction of the GPU's memory each vLLM
+    replica takes (its weights, activations and KV cache; vLLM's own gpu_memory_utilization).
+    0 = auto: what the trainer, the evaluation's engine and the other replicas on that GPU are
+    estimated to leave (config/sizing.py), shared equally by the replicas there, at most 0.92 (vLLM's
+    default); on Ray a replica's GPU share (ray.sampler_resources GPU, else 1) × 0.92. A value
+    that does not fit beside the rest is refused up front in one line."""
+    replica_devices: list[str] = Field(default_factory=list)
+    """rollout.engine = "vllm": one CUDA device per sampler replica ("cuda:N", as many entries as
+    num_samplers), to give replicas distinct GPUs; empty = every replica on rollout.device. On Ray
+    each replica's actor gets the GPU Ray gives it (cuda:N is read as cuda)."""
+    vllm_seeding: Literal["auto", "request", "engine"] = "auto"
+    """rollout.engine = "vllm": how sampling is seeded. "request": every request gets its own seed
+    from (run.seed, its prompt or episode key, policy version), as the hf engine seeds, so what a
+    request samples does not depend on what vLLM batched it with: exact resume at max_staleness =
+    0; vLLM then draws the seeded requests' noise one request at a time. "engine": only the engine
+    is seeded (run.seed); one draw for the whole batch, but a request's tokens depend on the
+    engine's batching, so runs and resumes are not token-for-token reproducible. "auto": "request"
+    on the CPU, "engine" on CUDA (where exact resume does not hold anyway: issue 30 §4)."""
+
     @field_validator("device")
     @classmethod
     def _device_spec(cls, spec: str) -> str:
         return check_device_spec(spec)
+
+    @field_validator("replica_devices")
+    @classmethod
+    def _replica_specs(cls, specs: list[str]) -> list[str]:
+        values = [check_device_spec(s) for s in specs]
+        bad = [v for v in values if not is_cuda_spec(v)]
+        if bad:
+            raise ValueError(f"every entry must name a CUDA device ('cuda' or 'cuda:N'), not {bad[0]!r}")
+        return values
 
     @property
     def interrupts(self) -> bool:
@@ -623,6 +652,10 @@ the device."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Trainer's intra-op threads (per rank); 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
+    gradient_checkpointing: bool = False
+    """Activation (gradient) checkpointing: the trainer keeps each decoder layer's input only and
+    recomputes the layer in the backward pass (transformers' gradient_checkpointing_enable, non-
+    reentrant): far less activation memory on a GPU for ~30% more compute per step."""
     lora: LoraConfig | None = None
     """LoRA adapters on the model (a table: r, alpha, dropout, target_modules; see
     [train.lora](#trainlora)); unset = the whole model trains. The KL reference is the model with
@@ -877,6 +910,13 @@ class Config(_Section):
             raise ValueError(f"train.world_size = {self.train.world_size} needs run.backend = 'local', not {self.run.backend!r}")
         if self.rollout.engine == "vllm" and self.run.backend != "local":
             raise ValueError(f"rollout.engine = 'vllm' needs run.backend = 'local', not {self.run.backend!r}")
+        if self.rollout.replica_devices and self.rollout.engine != "vllm":
+            raise ValueError("rollout.replica_devices applies to rollout.engine = 'vllm' only (the hf replicas share rollout.device)")
+        if self.rollout.replica_devices and len(self.rollout.replica_devices) != self.rollout.num_samplers:
+            raise ValueError(
+                f"rollout.replica_devices names {len(self.rollout.replica_devices)} devices for rollout.num_samplers ="
+                f" {self.rollout.num_samplers} replicas: give one per replica (or none)"
+            )
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"

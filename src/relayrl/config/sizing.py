@@ -17,6 +17,17 @@ BYTES_PER_TRAJECTORY plus BYTES_PER_TOKEN for every token it may hold (measured 
 backend: ~0.8 KB for a 20-token trajectory; token ids, log-probs and packed copies cost ~64 B per
 token). A token bound is known before anything is loaded: a trajectory must fit one packed row.
 
+GPU memory (the local backend on CUDA, `check_gpu_fits`): every copy of the model a run keeps on a
+GPU is counted against that GPU's memory before anything is loaded: the trainer's parameters,
+gradients and AdamW moments (fp32 master weights unless model.dtype = "bfloat16-pure"), its
+committed snapshot, the KL reference, a LoRA base (frozen, in the compute dtype), its activations
+(estimated from the micro-batch; train.gradient_checkpointing keeps one tensor per layer), each hf
+sampler and the evaluation's engine (weights in the compute dtype and a KV cache), and each vLLM
+replica's share (rollout.gpu_memory_utilization × the GPU's memory). The model's shape comes from
+its config.json, instantiated on the `meta` device (nothing is read or allocated). GPU_HEADROOM of
+each GPU stays free (CUDA contexts, the allocator's fragmentation). A vLLM replica's default share
+is what the rest leaves, split between the replicas on that GPU, at most vLLM's own default.
+
 Invariant: a configuration whose estimate exceeds the memory budget (each estimate on its own),
 or a size beyond its cap, is refused before the run starts, in one line naming the keys that size
 it, the value, the bound and why; it never starts and runs the machine out of memory (or blocks
@@ -25,7 +36,11 @@ its event loop for minutes creating objects, or spawns processes for minutes).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from relayrl.config.schema import Config, ConfigError
 
@@ -161,3 +176,254 @@ def check_dataset_size(cfg: Config, budget: tuple[int, str] | None) -> None:
             f"(~{BYTES_PER_DATASET_ENTRY // 1024} KB each), more than {what} ({budget_bytes / GB:,.1f} GB); "
             "lower task.dataset_size (or raise orchestrator.max_host_memory_gb)"
         )
+
+
+# --- GPU memory ----------------------------------------------------------------------------------
+
+GiB = GB
+GPU_HEADROOM = 0.05  # of each GPU's memory left free: CUDA contexts, allocator fragmentation, NCCL buffers
+VLLM_MAX_UTILIZATION = 0.92  # vLLM's own default gpu_memory_utilization (vllm/config/cache.py)
+VLLM_OVERHEAD_BYTES = 2 * GiB  # a vLLM replica's activations, CUDA graphs and sampler beside weights and KV
+LOGIT_COPIES = 3  # fp32 logits, their log-softmax and its gradient, per micro-batch token
+MEMORY_KEYS = "model.dtype, rollout.num_samplers, train.gradient_checkpointing or rollout.gpu_memory_utilization"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What sizes a model's copies: parameter count (tied weights once) and the dimensions its
+    activations and KV cache scale with."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_per_token: int  # KV-cache elements per token: 2 × layers × kv heads × head dim
+    context: int  # max_position_embeddings
+
+
+def model_shape(model_dir: Path) -> ModelShape | None:
+    """The shape of the model whose config.json is in `model_dir`, instantiated on the `meta`
+    device (no weights read, nothing allocated); None without a readable config.json (a GGUF
+    file alone)."""
+    if not (model_dir / "config.json").is_file():
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError):
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 1)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or (hidden // heads if heads else 0))
+    return ModelShape(
+        params=params,
+        layers=layers,
+        hidden=hidden,
+        intermediate=int(getattr(text, "intermediate_size", 0) or 4 * hidden),
+        vocab=int(getattr(text, "vocab_size", 0) or 0),
+        kv_per_token=2 * layers * kv_heads * head_dim,
+        context=int(getattr(text, "max_position_embeddings", 0) or 2048),
+    )
+
+
+def precision_bytes(dtype: str, cuda_bf16: bool) -> tuple[int, int]:
+    """(master, compute) bytes per parameter for `model.dtype` on a CUDA device: "float32" 4/4;
+    "bfloat16" (and "auto" where the GPU supports it) fp32 master weights and optimizer state with
+    bf16 compute, 4/2; "bfloat16-pure" 2/2."""
+    if dtype == "bfloat16-pure":
+        return 2, 2
+    if dtype == "bfloat16" or (dtype == "auto" and cuda_bf16):
+        return 4, 2
+    return 4, 4
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUse:
+    """One resident copy on a GPU: its device index, what it is and its estimated bytes."""
+
+    device: int
+    what: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The CUDA device index of each part of a run in this process (None: not on CUDA)."""
+
+    trainer: int | None
+    samplers: Sequence[int | None]  # one per replica
+    evaluation: int | None
+
+
+def activation_bytes(cfg: Config, shape: ModelShape, compute: int) -> int:
+    """The trainer's activations for one micro-batch (rows_per_microbatch × row_tokens tokens),
+    kept for the backward pass: per layer ~10 hidden-sized and 4 MLP-sized tensors per token (SDPA
+    keeps no L×L scores), one hidden-sized tensor per layer with train.gradient_checkpointing (plus
+    the layer being recomputed), and the fp32 logits path."""
+    t = cfg.train
+    tokens = t.rows_per_microbatch * t.row_tokens
+    per_layer = tokens * (10 * shape.hidden + 4 * shape.intermediate) * compute
+    if t.gradient_checkpointing:
+        layers = shape.layers * tokens * shape.hidden * compute + per_layer
+    else:
+        layers = shape.layers * per_layer
+    return layers + LOGIT_COPIES * tokens * shape.vocab * 4
+
+
+def _kv_bytes(shape: ModelShape, sequences: int, tokens: int, compute: int) -> int:
+    return sequences * tokens * shape.kv_per_token * compute
+
+
+def gpu_residents(cfg: Config, shape: ModelShape, where: Placement, cuda_bf16: bool) -> list[GpuUse]:
+    """Every fixed copy the run keeps on a GPU (the vLLM replicas' shares aside): see the module.
+    The sharded trainer's rank r is on the trainer's device + r, each holding 1/N of the
+    parameters, gradients and optimizer moments (and a whole KL reference)."""
+    master, compute = precision_bytes(cfg.model.dtype, cuda_bf16)
+    t, r, p = cfg.train, cfg.rollout, shape.params
+    uses: list[GpuUse] = []
+    if where.trainer is not None:
+        ranks = t.world_size
+        lora = t.lora is not None
+        trainable = 0 if lora else p  # LoRA adapters: well under 1% of the model
+        for rank in range(ranks):
+            d = where.trainer + rank
+            if lora:
+                uses.append(GpuUse(d, "LoRA base", p * compute // ranks))
+            else:
+                uses.append(GpuUse(d, "trainer parameters", p * master // ranks))
+                uses.append(GpuUse(d, "gradients", trainable * master // ranks))
+                uses.append(GpuUse(d, "optimizer moments", 2 * trainable * master // ranks))
+            if ranks == 1 and not lora:
+                uses.append(GpuUse(d, "snapshot", p * master))
+            if cfg.algorithm.kl_beta > 0 and not lora:
+                uses.append(GpuUse(d, "KL reference", p * compute))
+            uses.append(GpuUse(d, "activations", activation_bytes(cfg, shape, compute)))
+    if r.engine == "hf":
+        sequences = r.prompts_per_request * r.num_generations
+        for i, at in enumerate(where.samplers):
+            if at is not None:
+                uses.append(GpuUse(at, f"sampler {i}", p * compute + _kv_bytes(shape, sequences, t.row_tokens, compute)))
+    if where.evaluation is not None and cfg.eval.enabled:
+        kv = _kv_bytes(shape, r.prompts_per_request, t.row_tokens, compute)
+        uses.append(GpuUse(where.evaluation, "evaluation engine", p * compute + kv))
+    return uses
+
+
+def vllm_minimum_bytes(shape: ModelShape, compute: int, max_model_len: int) -> int:
+    """The least a vLLM replica can start with: its weights, the KV cache of one whole context
+    (vLLM refuses less) and VLLM_OVERHEAD_BYTES."""
+    return shape.params * compute + shape.kv_per_token * max_model_len * compute + VLLM_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    """What a run keeps on each GPU and each vLLM replica's gpu_memory_utilization."""
+
+    uses: list[GpuUse]
+    memory: dict[int, tuple[int, int]]  # device -> (free, total) bytes
+    utilization: dict[int, float] = field(default_factory=dict)  # vLLM replica -> its share of its GPU
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.1f}"
+
+
+def plan_gpu_memory(
+    cfg: Config, shape: ModelShape, where: Placement, memory: dict[int, tuple[int, int]], *, cuda_bf16: bool, max_model_len: int
+) -> GpuPlan:
+    """The run's GPU plan (see the module), or a ConfigError in one line naming the GPU, what is
+    estimated to be on it, and the keys that change it. `memory`: (free, total) bytes per device."""
+    uses = gpu_residents(cfg, shape, where, cuda_bf16)
+    compute = precision_bytes(cfg.model.dtype, cuda_bf16)[1]
+    vllm = cfg.rollout.engine == "vllm"
+    replicas: dict[int, list[int]] = {}
+    if vllm:
+        for i, d in enumerate(where.samplers):
+            if d is not None:
+                replicas.setdefault(d, []).append(i)
+    minimum = vllm_minimum_bytes(shape, compute, max_model_len)
+    asked = cfg.rollout.gpu_memory_utilization
+    utilization: dict[int, float] = {}
+    for d in sorted({u.device for u in uses} | set(replicas)):
+        free, total = memory[d]
+        here = [u for u in uses if u.device == d]
+        fixed = sum(u.nbytes for u in here)
+        budget = free - GPU_HEADROOM * total
+        n = len(replicas.get(d, []))
+        share = asked * total if asked else min(VLLM_MAX_UTILIZATION * total, (budget - fixed) / n) if n else 0.0
+        need = fixed + n * max(share, minimum)
+        items = [f"{u.what} {_gib(u.nbytes)}" for u in here]
+        if n:
+            items.append(f"{n} vLLM replica{'s' if n > 1 else ''} ≥ {_gib(max(share, minimum))} each")
+        if need > budget or (n and share < minimum):
+            why = (
+                f"rollout.gpu_memory_utilization = {asked} gives each vLLM replica {_gib(share)} GiB, less than its weights, "
+                f"one {max_model_len}-token context of KV cache and {_gib(VLLM_OVERHEAD_BYTES)} GiB overhead ({_gib(minimum)} GiB)"
+                if n and asked and share < minimum
+                else f"an estimated {_gib(need)} GiB is more than the {_gib(budget)} GiB it has free (less {GPU_HEADROOM:.0%} headroom)"
+            )
+            raise ConfigError(
+                f"GPU memory: cuda:{d} ({_gib(total)} GiB): {why}; on it: {', '.join(items)} (GiB); "
+                f"change {MEMORY_KEYS} (or train.lora, train.world_size, rollout.device / rollout.replica_devices)"
+            )
+        for i in replicas.get(d, []):
+            utilization[i] = round(share / total, 4)
+    return GpuPlan(uses, memory, utilization)
+
+
+def cuda_memory(device: int) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device `device` (torch.cuda.mem_get_info; the total from
+    get_device_properties)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    return int(free), total
+
+
+def check_gpu_fits(
+    cfg: Config,
+    model_dir: Path,
+    where: Placement,
+    *,
+    cuda_bf16: bool,
+    max_model_len: int | None = None,
+    memory: Callable[[int], tuple[int, int]] = cuda_memory,
+) -> GpuPlan | None:
+    """The GPU plan of a run placed as `where` (in this process), refused up front (ConfigError)
+    when it does not fit (`plan_gpu_memory`); None when nothing is on CUDA or the model's shape is
+    unknown (no config.json)."""
+    devices = {d for d in (where.trainer, where.evaluation, *where.samplers) if d is not None}
+    if not devices:
+        return None
+    shape = model_shape(model_dir)
+    if shape is None:
+        return None
+    if where.trainer is not None:
+        devices |= {where.trainer + r for r in range(cfg.train.world_size)}
+    import torch
+
+    count = torch.cuda.device_count()
+    if max(devices) >= count:
+        raise ConfigError(
+            f"train.device = {cfg.train.device!r} with train.world_size = {cfg.train.world_size}: rank r computes on the trainer's "
+            f"device + r, up to cuda:{max(devices)}, but this process sees {count} CUDA device{'s' if count != 1 else ''}"
+        )
+    return plan_gpu_memory(
+        cfg,
+        shape,
+        where,
+        {d: memory(d) for d in sorted(devices)},
+        cuda_bf16=cuda_bf16,
+        max_model_len=max_model_len or shape.context,
+    )

@@ -49,6 +49,7 @@ from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 if TYPE_CHECKING:
     from relayrl.backends.local.ranks import RankParts
     from relayrl.backends.local.sharded import ShardedTrainer
+    from relayrl.config.sizing import GpuPlan
 
 _CPU = torch.device("cpu")
 
@@ -183,6 +184,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
     settings = trainer_settings(cfg, threads)
+    checkpointing(model, t.gradient_checkpointing)
     if t.lora is not None:
         from relayrl.models.lora import wrap
 
@@ -201,6 +203,19 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
         return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
+
+
+def checkpointing(model: PreTrainedModel, on: bool) -> None:
+    """train.gradient_checkpointing: each decoder layer recomputed in the backward pass
+    (non-reentrant, so frozen inputs and LoRA need nothing more); the samplers' copies are made
+    before and never train."""
+    if not on:
+        return
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x (the older name is deprecated there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
@@ -332,6 +347,7 @@ class TrainerFactory(_Factory):
         from relayrl.backends.local.ranks import RankParts
 
         model, _, device = self.placed()
+        checkpointing(model, self.cfg.train.gradient_checkpointing)
         lora = self.cfg.train.lora
         if lora is not None:
             from relayrl.models.lora import wrap
@@ -350,6 +366,8 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         train_device = resolve_device(cfg.train.device, "train.device")
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
         dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
+    # before anything loads too: a run whose GPU copies cannot fit exits 2 (config/sizing.py)
+    gpu = gpu_preflight(cfg, train_device, rollout_device) if train_device is not None and rollout_device is not None else None
     model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
     if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
         from relayrl.models.lora import check_targets
@@ -365,19 +383,46 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         max_prompt_tokens=max_prompt_tokens(cfg, model),
         greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device),
         trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device),
-        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device),
+        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device, gpu),
         tokenizer=copy.deepcopy(tokenizer),
     )
 
 
-def sampler_factories(cfg: Config, base: _Base, threads: int, device: torch.device | None) -> list[Callable[[], Sampler]]:
+def gpu_preflight(cfg: Config, train: torch.device, evaluation: torch.device) -> GpuPlan | None:
+    """The run's GPU memory plan in this process (config/sizing.py: every copy on each GPU, each
+    vLLM replica's share), refused in one line when it does not fit; None when nothing is on CUDA."""
+    from relayrl.config.sizing import Placement, check_gpu_fits
+
+    def index(device: torch.device) -> int | None:
+        return (device.index or 0) if device.type == "cuda" else None
+
+    if cfg.rollout.engine == "vllm":
+        from relayrl.backends.vllm.build import replica_device
+
+        samplers = [index(replica_device(cfg, i)) for i in range(cfg.rollout.num_samplers)]
+    else:
+        samplers = [index(evaluation)] * cfg.rollout.num_samplers
+    where = Placement(trainer=index(train), samplers=samplers, evaluation=index(evaluation))
+    if all(d is None for d in (where.trainer, where.evaluation, *where.samplers)):
+        return None
+    from relayrl.backends.local.devices import Accelerators
+
+    return check_gpu_fits(cfg, model_dir(cfg), where, cuda_bf16=Accelerators.probe().bf16)
+
+
+def sampler_factories(
+    cfg: Config, base: _Base, threads: int, device: torch.device | None, gpu: GpuPlan | None = None
+) -> list[Callable[[], Sampler]]:
     """One factory per sampler replica, for the rollout engine `rollout.engine` names (the vLLM
     engine's module is imported only when it is used; it places itself, `device` is the hf
-    engine's: rollout.device, None on Ray where each actor resolves it)."""
+    engine's: rollout.device, None on Ray where each actor resolves it). `gpu`: the run's GPU plan
+    (a vLLM replica's share of its GPU)."""
     if cfg.rollout.engine == "vllm":
-        from relayrl.backends.vllm.build import VllmSamplerFactory
+        from relayrl.backends.vllm.build import VllmSamplerFactory, check_on_driver
 
-        return [VllmSamplerFactory(cfg, i, model_dir(cfg)) for i in range(cfg.rollout.num_samplers)]
+        check_on_driver(cfg)
+        share = gpu.utilization if gpu is not None else {}
+        return [VllmSamplerFactory(cfg, i, model_dir(cfg), share.get(i)) for i in range(cfg.rollout.num_samplers)]
     return [SamplerFactory(cfg, (i, threads), base, device) for i in range(cfg.rollout.num_samplers)]
 
 

@@ -197,11 +197,13 @@ def _place(
     if cfg.run.backend != "sim":  # the workers compute on their devices: CUDA ones ask for a GPU
         gpus = float(total.get("GPU", 0.0))
         trainer_res = with_gpu(trainer_res, cfg.train.device, gpus)
-        sampler_res = with_gpu(sampler_res, cfg.rollout.device, gpus)
+        # (vLLM replicas given their own GPUs, rollout.replica_devices: each actor asks for one)
+        sampler_device = cfg.rollout.replica_devices[0] if cfg.rollout.replica_devices else cfg.rollout.device
+        sampler_res = with_gpu(sampler_res, sampler_device, gpus)
         if trainer_res is not cfg.ray.trainer_resources:
             trainer_key += f" (with train.device = {cfg.train.device!r})"
         if sampler_res is not cfg.ray.sampler_resources:
-            sampler_key += f" (with rollout.device = {cfg.rollout.device!r})"
+            sampler_key += f" (with rollout.device = {sampler_device!r})"
     ranks = cfg.train.world_size  # > 1: one trainer actor per rank, in a placement group (ray/ranks.py)
     if ranks > 1:
         trainer_res = trainer_res or dict(DEFAULT_BUNDLE)

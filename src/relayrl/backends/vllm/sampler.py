@@ -5,8 +5,9 @@ weights of one policy version, greedy completions for evaluation, and in-place w
 
 Invariants:
 - a call samples with the weights loaded when it starts and reports that version: a weight load
-  waits for the calls running when it was asked for and calls made after it wait for the load
-  (calls run concurrently otherwise, so vLLM batches them together);
+  first writes its file (calls keep running and starting meanwhile), then takes the gate: it
+  waits for the calls running then, and calls made after that wait for the load (calls run
+  concurrently otherwise, so vLLM batches them together);
 - except with `interruptible` (rollout.interruptible at max_staleness > 0): a load then waits only
   for running greedy calls (evaluation), not for sampling calls. It pauses the engine between two
   steps keeping the requests in flight (`pause_generation(mode="keep")`), loads, resets the prefix
@@ -23,7 +24,14 @@ Invariants:
   convention (engine.py); greedy log-probs are at temperature 1, as the hf engine's;
 - sampling is reproducible as in the hf engine: each request's seed comes from (run seed, its
   `seed_key` or a turn's `rng_key`, policy version) only (vLLM gives the n samples of one request
-  seeds seed, seed + 1, ...);
+  seeds seed, seed + 1, ...); unless its settings seed the engine only (`seed_requests` False,
+  rollout.vllm_seeding: vLLM then draws the batch's noise at once, and what a request samples
+  depends on what it was batched with);
+- a weight file is written before the load takes the gate (sampling goes on while it is written),
+  in /dev/shm when it has room for it, else in the temp directory on disk (Docker's and
+  Kubernetes' /dev/shm is 64 MiB by default); its name carries this process's id, and files of
+  processes that are gone (a crashed run) are removed when a replica starts
+  (`remove_stale_weight_files`); the file is removed once loaded, whatever happens;
 - a cancelled or failed call aborts its engine requests before it returns, so nothing keeps
   sampling for a caller that has gone;
 - every call runs on one event loop, the first caller's (the engine's client and the gate belong
@@ -37,7 +45,10 @@ import asyncio
 import hashlib
 import itertools
 import os
+import re
+import shutil
 import tempfile
+import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,13 +57,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from relayrl.abandoned import abandon
 from relayrl.backends.protocols import Sampler
-from relayrl.backends.vllm.engine import EngineSettings, start_engine
+from relayrl.backends.vllm.engine import SHUTDOWN_TIMEOUT_S, EngineSettings, start_engine
 from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
 
-__all__ = ["VllmSampler", "request_seed", "model_shapes"]
+__all__ = ["VllmSampler", "model_shapes", "remove_stale_weight_files", "request_seed", "weights_dir"]
 
 _TIED_HEAD = "lm_head.weight"
+SHM = "/dev/shm"
+SHM_SPARE_BYTES = 64 * 2**20  # left free in /dev/shm beside a weight file (others use it too)
+FILE_PREFIX = "relayrl-vllm-"
+_OWNED = re.compile(r"relayrl-vllm-p(\d+)-")  # relayrl-vllm-p<pid>-<replica>-<random>.safetensors
+OWNERLESS_AGE_S = 3600.0  # a file without an owner pid (an older relayrl's) is stale after this long
 _T = TypeVar("_T")
 
 
@@ -72,9 +89,86 @@ def model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _shm_dir() -> str | None:
-    """Where weight files go: shared memory when the machine has it (no disk write)."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def weights_dir(nbytes: int) -> str:
+    """Where a weight file of `nbytes` goes: /dev/shm (no disk write) when it is there, writable
+    and has room for it (SHM_SPARE_BYTES to spare), else the temp directory on disk."""
+    if os.path.isdir(SHM) and os.access(SHM, os.W_OK):
+        try:
+            if shutil.disk_usage(SHM).free >= nbytes + SHM_SPARE_BYTES:
+                return SHM
+        except OSError:
+            pass
+    return tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_weight_files(directories: Sequence[str] = (SHM, tempfile.gettempdir())) -> list[str]:
+    """Remove the weight files (relayrl-vllm-*.safetensors) in `directories` whose owner process
+    is gone (a run that crashed, or was killed, before removing its file); a file naming no owner
+    (written by an older relayrl) when older than OWNERLESS_AGE_S. Returns the paths removed."""
+    removed = []
+    now = time.time()
+    for directory in dict.fromkeys(directories):
+        try:
+            names = [n for n in os.listdir(directory) if n.startswith(FILE_PREFIX) and n.endswith(".safetensors")]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            owner = _OWNED.match(name)
+            try:
+                stale = not _alive(int(owner.group(1))) if owner else now - os.path.getmtime(path) > OWNERLESS_AGE_S
+                if stale:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:  # removed meanwhile, or not ours to remove
+                continue
+    return removed
+
+
+def _write_weights(state: dict[str, torch.Tensor], replica: int) -> str:
+    """`state` saved to a new safetensors file (see the module); its path."""
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    fd, path = tempfile.mkstemp(prefix=f"{FILE_PREFIX}p{os.getpid()}-{replica}-", suffix=".safetensors", dir=weights_dir(nbytes))
+    os.close(fd)
+    try:
+        save_file(state, path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+async def _stop_output_handler(engine: Any) -> None:
+    """Cancel the engine's output handler (an asyncio task on the loop of its first call) before
+    the engine core stops: left running, it sees the core go and logs an EngineDeadError at the
+    end of every successful run."""
+    handler = getattr(engine, "output_handler", None)
+    if not isinstance(handler, asyncio.Task) or handler.done():
+        return
+    loop = handler.get_loop()
+    if loop is asyncio.get_running_loop():
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(handler.cancel)
+
+
+def _remove_written(write: asyncio.Future[str]) -> None:
+    if not write.cancelled() and write.exception() is None:
+        try:
+            os.unlink(write.result())
+        except OSError:
+            pass
 
 
 class VllmSampler(Sampler):
@@ -105,6 +199,7 @@ class VllmSampler(Sampler):
         self.version = version  # the policy version whose weights the engine holds
         self.seed = seed
         self._shapes = model_shapes(Path(settings.model))
+        remove_stale_weight_files()
         self._engine = engine if engine is not None else start_engine(settings)
         self._ids = itertools.count()
         self.interruptible = interruptible
@@ -132,10 +227,7 @@ class VllmSampler(Sampler):
             return []
         async with self._sampling(pinned=not self.interruptible) as version:
             outputs = await self._run(
-                [
-                    (r.prompt_tokens, self._params(r.num_samples, self.max_new_tokens, request_seed(self.seed, r.seed_key, version)))
-                    for r in batch
-                ]
+                [(r.prompt_tokens, self._params(r.num_samples, self.max_new_tokens, self._seed(r.seed_key, version))) for r in batch]
             )
         results = []
         for r, out in zip(batch, outputs, strict=True):
@@ -152,9 +244,7 @@ class VllmSampler(Sampler):
         if not batch:
             return []
         async with self._sampling(pinned=not self.interruptible) as version:
-            outputs = await self._run(
-                [(r.context, self._params(1, r.max_new_tokens, request_seed(self.seed, r.rng_key, version))) for r in batch]
-            )
+            outputs = await self._run([(r.context, self._params(1, r.max_new_tokens, self._seed(r.rng_key, version))) for r in batch])
         results = []
         for r, out in zip(batch, outputs, strict=True):
             (completion,), oldest = self._completions(out, 1, version)
@@ -181,15 +271,20 @@ class VllmSampler(Sampler):
 
     async def _load_weights(self, weights: Weights) -> None:
         state = self._checked(weights)
-        gate = self._condition()
-        try:  # a load cancelled while it waits must still readmit the calls behind it
-            async with gate:
-                self._loading = True
-                await gate.wait_for(lambda: self._pinned == 0)
-            fd, path = tempfile.mkstemp(prefix=f"relayrl-vllm-{self.replica}-", suffix=".safetensors", dir=_shm_dir())
-            os.close(fd)
-            try:
-                await asyncio.to_thread(save_file, state, path)
+        # written before the gate: calls keep sampling meanwhile
+        write = asyncio.ensure_future(asyncio.to_thread(_write_weights, state, self.replica))
+        try:
+            path = await asyncio.shield(write)
+        except asyncio.CancelledError:  # the thread writes on: its file is removed once written
+            write.add_done_callback(_remove_written)
+            abandon(write)
+            raise
+        try:
+            gate = self._condition()
+            try:  # a load cancelled while it waits must still readmit the calls behind it
+                async with gate:
+                    self._loading = True
+                    await gate.wait_for(lambda: self._pinned == 0)
                 if self.interruptible:
                     await self._engine.pause_generation(mode="keep", clear_cache=False)
                     try:
@@ -199,11 +294,11 @@ class VllmSampler(Sampler):
                 else:
                     await self._swap(path, weights.version)
             finally:
-                os.unlink(path)
+                async with gate:
+                    self._loading = False
+                    gate.notify_all()
         finally:
-            async with gate:
-                self._loading = False
-                gate.notify_all()
+            os.unlink(path)
 
     async def close(self) -> None:
         """Shut the engine down. Idempotent."""
@@ -211,7 +306,8 @@ class VllmSampler(Sampler):
             return
         self._closed = True
         engine, self._engine = self._engine, None
-        await asyncio.to_thread(engine.shutdown)
+        await _stop_output_handler(engine)
+        await asyncio.to_thread(engine.shutdown, timeout=SHUTDOWN_TIMEOUT_S)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -245,6 +341,10 @@ class VllmSampler(Sampler):
         if self._closed:
             raise RuntimeError(f"VllmSampler replica {self.replica} is closed")
         return _Sampling(self, pinned)
+
+    def _seed(self, key: str, version: int) -> int | None:
+        """A request's seed (None: the engine's stream, when its settings seed the engine only)."""
+        return request_seed(self.seed, key, version) if self.settings.seed_requests else None
 
     def _params(self, n: int, max_tokens: int, seed: int | None, *, greedy: bool = False) -> Any:
         from vllm import SamplingParams

@@ -4,7 +4,8 @@ weights into the running model in place, from a safetensors file the sampler wro
 Invariant: after `update_from_file` every weight of the model, a tied LM head included, is the
 file's: vLLM's `reload_weights` re-packs (on CPU, into oneDNN handles) only the layers whose
 weights it read, and a tied LM head reads none, so its packed copy of the old embedding is
-rebuilt here. Imports only what the worker already has (torch, safetensors, vllm).
+rebuilt here. Imports only what the worker already has (torch, safetensors, vllm) and relayrl's
+engine module (no more).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import logging
 import time
 from typing import Any
 
+from relayrl.backends.vllm.engine import quiet_shutdown
+
 __all__ = ["WeightSync", "refresh_tied_lm_head"]
+
+quiet_shutdown()  # the worker's process imports libtriton too: no nanobind "leaked" report at its exit
 
 
 # vLLM's layer-wise reload warns "<layer>: Failed to load weights" for every layer the checkpoint
