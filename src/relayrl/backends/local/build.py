@@ -10,9 +10,11 @@ another process (a Ray actor) a factory loads the model there.
 Devices (`relayrl.backends.local.devices`): in one process the driver resolves train.device and
 rollout.device before loading anything (a device the machine lacks exits 2 there), loads the
 model on the CPU in `model.dtype`, and each worker moves its own copy to its device once; the
-held-out engine computes on rollout.device. On Ray each actor resolves its own device (the GPU Ray
-gave it) and loads the model there; the driver's engine uses rollout.device if this machine has
-it, else the CPU.
+held-out engine computes on rollout.device. The sharded trainer's rank r computes on
+cuda:(b+r) for train.device = cuda:b, and a placement that shares a rank's device or oversubscribes
+the machine is refused up front (`relayrl.backends.local.placement`). On Ray each actor resolves
+its own device (the GPU Ray gave it) and loads the model there; the driver's engine computes on the
+CPU: it is outside Ray's GPU accounting, so it takes no GPU an actor may have been given.
 
 With train.lora the trainer wraps its model in LoRA adapters (in place, after the samplers and the
 greedy engine copied it) and no reference copy is loaded; the samplers keep the plain model and
@@ -37,13 +39,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import TorchCollator
-from relayrl.backends.local.devices import DeviceError, driver_device, process_device, resolve_device, resolve_dtype
+from relayrl.backends.local.determinism import make_deterministic
+from relayrl.backends.local.devices import process_device, resolve_device, resolve_dtype
 from relayrl.backends.local.generation import SamplingParams
+from relayrl.backends.local.placement import check_placement
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config
+from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
 if TYPE_CHECKING:
@@ -180,25 +185,31 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
     reference copy is made: the reference is the model with its adapters off. With
     train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
-    on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
+    on cuda:(b+r) when `device` is cuda:b; the reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
     settings = trainer_settings(cfg, threads)
     if t.lora is not None:
         from relayrl.models.lora import wrap
 
         model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
-        if t.world_size == 1:
-            return LocalTrainer(model, settings, device=device)
+    if t.gradient_checkpointing and t.world_size == 1:  # (each rank enables it on its own copy)
+        enable_gradient_checkpointing(model)
+    if t.lora is not None and t.world_size == 1:
+        return LocalTrainer(model, settings, device=device)
     if t.world_size > 1:
         from relayrl.backends.local.sharded import ShardedTrainer
 
-        if device.type == "cuda" and torch.cuda.device_count() < t.world_size:
-            raise DeviceError(
-                f"train.world_size = {t.world_size} on train.device = {t.device!r} needs one CUDA device per rank, "
-                f"this process sees {torch.cuda.device_count()}"
-            )
         ref = _frozen_copy(model) if a.kl_beta > 0 and t.lora is None else None
-        return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
+        return ShardedTrainer(
+            model,
+            settings,
+            t.world_size,
+            ref_model=ref,
+            device=device,
+            startup_timeout_s=t.rank_startup_timeout_s,
+            heartbeat_timeout_s=t.rank_heartbeat_timeout_s,
+            gradient_checkpointing=t.gradient_checkpointing,
+        )
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
@@ -300,6 +311,8 @@ class _Factory:
 
     def placed(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
         """(model, tokenizer, device) of the worker; the device is resolved before the model loads."""
+        if self.cfg.run.deterministic:  # (an actor: before its first CUDA call)
+            make_deterministic()
         device = self.device()
         model, tokenizer = self.base()
         return model, tokenizer, device
@@ -337,18 +350,23 @@ class TrainerFactory(_Factory):
             from relayrl.models.lora import wrap
 
             model = wrap(model, lora)
+        if self.cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
         return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:
+    if cfg.run.deterministic:  # before this process's first CUDA call (see relayrl.backends.local.determinism)
+        make_deterministic()
     if cfg.ray.enabled:  # the workers' devices are resolved in their actors
         train_device = rollout_device = None
-        greedy_device = driver_device(cfg.rollout.device, "rollout.device")
+        greedy_device = _CPU  # (the driver's engine: outside Ray's GPU accounting, see the module)
         dtype = resolve_dtype(cfg.model.dtype, [greedy_device])
-    else:  # before anything loads: a device this machine lacks exits 2 at once
+    else:  # before anything loads: a device this machine lacks, or a placement refused, exits 2 at once
         train_device = resolve_device(cfg.train.device, "train.device")
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
+        check_placement(cfg, train_device, rollout_device)
         dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
     model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
     if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from relayrl.backends.local.collate import PackedBatch
+from relayrl.backends.local.determinism import make_deterministic
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
+from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.lora import adapter_payload, peft_base
 from relayrl.types import TrainBatch, Weights
 
@@ -52,6 +55,11 @@ from relayrl.types import TrainBatch, Weights
 #: `__<rank>_0.distcp` per rank and its `.metadata`, so the checkpoint's file list covers each):
 #: rank 0's file of what is not sharded (version, schedule, counts, world size).
 META_FILE = "trainer-sharded.pt"
+
+#: The request id of a rank's heartbeat on its pipe (`(HEARTBEAT, True, None)`, no request
+#: awaits it): sent every `beat_s` seconds once the rank runs, so that the host tells a rank that
+#: stopped answering from one that computes (`relayrl.backends.local.sharded`).
+HEARTBEAT = -1
 
 
 class ShardedCompute(TrainerCompute):
@@ -278,6 +286,16 @@ def _reply(conn: Connection, lock: threading.Lock, rid: int, ok: bool, value: ob
         conn.send((rid, ok, value))
 
 
+def _beat(conn: Connection, lock: threading.Lock, every_s: float) -> None:
+    """This rank's heartbeat (see HEARTBEAT), until the pipe breaks."""
+    while True:
+        try:
+            _reply(conn, lock, HEARTBEAT, True, None)
+        except Exception:  # the host is gone (the receiver ends the rank)
+            return
+        time.sleep(every_s)
+
+
 def _error(exc: BaseException) -> BaseException:
     """`exc` if it can travel back to the host, else a RuntimeError carrying its text."""
     import pickle
@@ -339,12 +357,24 @@ def rank_main(
     settings: TrainerSettings,
     ref_model: PreTrainedModel | None,
     device: str,
+    beat_s: float = 0.0,
+    gradient_checkpointing: bool = False,
+    deterministic: bool = False,
 ) -> None:
-    """The body of rank `rank` (a spawned process)."""
+    """The body of rank `rank` (a spawned process) on `device` (its own: the host maps rank r to
+    cuda:(b+r)), sending a heartbeat every `beat_s` seconds (0: none); `gradient_checkpointing`:
+    activation checkpointing on its copy of the model (train.gradient_checkpointing);
+    `deterministic`: deterministic algorithms (run.deterministic), before its first CUDA call."""
+    if deterministic:
+        make_deterministic()
     lock = threading.Lock()
     torch.set_num_threads(settings.torch_threads or 1)
+    if beat_s > 0:
+        threading.Thread(target=_beat, args=(conn, lock, beat_s), name="relayrl-rank-heartbeat", daemon=True).start()
     try:
-        where = torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+        where = torch.device(device)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         join_group(rank, world_size, "127.0.0.1", port, where)
         compute = ShardedCompute(model, settings, ref_model, where)
         del model, ref_model
