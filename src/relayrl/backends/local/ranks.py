@@ -123,6 +123,21 @@ class ShardedCompute(TrainerCompute):
         if self.settings.several_updates and tb.minibatch != 0:
             self._reshard()
 
+    def optim_step(self) -> int:
+        version = super().optim_step()
+        if self.device.type == "cuda":  # (every rank's device is): the step's peak is the largest rank's
+            with self._slot_lock:
+                mine = self._slot.get("gpu_mem_peak_gb")
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+            with self._slot_lock:
+                for r, peak in enumerate(parts):
+                    if peak is not None:
+                        self._slot[f"gpu_mem_peak_gb_rank{r}"] = float(peak)
+                if any(p is not None for p in parts):
+                    self._slot["gpu_mem_peak_gb"] = max(float(p) for p in parts if p is not None)
+        return version
+
     def _reshard(self) -> None:
         """After a no-grad forward: FSDP leaves the root unit's parameters gathered (for a backward
         that does not come), which the next optimizer step would leave stale; free them."""
