@@ -74,6 +74,6 @@ def test_the_ranks_do_as_their_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     trainer = build.make_trainer(load_config(None, ["run.backend=local", "train.world_size=2"]), random_qwen2(32), 1)
     try:
-        assert [args[-1] for args in FakeProcess.started] == [True, True]  # rank_main's `deterministic`
+        assert [args[8].deterministic for args in FakeProcess.started] == [True, True]  # rank_main's options
     finally:
         trainer._shutdown()  # type: ignore[union-attr]

@@ -188,30 +188,60 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     on cuda:(b+r) when `device` is cuda:b; the reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
     settings = trainer_settings(cfg, threads)
-    if t.lora is not None:
-        from relayrl.models.lora import wrap
-
-        model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
-    if t.gradient_checkpointing and t.world_size == 1:  # (each rank enables it on its own copy)
-        enable_gradient_checkpointing(model)
-    if t.lora is not None and t.world_size == 1:
-        return LocalTrainer(model, settings, device=device)
-    if t.world_size > 1:
+    if t.world_size > 1:  # each rank loads its own copy (RankModel): `model` only sizes a version
         from relayrl.backends.local.sharded import ShardedTrainer
 
-        ref = _frozen_copy(model) if a.kl_beta > 0 and t.lora is None else None
         return ShardedTrainer(
             model,
             settings,
             t.world_size,
-            ref_model=ref,
             device=device,
             startup_timeout_s=t.rank_startup_timeout_s,
             heartbeat_timeout_s=t.rank_heartbeat_timeout_s,
             gradient_checkpointing=t.gradient_checkpointing,
+            source=RankModel(cfg, model.dtype),
+            microbatch_bytes=microbatch_bytes(cfg),
         )
+    if t.lora is not None:
+        from relayrl.models.lora import wrap
+
+        model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
+    if t.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if t.lora is not None:
+        return LocalTrainer(model, settings, device=device)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
+
+
+class RankModel:
+    """What a local rank of the sharded trainer loads itself (picklable: the config and dtype),
+    instead of receiving the driver's copy through shared memory (`relayrl.backends.local.shm`):
+    (the model from its source in `dtype`, LoRA adapters on it seeded from run.seed so every
+    rank's are the same; the frozen reference copy when kl_beta > 0 without LoRA)."""
+
+    def __init__(self, cfg: Config, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+
+    def __call__(self) -> tuple[PreTrainedModel, PreTrainedModel | None]:
+        model, _ = load_base(self.cfg, self.dtype)
+        lora = self.cfg.train.lora
+        if lora is not None:
+            from relayrl.models.lora import wrap
+
+            with torch.random.fork_rng(devices=[]):  # (the adapters' init draws from torch's RNG)
+                torch.manual_seed(self.cfg.run.seed)
+                model = wrap(model, lora)
+        ref = _frozen_copy(model) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
+        return model, ref
+
+
+def microbatch_bytes(cfg: Config) -> int:
+    """About the bytes of one collated micro-batch (a row's tokens' ids, positions and figures,
+    and its attention mask, row_tokens² at most), for the shared-memory plan."""
+    t = cfg.train
+    return t.rows_per_microbatch * t.row_tokens * (t.row_tokens + 64)
 
 
 def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:

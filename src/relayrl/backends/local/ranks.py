@@ -30,7 +30,8 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from transformers import PreTrainedModel
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.determinism import make_deterministic
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.local.shm import spill
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.lora import adapter_payload, peft_base
@@ -363,32 +365,49 @@ def serve(compute: ShardedCompute, op: str, arg: Any) -> object:
     raise ValueError(f"unknown request {op!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class RankOptions:
+    """How the host starts each local rank besides its model and settings."""
+
+    beat_s: float = 0.0  # a heartbeat every this many seconds (0: none)
+    gradient_checkpointing: bool = False  # train.gradient_checkpointing on its copy of the model
+    deterministic: bool = False  # run.deterministic, before its first CUDA call
+    # the rank loads its (model, reference model) itself with this, instead of receiving them
+    # through shared memory (relayrl.backends.local.build.RankModel)
+    source: Callable[[], tuple[PreTrainedModel, PreTrainedModel | None]] | None = None
+    spill_dir: str | None = None  # rank 0's version weights through this disk directory (shm.plan_shm)
+    env: dict[str, str] = field(default_factory=dict)  # set first (e.g. NCCL_SHM_DISABLE)
+
+
 def rank_main(
     rank: int,
     world_size: int,
     port: int,
     conn: Connection,
-    model: PreTrainedModel,
+    model: PreTrainedModel | None,
     settings: TrainerSettings,
     ref_model: PreTrainedModel | None,
     device: str,
-    beat_s: float = 0.0,
-    gradient_checkpointing: bool = False,
-    deterministic: bool = False,
+    options: RankOptions | None = None,
 ) -> None:
     """The body of rank `rank` (a spawned process) on `device` (its own: the host maps rank r to
-    cuda:(b+r)), sending a heartbeat every `beat_s` seconds (0: none); `gradient_checkpointing`:
-    activation checkpointing on its copy of the model (train.gradient_checkpointing);
-    `deterministic`: deterministic algorithms (run.deterministic), before its first CUDA call."""
-    if deterministic:
+    cuda:(b+r)), training `model` (None: loaded by `options.source`); see `RankOptions`."""
+    opts = options if options is not None else RankOptions()
+    os.environ.update(opts.env)
+    if opts.deterministic:
         make_deterministic()
     lock = threading.Lock()
     torch.set_num_threads(settings.torch_threads or 1)
-    if beat_s > 0:
-        threading.Thread(target=_beat, args=(conn, lock, beat_s), name="relayrl-rank-heartbeat", daemon=True).start()
+    if opts.beat_s > 0:
+        threading.Thread(target=_beat, args=(conn, lock, opts.beat_s), name="relayrl-rank-heartbeat", daemon=True).start()
+    spill_dir = opts.spill_dir if rank == 0 else None
     try:
         where = torch.device(device)
-        if gradient_checkpointing:
+        if model is None:
+            if opts.source is None:
+                raise ValueError("rank_main: neither a model nor a source to load it")
+            model, ref_model = opts.source()
+        if opts.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         join_group(rank, world_size, "127.0.0.1", port, where)
         compute = ShardedCompute(model, settings, ref_model, where)
@@ -396,7 +415,7 @@ def rank_main(
     except BaseException as exc:
         _reply(conn, lock, 0, False, _error(exc))
         return
-    _reply(conn, lock, 0, True, (compute.committed_weights(), compute.metrics()))
+    _reply(conn, lock, 0, True, (spill(compute.committed_weights(), spill_dir), compute.metrics()))
 
     work: queue.Queue[tuple[int, str, Any] | None] = queue.Queue()
 
@@ -425,7 +444,11 @@ def rank_main(
     while (item := work.get()) is not None:
         rid, op, arg = item
         try:
-            _reply(conn, lock, rid, True, serve(compute, op, arg))
+            answer = serve(compute, op, arg)
+            if spill_dir is not None and op in ("optim", "load"):  # (version, weights, metrics)
+                assert isinstance(answer, tuple)
+                answer = (answer[0], spill(answer[1], spill_dir), answer[2])
+            _reply(conn, lock, rid, True, answer)
         except BaseException as exc:
             _reply(conn, lock, rid, False, _error(exc))
     dist.destroy_process_group()

@@ -42,6 +42,7 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
 from relayrl.backends.local.placement import rank_devices
-from relayrl.backends.local.ranks import HEARTBEAT, META_FILE, rank_main
+from relayrl.backends.local.ranks import HEARTBEAT, META_FILE, RankOptions, rank_main
+from relayrl.backends.local.shm import plan_shm, remove_dir, unspill
 from relayrl.backends.local.trainer import TrainerSettings
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
@@ -60,6 +62,10 @@ from relayrl.types import TrainBatch, Weights
 #: collective broken by a dead peer may answer before the kernel has ended the peer (under load,
 #: tearing down a process with a model in memory takes a while)
 DEATH_GRACE_S = 10.0
+
+
+def _bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class RankFailed(RunFailed):
@@ -122,6 +128,11 @@ class _Rank:
                 continue
             with self.lock:
                 future = self.pending.pop(rid, None)
+            if ok:
+                try:
+                    value = unspill(value)  # (weights that came through a disk directory)
+                except Exception as exc:
+                    ok, value = False, exc
             if future is None or future.done():  # (cancelled: its caller gave up)
                 continue
             if ok:
@@ -263,16 +274,30 @@ class ShardedTrainer(RankedTrainer):
         startup_timeout_s: float = 0.0,
         heartbeat_timeout_s: float = 0.0,
         gradient_checkpointing: bool = False,
+        source: Callable[[], tuple[PreTrainedModel, PreTrainedModel | None]] | None = None,
+        microbatch_bytes: int = 0,
     ) -> None:
         """`device`: rank 0's (rank r computes on cuda:(b+r) for cuda:b, see the module);
         `startup_timeout_s` / `heartbeat_timeout_s`: the ranks' liveness bounds (0: none);
-        `gradient_checkpointing`: each rank checkpoints its copy's activations."""
+        `gradient_checkpointing`: each rank checkpoints its copy's activations; `source`: each
+        rank loads (model, reference model) with it instead of receiving `model` and
+        `ref_model` through shared memory (`model` then only sizes a version); `microbatch_bytes`:
+        about a micro-batch's size, for the shared-memory plan (`relayrl.backends.local.shm`)."""
         super().__init__(world_size)
         self.settings = settings
         devices = rank_devices(torch.device(device), world_size)
-        beat_s = min(5.0, max(0.05, heartbeat_timeout_s / 4)) if heartbeat_timeout_s > 0 else 0.0
-        checkpointing = gradient_checkpointing
-        deterministic = torch.are_deterministic_algorithms_enabled()  # (run.deterministic: the ranks do as this process)
+        weights = _bytes(model)
+        handed = 0 if source is not None else weights + (_bytes(ref_model) if ref_model is not None else 0)
+        self.shm = plan_shm(weights, microbatch_bytes, world_size, handed_bytes=handed)
+        options = RankOptions(
+            beat_s=min(5.0, max(0.05, heartbeat_timeout_s / 4)) if heartbeat_timeout_s > 0 else 0.0,
+            gradient_checkpointing=gradient_checkpointing,
+            deterministic=torch.are_deterministic_algorithms_enabled(),  # (run.deterministic: the ranks do as this process)
+            source=source,
+            spill_dir=self.shm.spill_dir,
+            env=self.shm.env,
+        )
+        handed_model, handed_ref = (None, None) if source is not None else (model, ref_model)
         ctx = mp.get_context("spawn")
         port = free_port()
         self._ids = itertools.count(1)
@@ -281,7 +306,7 @@ class ShardedTrainer(RankedTrainer):
             parent, child = ctx.Pipe()
             process = ctx.Process(
                 target=rank_main,
-                args=(r, world_size, port, child, model, settings, ref_model, str(devices[r]), beat_s, checkpointing, deterministic),
+                args=(r, world_size, port, child, handed_model, settings, handed_ref, str(devices[r]), options),
                 name=f"relayrl-trainer-rank{r}",
                 daemon=True,
             )
@@ -409,3 +434,4 @@ class ShardedTrainer(RankedTrainer):
                 rank.process.join(timeout=5.0)
         for rank in self._ranks:
             rank.conn.close()
+        remove_dir(self.shm.spill_dir)
