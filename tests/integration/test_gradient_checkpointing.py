@@ -49,6 +49,20 @@ def test_off_by_default_and_enabled_by_the_key() -> None:
     assert is_checkpointing(build.make_trainer(lora, random_qwen2(VOCAB), 1).model)  # type: ignore[union-attr]
 
 
+def test_each_rank_is_told_to_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relayrl.backends.local import sharded
+    from support.fakespawn import FakeContext, FakeProcess
+
+    FakeProcess.started = []
+    monkeypatch.setattr(sharded.mp, "get_context", lambda method: FakeContext())
+    cfg = load_config(None, ["run.backend=local", "train.world_size=2", "train.gradient_checkpointing=true"])
+    trainer = build.make_trainer(cfg, random_qwen2(VOCAB), 1)
+    try:
+        assert [args[8].gradient_checkpointing for args in FakeProcess.started] == [True, True]
+    finally:
+        trainer._shutdown()  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_checkpointed_step_recomputes_and_matches_the_plain_step(lora: bool) -> None:
     torch.set_num_threads(1)
@@ -70,3 +84,32 @@ def test_a_checkpointed_step_recomputes_and_matches_the_plain_step(lora: bool) -
     assert set(plain) == set(ckpt) and plain
     for name, g in plain.items():
         torch.testing.assert_close(ckpt[name], g, rtol=1e-5, atol=1e-6, msg=functools.partial(named, name))
+
+
+@pytest.mark.slow
+def test_two_checkpointing_ranks_train_what_two_plain_ranks_train() -> None:
+    """FSDP2 with activation checkpointing in each rank: a step's loss, gradient norm and weights
+    match the un-checkpointed ranks' (the ranks enable it on their own copies)."""
+    import asyncio
+
+    from relayrl.backends.local.sharded import ShardedTrainer
+    from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+    from support.sharded import microbatch_steps, train_steps
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = microbatch_steps(tok, 1)
+    settings = TrainerSettings(learning_rate=1e-3, total_steps=4, loss=LossConfig(), torch_threads=1)
+
+    async def run(checkpointing: bool) -> Any:
+        trainer = ShardedTrainer(model, settings, 2, gradient_checkpointing=checkpointing)
+        try:
+            return await train_steps(trainer, steps)
+        finally:
+            await trainer.close()
+
+    (m_plain, w_plain), (m_ckpt, w_ckpt) = asyncio.run(run(False)), asyncio.run(run(True))
+    for key in ("loss", "grad_norm", "tokens"):
+        assert m_ckpt[0][key] == pytest.approx(m_plain[0][key], rel=1e-5, abs=1e-6), key
+    for name, value in w_plain.items():
+        torch.testing.assert_close(w_ckpt[name], value, rtol=0, atol=1e-5, msg=functools.partial(named, name))

@@ -47,7 +47,7 @@ from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
-from relayrl.config.schema import Config
+from relayrl.config.schema import Config, LoraConfig
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
@@ -214,6 +214,16 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
 
+def seeded_wrap(model: PreTrainedModel, lora: LoraConfig, seed: int) -> Any:
+    """`model` with LoRA adapters whose init is drawn from `seed` (every rank of a sharded
+    trainer, wherever it runs, then holds the same adapters), torch's RNG left as it was."""
+    from relayrl.models.lora import wrap
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return wrap(model, lora)
+
+
 class RankModel:
     """What a local rank of the sharded trainer loads itself (picklable: the config and dtype),
     instead of receiving the driver's copy through shared memory (`relayrl.backends.local.shm`):
@@ -228,11 +238,7 @@ class RankModel:
         model, _ = load_base(self.cfg, self.dtype)
         lora = self.cfg.train.lora
         if lora is not None:
-            from relayrl.models.lora import wrap
-
-            with torch.random.fork_rng(devices=[]):  # (the adapters' init draws from torch's RNG)
-                torch.manual_seed(self.cfg.run.seed)
-                model = wrap(model, lora)
+            model = seeded_wrap(model, lora, self.cfg.run.seed)
         ref = _frozen_copy(model) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
         return model, ref
 
@@ -376,10 +382,8 @@ class TrainerFactory(_Factory):
 
         model, _, device = self.placed()
         lora = self.cfg.train.lora
-        if lora is not None:
-            from relayrl.models.lora import wrap
-
-            model = wrap(model, lora)
+        if lora is not None:  # (seeded: the ranks are separate actors, their adapters must agree)
+            model = seeded_wrap(model, lora, self.cfg.run.seed)
         if self.cfg.train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
