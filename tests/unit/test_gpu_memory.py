@@ -12,11 +12,10 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from relayrl.backends.local.build import checkpointing, compute, gpu_preflight
+from relayrl.backends.local.build import compute, gpu_preflight
 from relayrl.config.schema import Config, ConfigError, load_config
 from relayrl.config.sizing import GiB, Placement, activation_bytes, model_shape, plan_gpu_memory, precision_bytes
 from support.fakecuda import pretend_cuda
-from support.modelutil import random_qwen2
 
 
 def _qwen(directory: Path, **shape: int | bool) -> Path:
@@ -113,19 +112,3 @@ def test_the_keys_change_the_estimate(qwen05b: Path) -> None:
 def test_the_cpu_has_no_gpu_plan(qwen7b: Path) -> None:
     cpu = torch.device("cpu")
     assert gpu_preflight(load_config(None, ["run.backend=local", f"model.path={qwen7b}"]), cpu, cpu) is None
-
-
-def test_gradient_checkpointing_is_turned_on_for_the_trainer() -> None:
-    model = random_qwen2(64)
-    layers = model.model.layers
-    checkpointing(model, False)
-    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in layers)
-    checkpointing(model, True)
-    assert all(layer.gradient_checkpointing for layer in layers)
-
-
-def test_ranks_past_the_last_gpu_are_refused(monkeypatch: pytest.MonkeyPatch, qwen05b: Path) -> None:
-    pretend_cuda(monkeypatch, count=2, total_gib=141)
-    cfg = _cfg(qwen05b, "train.device=cuda:1", "train.world_size=2")
-    with pytest.raises(ConfigError, match="up to cuda:2, but this process sees 2 CUDA devices"):
-        gpu_preflight(cfg, torch.device("cuda", 1), torch.device("cuda", 0))

@@ -142,6 +142,12 @@ class Trainer(Protocol):
     zeroed, and what the update published, the version's weights and metrics, is what it would
     have been without it). The caller does not call `train_step` for a queued micro-batch."""
 
+    async def ready(self) -> None:
+        """Wait until the trainer can take calls: its start-up, bounded by the trainer's own
+        setting (the sharded trainer: train.rank_startup_timeout_s); the call bound
+        (train.call_timeout_s) starts after it. Default: ready once constructed."""
+        return None
+
     @property
     def queue_ahead(self) -> bool:
         """Whether `optim_step_ahead` may be used now. Default: no."""

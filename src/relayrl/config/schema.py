@@ -93,6 +93,12 @@ class RunConfig(_Section):
     the simulated workers derive from it."""
     steps: int = Field(20, ge=1, json_schema_extra=RESUMABLE)
     """Training steps (optimizer updates); `--resume` with a larger value trains further."""
+    deterministic: bool = False
+    """Local backend: deterministic compute (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG
+    set before the first CUDA call, attention on its deterministic kernel), slower on CUDA; an
+    operation with no deterministic kernel then fails naming itself. On the CPU runs are
+    bit-identical without it; on CUDA only with it (same machine and software), see
+    docs/design.md "Determinism"."""
     backend: Literal["sim", "local"] = "sim"
     """What computes: "sim", simulated workers whose costs are set in [sim] (no model); "local", the
     model of [model] sampled and trained with PyTorch (in this process, or in Ray actors with
@@ -365,8 +371,8 @@ class RolloutConfig(_Section):
     current CUDA device), "cuda:N" or "auto" (cuda when this process sees a CUDA device, else
     cpu). A device this machine lacks exits 2 naming the key. On Ray each sampler actor asks for
     one GPU when its device is CUDA (unless ray.sampler_resources names GPU) and computes on the
-    GPU Ray gives it (cuda:N is read as cuda); the evaluation's engine, in the driver, uses the
-    device when this machine has it, else the CPU. Sampled tokens differ between devices (their
+    GPU Ray gives it (cuda:N is read as cuda); the evaluation's engine, in the driver and outside
+    Ray's GPU accounting, computes on the CPU (so every GPU user is an actor Ray placed). Sampled tokens differ between devices (their
     random streams differ), not their distribution: a --resume keeps the device, as exact
 resume needs."""
     strict_environment: bool = Field(False, json_schema_extra=RESUMABLE)
@@ -645,17 +651,31 @@ the device."""
     world_size: int = Field(1, ge=1)
     """Ranks of the sharded trainer (local backend): 1 = one trainer in the run's process; N > 1 =
     N local processes of one torch.distributed group (gloo on the CPU, NCCL on CUDA, rank r on
-    cuda:r), each holding 1/N of the parameters, gradients and optimizer state (FSDP2, one unit
-    per decoder layer plus the root); with ray.enabled, N trainer actors in one placement group
+    cuda:(b+r) for train.device = cuda:b; at most one rank per GPU, or per CPU core), each
+    holding 1/N of the parameters, gradients and optimizer state (FSDP2, one unit per decoder
+    layer plus the root); with ray.enabled, N trainer actors in one placement group
     (PACK, a bundle of ray.trainer_resources per rank), rank 0 answering the run. A step equals
     the one-rank step. Checkpoints are sharded and resume only with the same N."""
+    allow_shared_devices: bool = False
+    """With train.world_size > 1 (local ranks): allow rollout.device on a GPU a rank computes on,
+    and more CPU ranks than CPU cores; false = such a placement exits 2 naming the keys. (One
+    trainer and the samplers may always share a device.)"""
+    rank_startup_timeout_s: float = Field(600.0, ge=0.0)
+    """With train.world_size > 1: a rank that has not started (spawned, joined the group, built its
+    shard) within this many seconds fails the run naming the rank; the start-up is not counted
+    against train.call_timeout_s. 0 = no bound."""
+    rank_heartbeat_timeout_s: float = Field(60.0, ge=0.0)
+    """With train.world_size > 1 (local ranks): each rank sends a heartbeat several times within
+    this bound; a rank silent for longer (stopped, hung outside Python) is ended and fails the run
+    naming it, long before train.call_timeout_s. 0 = no heartbeat check."""
+    gradient_checkpointing: bool = False
+    """Activation (gradient) checkpointing: the model's decoder layers keep no activations for the
+    backward pass and recompute them (Hugging Face `gradient_checkpointing_enable`, non-reentrant),
+    in one process and in every rank: less memory for long rows, about a third more compute. The
+    step's loss and gradients are those of the un-checkpointed step (up to rounding)."""
     torch_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Trainer's intra-op threads (per rank); 0 = auto: the trainer and the local samplers compute at the same
     time and share the process's torch threads (at least 1 each; see local/build.split_threads)."""
-    gradient_checkpointing: bool = False
-    """Activation (gradient) checkpointing: the trainer keeps each decoder layer's input only and
-    recomputes the layer in the backward pass (transformers' gradient_checkpointing_enable, non-
-    reentrant): far less activation memory on a GPU for ~30% more compute per step."""
     lora: LoraConfig | None = None
     """LoRA adapters on the model (a table: r, alpha, dropout, target_modules; see
     [train.lora](#trainlora)); unset = the whole model trains. The KL reference is the model with

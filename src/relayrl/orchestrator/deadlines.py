@@ -16,6 +16,7 @@ run's failure nor leaves an unretrieved exception. A bound of 0 means none.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -61,10 +62,25 @@ class BoundedTrainer(Trainer):
     def __init__(self, inner: Trainer, seconds: float) -> None:
         self.inner = inner
         self.seconds = seconds
+        self._ready = False
 
-    def _bound(self, call: Awaitable[T], name: str, seconds: float | None = None) -> Awaitable[T]:
-        """`call` bounded by `seconds` (default: the trainer's bound)."""
-        return bounded(call, self.seconds if seconds is None else seconds, f"trainer call {name}", "train.call_timeout_s")
+    async def _bound(self, call: Awaitable[T], name: str, seconds: float | None = None) -> T:
+        """`call` bounded by `seconds` (default: the trainer's bound), once the trainer is
+        `ready` (its start-up is bounded by its own setting, not by this one)."""
+        if not self._ready:
+            try:
+                await self.ready()
+            except BaseException:
+                if inspect.iscoroutine(call):  # (never started: no "never awaited" warning)
+                    call.close()
+                raise
+        return await bounded(call, self.seconds if seconds is None else seconds, f"trainer call {name}", "train.call_timeout_s")
+
+    async def ready(self) -> None:
+        ready = getattr(self.inner, "ready", None)  # (a trainer that does not subclass Trainer: ready at once)
+        if ready is not None:
+            await ready()
+        self._ready = True
 
     async def train_step(self, batch: TrainBatch) -> None:
         await self._bound(self.inner.train_step(batch), f"train_step(step {batch.step}, microbatch {batch.index})")
@@ -92,6 +108,8 @@ class BoundedTrainer(Trainer):
         return await self._bound(self.inner.export_weights(), "export_weights")
 
     async def export_ahead(self) -> PendingExport | None:
+        if not self._ready:
+            await self.ready()
         loop = asyncio.get_running_loop()
         sent = loop.time()
         pending = await self._bound(self.inner.export_ahead(), "export_weights")

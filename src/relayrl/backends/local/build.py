@@ -10,9 +10,11 @@ another process (a Ray actor) a factory loads the model there.
 Devices (`relayrl.backends.local.devices`): in one process the driver resolves train.device and
 rollout.device before loading anything (a device the machine lacks exits 2 there), loads the
 model on the CPU in `model.dtype`, and each worker moves its own copy to its device once; the
-held-out engine computes on rollout.device. On Ray each actor resolves its own device (the GPU Ray
-gave it) and loads the model there; the driver's engine uses rollout.device if this machine has
-it, else the CPU.
+held-out engine computes on rollout.device. The sharded trainer's rank r computes on
+cuda:(b+r) for train.device = cuda:b, and a placement that shares a rank's device or oversubscribes
+the machine is refused up front (`relayrl.backends.local.placement`). On Ray each actor resolves
+its own device (the GPU Ray gave it) and loads the model there; the driver's engine computes on the
+CPU: it is outside Ray's GPU accounting, so it takes no GPU an actor may have been given.
 
 With train.lora the trainer wraps its model in LoRA adapters (in place, after the samplers and the
 greedy engine copied it) and no reference copy is loaded; the samplers keep the plain model and
@@ -37,13 +39,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import TorchCollator
-from relayrl.backends.local.devices import DeviceError, driver_device, process_device, resolve_device, resolve_dtype
+from relayrl.backends.local.determinism import make_deterministic
+from relayrl.backends.local.devices import process_device, resolve_device, resolve_dtype
 from relayrl.backends.local.generation import SamplingParams
+from relayrl.backends.local.placement import check_placement
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
-from relayrl.config.schema import Config
+from relayrl.config.schema import Config, LoraConfig
+from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
 if TYPE_CHECKING:
@@ -181,41 +186,69 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
     reference copy is made: the reference is the model with its adapters off. With
     train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
-    on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
+    on cuda:(b+r) when `device` is cuda:b; the reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
     settings = trainer_settings(cfg, threads)
-    checkpointing(model, t.gradient_checkpointing)
+    if t.world_size > 1:  # each rank loads its own copy (RankModel): `model` only sizes a version
+        from relayrl.backends.local.sharded import ShardedTrainer
+
+        return ShardedTrainer(
+            model,
+            settings,
+            t.world_size,
+            device=device,
+            startup_timeout_s=t.rank_startup_timeout_s,
+            heartbeat_timeout_s=t.rank_heartbeat_timeout_s,
+            gradient_checkpointing=t.gradient_checkpointing,
+            source=RankModel(cfg, model.dtype),
+            microbatch_bytes=microbatch_bytes(cfg),
+        )
     if t.lora is not None:
         from relayrl.models.lora import wrap
 
         model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
-        if t.world_size == 1:
-            return LocalTrainer(model, settings, device=device)
-    if t.world_size > 1:
-        from relayrl.backends.local.sharded import ShardedTrainer
-
-        if device.type == "cuda" and torch.cuda.device_count() < t.world_size:
-            raise DeviceError(
-                f"train.world_size = {t.world_size} on train.device = {t.device!r} needs one CUDA device per rank, "
-                f"this process sees {torch.cuda.device_count()}"
-            )
-        ref = _frozen_copy(model) if a.kl_beta > 0 and t.lora is None else None
-        return ShardedTrainer(model, settings, t.world_size, ref_model=ref, device=device.type)
+    if t.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if t.lora is not None:
+        return LocalTrainer(model, settings, device=device)
     ref = _frozen_copy(model, device) if a.kl_beta > 0 else None
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
 
-def checkpointing(model: PreTrainedModel, on: bool) -> None:
-    """train.gradient_checkpointing: each decoder layer recomputed in the backward pass
-    (non-reentrant, so frozen inputs and LoRA need nothing more); the samplers' copies are made
-    before and never train."""
-    if not on:
-        return
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x (the older name is deprecated there)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def seeded_wrap(model: PreTrainedModel, lora: LoraConfig, seed: int) -> Any:
+    """`model` with LoRA adapters whose init is drawn from `seed` (every rank of a sharded
+    trainer, wherever it runs, then holds the same adapters), torch's RNG left as it was."""
+    from relayrl.models.lora import wrap
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return wrap(model, lora)
+
+
+class RankModel:
+    """What a local rank of the sharded trainer loads itself (picklable: the config and dtype),
+    instead of receiving the driver's copy through shared memory (`relayrl.backends.local.shm`):
+    (the model from its source in `dtype`, LoRA adapters on it seeded from run.seed so every
+    rank's are the same; the frozen reference copy when kl_beta > 0 without LoRA)."""
+
+    def __init__(self, cfg: Config, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+
+    def __call__(self) -> tuple[PreTrainedModel, PreTrainedModel | None]:
+        model, _ = load_base(self.cfg, self.dtype)
+        lora = self.cfg.train.lora
+        if lora is not None:
+            model = seeded_wrap(model, lora, self.cfg.run.seed)
+        ref = _frozen_copy(model) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
+        return model, ref
+
+
+def microbatch_bytes(cfg: Config) -> int:
+    """About the bytes of one collated micro-batch (a row's tokens' ids, positions and figures,
+    and its attention mask, row_tokens² at most), for the shared-memory plan."""
+    t = cfg.train
+    return t.rows_per_microbatch * t.row_tokens * (t.row_tokens + 64)
 
 
 def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
@@ -315,6 +348,8 @@ class _Factory:
 
     def placed(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
         """(model, tokenizer, device) of the worker; the device is resolved before the model loads."""
+        if self.cfg.run.deterministic:  # (an actor: before its first CUDA call)
+            make_deterministic()
         device = self.device()
         model, tokenizer = self.base()
         return model, tokenizer, device
@@ -347,24 +382,26 @@ class TrainerFactory(_Factory):
         from relayrl.backends.local.ranks import RankParts
 
         model, _, device = self.placed()
-        checkpointing(model, self.cfg.train.gradient_checkpointing)
         lora = self.cfg.train.lora
-        if lora is not None:
-            from relayrl.models.lora import wrap
-
-            model = wrap(model, lora)
+        if lora is not None:  # (seeded: the ranks are separate actors, their adapters must agree)
+            model = seeded_wrap(model, lora, self.cfg.run.seed)
+        if self.cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
         return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:
+    if cfg.run.deterministic:  # before this process's first CUDA call (see relayrl.backends.local.determinism)
+        make_deterministic()
     if cfg.ray.enabled:  # the workers' devices are resolved in their actors
         train_device = rollout_device = None
-        greedy_device = driver_device(cfg.rollout.device, "rollout.device")
+        greedy_device = _CPU  # (the driver's engine: outside Ray's GPU accounting, see the module)
         dtype = resolve_dtype(cfg.model.dtype, [greedy_device])
-    else:  # before anything loads: a device this machine lacks exits 2 at once
+    else:  # before anything loads: a device this machine lacks, or a placement refused, exits 2 at once
         train_device = resolve_device(cfg.train.device, "train.device")
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
+        check_placement(cfg, train_device, rollout_device)
         dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
     # before anything loads too: a run whose GPU copies cannot fit exits 2 (config/sizing.py)
     gpu = gpu_preflight(cfg, train_device, rollout_device) if train_device is not None and rollout_device is not None else None

@@ -126,14 +126,6 @@ def resolve_dtype(name: str, devices: Sequence[torch.device], accel: Accelerator
 
 def process_device(spec: str, key: str, *, ray: bool) -> torch.device:
     """`resolve_device` in this process: with `ray` (ray.enabled, called in a worker's actor) the
-    GPUs Ray gave the actor decide; in the driver of a Ray run, see `driver_device`."""
+    GPUs Ray gave the actor decide (the driver of a Ray run computes on the CPU: see
+    `relayrl.backends.local.build`)."""
     return resolve_device(spec, key, ray_gpus=_ray_gpus() if ray and in_ray_actor() else None)
-
-
-def driver_device(spec: str, key: str) -> torch.device:
-    """A device for work the driver of a Ray run does itself (the held-out evaluation's engine):
-    `spec` when this machine has it, else the CPU (the GPUs are the actors')."""
-    try:
-        return resolve_device(spec, key)
-    except DeviceError:
-        return torch.device("cpu")

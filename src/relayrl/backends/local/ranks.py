@@ -27,9 +27,11 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,11 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from relayrl.backends.local.collate import PackedBatch
+from relayrl.backends.local.determinism import make_deterministic
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.local.shm import spill
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
+from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.lora import adapter_payload, peft_base
 from relayrl.types import TrainBatch, Weights
 
@@ -52,6 +57,11 @@ from relayrl.types import TrainBatch, Weights
 #: `__<rank>_0.distcp` per rank and its `.metadata`, so the checkpoint's file list covers each):
 #: rank 0's file of what is not sharded (version, schedule, counts, world size).
 META_FILE = "trainer-sharded.pt"
+
+#: The request id of a rank's heartbeat on its pipe (`(HEARTBEAT, True, None)`, no request
+#: awaits it): sent every `beat_s` seconds once the rank runs, so that the host tells a rank that
+#: stopped answering from one that computes (`relayrl.backends.local.sharded`).
+HEARTBEAT = -1
 
 
 class ShardedCompute(TrainerCompute):
@@ -114,6 +124,21 @@ class ShardedCompute(TrainerCompute):
         super().train_step(tb, abort)
         if self.settings.several_updates and tb.minibatch != 0:
             self._reshard()
+
+    def optim_step(self) -> int:
+        version = super().optim_step()
+        if self.device.type == "cuda":  # (every rank's device is): the step's peak is the largest rank's
+            with self._slot_lock:
+                mine = self._slot.get("gpu_mem_peak_gb")
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+            with self._slot_lock:
+                for r, peak in enumerate(parts):
+                    if peak is not None:
+                        self._slot[f"gpu_mem_peak_gb_rank{r}"] = float(peak)
+                if any(p is not None for p in parts):
+                    self._slot["gpu_mem_peak_gb"] = max(float(p) for p in parts if p is not None)
+        return version
 
     def _reshard(self) -> None:
         """After a no-grad forward: FSDP leaves the root unit's parameters gathered (for a backward
@@ -278,6 +303,16 @@ def _reply(conn: Connection, lock: threading.Lock, rid: int, ok: bool, value: ob
         conn.send((rid, ok, value))
 
 
+def _beat(conn: Connection, lock: threading.Lock, every_s: float) -> None:
+    """This rank's heartbeat (see HEARTBEAT), until the pipe breaks."""
+    while True:
+        try:
+            _reply(conn, lock, HEARTBEAT, True, None)
+        except Exception:  # the host is gone (the receiver ends the rank)
+            return
+        time.sleep(every_s)
+
+
 def _error(exc: BaseException) -> BaseException:
     """`exc` if it can travel back to the host, else a RuntimeError carrying its text."""
     import pickle
@@ -330,28 +365,57 @@ def serve(compute: ShardedCompute, op: str, arg: Any) -> object:
     raise ValueError(f"unknown request {op!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class RankOptions:
+    """How the host starts each local rank besides its model and settings."""
+
+    beat_s: float = 0.0  # a heartbeat every this many seconds (0: none)
+    gradient_checkpointing: bool = False  # train.gradient_checkpointing on its copy of the model
+    deterministic: bool = False  # run.deterministic, before its first CUDA call
+    # the rank loads its (model, reference model) itself with this, instead of receiving them
+    # through shared memory (relayrl.backends.local.build.RankModel)
+    source: Callable[[], tuple[PreTrainedModel, PreTrainedModel | None]] | None = None
+    spill_dir: str | None = None  # rank 0's version weights through this disk directory (shm.plan_shm)
+    env: dict[str, str] = field(default_factory=dict)  # set first (e.g. NCCL_SHM_DISABLE)
+
+
 def rank_main(
     rank: int,
     world_size: int,
     port: int,
     conn: Connection,
-    model: PreTrainedModel,
+    model: PreTrainedModel | None,
     settings: TrainerSettings,
     ref_model: PreTrainedModel | None,
     device: str,
+    options: RankOptions | None = None,
 ) -> None:
-    """The body of rank `rank` (a spawned process)."""
+    """The body of rank `rank` (a spawned process) on `device` (its own: the host maps rank r to
+    cuda:(b+r)), training `model` (None: loaded by `options.source`); see `RankOptions`."""
+    opts = options if options is not None else RankOptions()
+    os.environ.update(opts.env)
+    if opts.deterministic:
+        make_deterministic()
     lock = threading.Lock()
     torch.set_num_threads(settings.torch_threads or 1)
+    if opts.beat_s > 0:
+        threading.Thread(target=_beat, args=(conn, lock, opts.beat_s), name="relayrl-rank-heartbeat", daemon=True).start()
+    spill_dir = opts.spill_dir if rank == 0 else None
     try:
-        where = torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+        where = torch.device(device)
+        if model is None:
+            if opts.source is None:
+                raise ValueError("rank_main: neither a model nor a source to load it")
+            model, ref_model = opts.source()
+        if opts.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         join_group(rank, world_size, "127.0.0.1", port, where)
         compute = ShardedCompute(model, settings, ref_model, where)
         del model, ref_model
     except BaseException as exc:
         _reply(conn, lock, 0, False, _error(exc))
         return
-    _reply(conn, lock, 0, True, (compute.committed_weights(), compute.metrics()))
+    _reply(conn, lock, 0, True, (spill(compute.committed_weights(), spill_dir), compute.metrics()))
 
     work: queue.Queue[tuple[int, str, Any] | None] = queue.Queue()
 
@@ -380,7 +444,11 @@ def rank_main(
     while (item := work.get()) is not None:
         rid, op, arg = item
         try:
-            _reply(conn, lock, rid, True, serve(compute, op, arg))
+            answer = serve(compute, op, arg)
+            if spill_dir is not None and op in ("optim", "load"):  # (version, weights, metrics)
+                assert isinstance(answer, tuple)
+                answer = (answer[0], spill(answer[1], spill_dir), answer[2])
+            _reply(conn, lock, rid, True, answer)
         except BaseException as exc:
             _reply(conn, lock, rid, False, _error(exc))
     dist.destroy_process_group()

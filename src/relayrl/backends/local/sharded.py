@@ -3,8 +3,16 @@ N rank processes (`relayrl.backends.local.ranks`) behind it.
 
 Launch: the ranks are spawned (`torch.multiprocessing`, start method "spawn") on this machine,
 each given the model, the settings, MASTER_ADDR=127.0.0.1 and a free port, and one pipe; rank r
-joins the process group as rank r (gloo on the CPU, NCCL on CUDA with device cuda:r) and shards
-its copy of the model. Each pipe has a reader thread here that settles the answers.
+joins the process group as rank r (gloo on the CPU, NCCL on CUDA with device cuda:(b+r) for
+`device` cuda:b: `relayrl.backends.local.placement`) and shards its copy of the model. Each pipe
+has a reader thread here that settles the answers.
+
+Liveness: a rank that has not answered "started" within `startup_timeout_s` of its spawn
+(train.rank_startup_timeout_s) fails; once started it sends a heartbeat every quarter of
+`heartbeat_timeout_s` (train.rank_heartbeat_timeout_s) from a thread of its own, and a rank the
+reader hears nothing from for that long (a stopped process, one hung outside Python) is killed
+and fails every call naming it. Start-up is awaited by `ready` (the orchestrator's call bound,
+train.call_timeout_s, starts after it), so a slow start never counts against a call.
 
 Rounds: FSDP needs every rank to run each forward and backward pass together, so micro-batches
 are held until there is one per rank (a round) and then sent, the largest first, one per rank;
@@ -34,6 +42,7 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +50,9 @@ import torch
 import torch.multiprocessing as mp
 from transformers import PreTrainedModel
 
-from relayrl.backends.local.ranks import META_FILE, rank_main
+from relayrl.backends.local.placement import rank_devices
+from relayrl.backends.local.ranks import HEARTBEAT, META_FILE, RankOptions, rank_main
+from relayrl.backends.local.shm import plan_shm, remove_dir, unspill
 from relayrl.backends.local.trainer import TrainerSettings
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
@@ -51,6 +62,10 @@ from relayrl.types import TrainBatch, Weights
 #: collective broken by a dead peer may answer before the kernel has ended the peer (under load,
 #: tearing down a process with a model in memory takes a while)
 DEATH_GRACE_S = 10.0
+
+
+def _bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class RankFailed(RunFailed):
@@ -67,7 +82,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class _Rank:
     """The host's end of one rank: its process, its pipe and the answers awaited from it."""
 
-    def __init__(self, rank: int, process: Any, conn: Any) -> None:
+    def __init__(self, rank: int, process: Any, conn: Any, heartbeat_timeout_s: float = 0.0) -> None:
         self.rank = rank
         self.process = process
         self.conn = conn
@@ -78,6 +93,8 @@ class _Rank:
         self.send_lock = threading.Lock()
         self.dead: RankFailed | None = None
         self.started = self.expect(0)  # its first answer: ready (or why it could not start)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.seen: float | None = None  # when its last message arrived (None: none yet)
         threading.Thread(target=self._read, name=f"relayrl-rank{rank}-reader", daemon=True).start()
 
     def send(self, message: tuple[int, str, Any]) -> None:
@@ -94,20 +111,40 @@ class _Rank:
         return future
 
     def _read(self) -> None:
+        hb = self.heartbeat_timeout_s
         while True:
             try:
+                # silence is bounded once the rank has said anything (its heartbeat starts first
+                # thing in its body; before that it imports, which train.rank_startup_timeout_s bounds)
+                if hb > 0 and self.seen is not None and not self.conn.poll(hb):
+                    self._stalled(f"stopped answering: no heartbeat for {hb:g}s (train.rank_heartbeat_timeout_s)")
+                    return
                 rid, ok, value = self.conn.recv()
             except Exception as exc:  # EOF, a broken pipe, or a message that does not unpickle
                 self._died(exc)
                 return
+            self.seen = time.monotonic()
+            if rid == HEARTBEAT:
+                continue
             with self.lock:
                 future = self.pending.pop(rid, None)
+            if ok:
+                try:
+                    value = unspill(value)  # (weights that came through a disk directory)
+                except Exception as exc:
+                    ok, value = False, exc
             if future is None or future.done():  # (cancelled: its caller gave up)
                 continue
             if ok:
                 future.set_result(value)
             else:
                 future.set_exception(value if isinstance(value, BaseException) else RuntimeError(str(value)))
+
+    def _stalled(self, what: str) -> None:
+        """The rank is silent past its bound: end it (a stopped process too) and fail its calls."""
+        self.process.kill()
+        self.process.join(timeout=5.0)
+        self._fail(RankFailed(f"sharded trainer rank {self.rank} (pid {self.process.pid}) {what}"))
 
     def _died(self, exc: BaseException) -> None:
         self.process.join(timeout=2.0)
@@ -116,6 +153,9 @@ class _Rank:
             f"sharded trainer rank {self.rank} (pid {self.process.pid}) died"
             + (f" (exit code {code})" if code is not None else f" ({type(exc).__name__})")
         )
+        self._fail(dead)
+
+    def _fail(self, dead: RankFailed) -> None:
         with self.lock:
             self.dead = dead
             pending, self.pending = self.pending, {}
@@ -230,9 +270,34 @@ class ShardedTrainer(RankedTrainer):
         world_size: int,
         ref_model: PreTrainedModel | None = None,
         device: torch.device | str = "cpu",
+        *,
+        startup_timeout_s: float = 0.0,
+        heartbeat_timeout_s: float = 0.0,
+        gradient_checkpointing: bool = False,
+        source: Callable[[], tuple[PreTrainedModel, PreTrainedModel | None]] | None = None,
+        microbatch_bytes: int = 0,
     ) -> None:
+        """`device`: rank 0's (rank r computes on cuda:(b+r) for cuda:b, see the module);
+        `startup_timeout_s` / `heartbeat_timeout_s`: the ranks' liveness bounds (0: none);
+        `gradient_checkpointing`: each rank checkpoints its copy's activations; `source`: each
+        rank loads (model, reference model) with it instead of receiving `model` and
+        `ref_model` through shared memory (`model` then only sizes a version); `microbatch_bytes`:
+        about a micro-batch's size, for the shared-memory plan (`relayrl.backends.local.shm`)."""
         super().__init__(world_size)
         self.settings = settings
+        devices = rank_devices(torch.device(device), world_size)
+        weights = _bytes(model)
+        handed = 0 if source is not None else weights + (_bytes(ref_model) if ref_model is not None else 0)
+        self.shm = plan_shm(weights, microbatch_bytes, world_size, handed_bytes=handed)
+        options = RankOptions(
+            beat_s=min(5.0, max(0.05, heartbeat_timeout_s / 4)) if heartbeat_timeout_s > 0 else 0.0,
+            gradient_checkpointing=gradient_checkpointing,
+            deterministic=torch.are_deterministic_algorithms_enabled(),  # (run.deterministic: the ranks do as this process)
+            source=source,
+            spill_dir=self.shm.spill_dir,
+            env=self.shm.env,
+        )
+        handed_model, handed_ref = (None, None) if source is not None else (model, ref_model)
         ctx = mp.get_context("spawn")
         port = free_port()
         self._ids = itertools.count(1)
@@ -241,26 +306,62 @@ class ShardedTrainer(RankedTrainer):
             parent, child = ctx.Pipe()
             process = ctx.Process(
                 target=rank_main,
-                args=(r, world_size, port, child, model, settings, ref_model, str(device)),
+                args=(r, world_size, port, child, handed_model, settings, handed_ref, str(devices[r]), options),
                 name=f"relayrl-trainer-rank{r}",
                 daemon=True,
             )
             process.start()
             child.close()
-            self._ranks.append(_Rank(r, process, parent))
+            self._ranks.append(_Rank(r, process, parent, heartbeat_timeout_s))
         self._ready = False
         self._closed = False
+        self._startup_timeout_s = startup_timeout_s
+        self._spawned = time.monotonic()
+        self._start_failed: RankFailed | None = None
 
     @property
     def pids(self) -> list[int]:
         """The ranks' process ids, rank 0 first."""
         return [int(rank.process.pid) for rank in self._ranks]
 
+    async def ready(self) -> None:
+        """Wait until every rank has started (bounded by `startup_timeout_s`, see the module)."""
+        await self._start()
+
     async def _start(self) -> None:
-        if not self._ready:
-            answers = await self._gather([asyncio.wrap_future(rank.started) for rank in self._ranks])
-            self._snapshot, self._slot = answers[0]
-            self._ready = True
+        if self._ready:
+            return
+        if self._start_failed is not None:
+            raise self._start_failed
+        bound = self._startup_timeout_s
+        waits = [asyncio.wrap_future(rank.started) for rank in self._ranks]
+        try:
+            if bound > 0:
+                left = max(0.0, self._spawned + bound - time.monotonic())
+                answers = await asyncio.wait_for(self._gather(waits), left)
+            else:
+                answers = await self._gather(waits)
+        except TimeoutError:
+            self._start_failed = self._late()
+            raise self._start_failed from None
+        self._snapshot, self._slot = answers[0]
+        self._ready = True
+
+    def _late(self) -> RankFailed:
+        """The failure of a start-up past its bound, naming the ranks to blame: those not started
+        that are silent (not yet beating, or no longer), else every one not started (those that
+        beat are waiting for the others in the rendezvous)."""
+        now = time.monotonic()
+        waiting = [r for r in self._ranks if r.started.cancelled() or not r.started.done()]  # (the wait cancelled them)
+        beat = self._ranks[0].heartbeat_timeout_s
+        silent = [r for r in waiting if r.seen is None or (beat > 0 and now - r.seen > beat)]
+        late = silent or waiting
+        which = ", ".join(str(r.rank) for r in late)
+        pids = ", ".join(str(r.process.pid) for r in late)
+        return RankFailed(
+            f"sharded trainer rank{'s' if len(late) > 1 else ''} {which} (pid{'s' if len(late) > 1 else ''} {pids}) did not start "
+            f"within {self._startup_timeout_s:g}s (train.rank_startup_timeout_s)"
+        )
 
     async def _gather(self, waits: list[asyncio.Future[Any]]) -> list[Any]:
         """Every rank's answer; the first failure is raised at once, as the death of a rank if
@@ -333,3 +434,4 @@ class ShardedTrainer(RankedTrainer):
                 rank.process.join(timeout=5.0)
         for rank in self._ranks:
             rank.conn.close()
+        remove_dir(self.shm.spill_dir)

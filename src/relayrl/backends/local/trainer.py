@@ -60,6 +60,7 @@ from transformers import PreTrainedModel
 
 from relayrl.algorithms.losses import MAX_LOG_RATIO, LossConfig, policy_loss
 from relayrl.backends.local.collate import PackedBatch
+from relayrl.backends.local.gpumem import step_peak_gb
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
@@ -466,6 +467,9 @@ class TrainerCompute:
             last = passes[-1]
             slot["ppo_kl"] = last.sums.get("ppo_kl", 0.0) / max(1, last.weights.get("ppo_kl", 0))
         self._stats, self._kept = _StepStats(), []
+        peak = step_peak_gb(self.device)  # GPU memory in telemetry (absent on the CPU)
+        if peak is not None:
+            slot["gpu_mem_peak_gb"] = peak
         self.version += 1
         snapshot = self.export()
         with self._slot_lock:

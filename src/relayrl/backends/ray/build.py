@@ -6,7 +6,8 @@ What runs where: the actors host the sampler / trainer compute (each calls its f
 process: the local kind loads the model there); the driver (this process) keeps the orchestrator
 and the kind's driver-side pieces: the prompt and text encoders, the collator (micro-batches are
 collated here and sent to the trainer actor), the held-out evaluation's greedy engine (loading
-weights that arrive by object-store reference) and the sim's simulated host work.
+weights that arrive by object-store reference; on the CPU: this process is outside Ray's GPU
+accounting, so it takes no GPU an actor may have been given) and the sim's simulated host work.
 
 Start-up says what it does on the console (`cluster.say`): the cluster started or joined, the
 actors starting, each actor ready (its worker built: the local kind loads the model there), the
@@ -246,7 +247,7 @@ def _place(
     say(f"Ray actors ready in {time.perf_counter() - started:.1f}s")
     greedy = None
     if evaluate and compute.greedy_engine is not None:
-        say("loading the held-out evaluation's engine in this process")
+        say("loading the held-out evaluation's engine in this process (on the CPU)")
         greedy = ResolvingEngine(compute.greedy_engine())
     trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead, ranks=ranks)
     ray_samplers = [RaySampler(a, i, interruptible=cfg.rollout.interrupts) for i, a in enumerate(sampler_actors)]
