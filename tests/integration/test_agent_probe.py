@@ -263,6 +263,55 @@ def test_the_token_is_checked_before_routing_and_the_scheme_in_any_case() -> Non
     assert len(sampler.sampled) == 1
 
 
+def test_an_episode_key_opens_its_own_episode_only_whatever_the_agent_cached_or_guessed() -> None:
+    """All episodes used to share one token and ids are predictable: a call with one episode's key to
+    a sibling's URL was answered 200 and trained as the sibling's sample, under its prompt."""
+    seen: dict[int, AgentContext] = {}
+    both = asyncio.Event()
+    statuses: dict[str, int] = {}
+    run_token: list[str] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        seen[ctx.sample_index] = ctx
+        if len(seen) == 2:
+            both.set()
+        await asyncio.wait_for(both.wait(), 10)
+        await call(ctx)
+        if ctx.sample_index == 0:
+            other = seen[1]
+            body = {"model": ctx.model, "prompt": "1+1="}
+            guessed = ctx.base_url.rsplit("/episodes/", 1)[0] + "/episodes/0-0-7/v1"
+            async with httpx.AsyncClient() as client:
+                for name, url, key in (
+                    ("sibling_with_own_key", other.base_url, ctx.api_key),
+                    ("guessed_with_own_key", guessed, ctx.api_key),
+                    ("own_with_sibling_key", ctx.base_url, other.api_key),
+                    ("own_with_run_secret", ctx.base_url, run_token[0]),
+                    ("outside_episodes", ctx.base_url.rsplit("/episodes/", 1)[0] + "/v1", ctx.api_key),
+                ):
+                    r = await client.post(url + "/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+                    statuses[name] = r.status_code
+        return 1.0
+
+    tok = tiny_tokenizer()
+    sampler = ScriptedSampler(tok, arithmetic)
+    rollout = make_rollout(tok, agent)
+    run_token.append(rollout.endpoint.token)
+
+    async def main() -> list[Group]:
+        await rollout.endpoint.start()
+        try:
+            return await rollout(SamplerSlot(0, sampler), requests_for(tok, PROMPT, 2))
+        finally:
+            await rollout.endpoint.stop()
+
+    groups = asyncio.run(main())
+    assert seen[0].api_key != seen[1].api_key
+    assert statuses and all(code in (401, 403, 404) for code in statuses.values()), statuses
+    assert len(sampler.sampled) == 2  # only each agent's own call was sampled
+    assert [len(t.turns) for t in groups[0].trajectories] == [1, 1]
+
+
 # -- agents ---------------------------------------------------------------------------------
 
 

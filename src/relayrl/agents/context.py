@@ -1,7 +1,8 @@
 """What an agent is given and how `task.agent` is resolved.
 
 Job: `AgentContext` is the one argument of `async def agent(ctx) -> float | None`: `base_url` (the
-episode's OpenAI-compatible base URL, ending in `/v1`), `api_key` (the run's token), `model` (the
+episode's OpenAI-compatible base URL, ending in `/v1`), `api_key` (the episode's own key:
+it opens that episode's URLs only), `model` (the
 model name to send), `prompt` (the task's `Prompt`: text, answer, metadata) and `sample_index`
 (0..G-1 within its group). `load_agent` imports a `task.agent` entry (`module:function` or
 `file.py:function`, loaded as reward files are: rewards/registry.py).

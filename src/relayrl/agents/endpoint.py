@@ -16,7 +16,11 @@ rollout.interruptible a load may land during the call: the choice keeps its toke
 segments); every choice is recorded in the episode's transcript.
 
 Invariants:
-- every request needs `Authorization: Bearer <the run's token>` (random per run; 401 otherwise);
+- every request needs `Authorization: Bearer <its episode's key>` (401 otherwise, any path): an
+  episode's key (`ctx.api_key`) is an HMAC of its id under a secret drawn per run, so it opens
+  only that episode's URLs; a key cached or guessed from another episode, the secret itself or a
+  path outside `/episodes/<id>/` is refused (401) before routing, and no agent can reach another
+  episode's transcript;
 - a request the endpoint cannot serve as asked gets a 4xx JSON error in OpenAI's shape naming the
   field (`param`), and nothing is sampled or recorded: an unknown or finished episode (404), one
   past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
@@ -41,6 +45,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import math
 import secrets
@@ -106,6 +113,7 @@ class AgentEpisode:
     rng_key: str
     deadline: float  # the loop's clock; math.inf: none
     base_url: str
+    api_key: str = field(repr=False)  # its key (ctx.api_key): opens this episode's URLs only
     transcript: Transcript = field(default_factory=Transcript)
     open: bool = True
     calls: int = 0
@@ -136,15 +144,15 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
 
 
 class _Guard:
-    """Pure ASGI middleware: an HTTP request without `Authorization: Bearer <token>` gets 401 in
-    OpenAI's shape (checked in constant time, before routing: any path), and one whose body is
+    """Pure ASGI middleware: an HTTP request without `Authorization: Bearer <the key of the episode
+    its path names>` gets 401 in OpenAI's shape (checked in constant time, before routing: any path), and one whose body is
     over `max_body` bytes 413 (by its Content-Length before it is read, else as it is read). A
     pure one, not Starlette's `BaseHTTPMiddleware`, so that the routes' `Request` reads the
     server's own `receive` and sees the client disconnect (`Request.is_disconnected`)."""
 
-    def __init__(self, app: ASGIApp, token: str, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, key: Callable[[str], str], max_body: int) -> None:
         self.app = app
-        self.token = token.encode()
+        self.key = key
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -153,7 +161,10 @@ class _Guard:
             return
         headers = Headers(scope=scope)
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token):
+        parts = str(scope.get("path", "")).split("/")
+        # the key of the episode the path names (none outside /episodes/<id>/: no key opens those)
+        expected = self.key(parts[2]) if len(parts) > 3 and parts[1] == "episodes" and parts[2] else ""
+        if scheme.lower() != "bearer" or not expected or not secrets.compare_digest(token.strip().encode(), expected.encode()):
             refused = _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
             await refused(scope, receive, send)
             return
@@ -220,7 +231,7 @@ class AgentEndpoint:
 
     def __init__(self, settings: EndpointSettings, tokenizer: Tokenizer) -> None:
         self.settings = settings
-        self.token = secrets.token_urlsafe(24)
+        self.token = secrets.token_urlsafe(24)  # the run's secret: episodes' keys derive from it, it opens nothing itself
         self._tok = tokenizer
         self._episodes: dict[str, AgentEpisode] = {}
         self._counter = 0
@@ -271,12 +282,18 @@ class AgentEndpoint:
         return f"http://{host}:{self.port}"
 
     # -- episodes -----------------------------------------------------------------------
+    def key(self, eid: str) -> str:
+        """Episode `eid`'s API key (`ctx.api_key`): HMAC-SHA256 of its id under the run's secret, so
+        that it opens that episode's URLs only (see the module)."""
+        digest = hmac.new(self.token.encode(), eid.encode(), hashlib.sha256).digest()
+        return "rl-" + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
     def open(self, name: str, prompt: Prompt, sample: SampleFn, rng_key: str, timeout_s: float = 0.0) -> AgentEpisode:
         """A new episode whose calls `sample` serves, refused after `timeout_s` (0: never)."""
         self._counter += 1
         eid = f"{name.replace('/', '-')}-{self._counter}"
         deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s > 0 else math.inf
-        episode = AgentEpisode(eid, prompt, sample, rng_key, deadline, f"{self.url}/episodes/{eid}/v1")
+        episode = AgentEpisode(eid, prompt, sample, rng_key, deadline, f"{self.url}/episodes/{eid}/v1", self.key(eid))
         self._episodes[eid] = episode
         return episode
 
@@ -308,7 +325,7 @@ class AgentEndpoint:
         async def _refused(request: Request, exc: HTTPFailure) -> JSONResponse:
             return _error(exc.status, str(exc), exc.param, exc.kind)
 
-        app.add_middleware(_Guard, token=self.token, max_body=self.settings.max_body_bytes)
+        app.add_middleware(_Guard, key=self.key, max_body=self.settings.max_body_bytes)
 
         @app.get("/episodes/{eid}/v1/models")
         async def _models(eid: str) -> dict[str, object]:

@@ -230,7 +230,7 @@ class AgentRollout:
         episode = self.endpoint.open(
             f"{request.group_id}/{index}", request.prompt, batcher.sample, f"{request.seed_key}\x00{index}", s.timeout_s
         )
-        ctx = AgentContext(episode.base_url, self.endpoint.token, s.model, request.prompt, index)
+        ctx = AgentContext(episode.base_url, episode.api_key, s.model, request.prompt, index)
         tasks = EpisodeTasks(f"agent/{request.group_id}/{index}/call")
         agent = tasks.start(_guarded(self._agent, ctx, lambda seconds: self._blocked(request, index, seconds)))
         timed_out = False
