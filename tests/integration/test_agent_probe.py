@@ -312,6 +312,67 @@ def test_an_episode_key_opens_its_own_episode_only_whatever_the_agent_cached_or_
     assert [len(t.turns) for t in groups[0].trajectories] == [1, 1]
 
 
+def test_a_large_request_is_refused_by_its_length_before_any_work_and_never_freezes_the_run() -> None:
+    """The endpoint rendered and tokenized bodies up to 16 MiB on the run's event loop before
+    checking their length: 1 MB of prompt held the loop for seconds (14 MB: 96 s). Now a prompt
+    longer than the episode's tokens could hold is a 400 naming the limit, and what is tokenized
+    is tokenized in the endpoint's own thread."""
+    import threading
+    import time
+
+    big = "1+1=" * 250_000  # 1 MB
+    answers: list[httpx.Response] = []
+    lags: list[float] = []
+    encoded_in: list[str] = []
+
+    async def ticker() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - before - 0.01)
+
+    async def agent(ctx: AgentContext) -> float:
+        tick = asyncio.create_task(ticker())
+        try:
+            answers.append(await post(ctx, {"model": ctx.model, "prompt": big}))
+            headers = {"Authorization": f"Bearer {ctx.api_key}"}
+            async with httpx.AsyncClient() as client:
+                chat = {"model": ctx.model, "messages": [{"role": "user", "content": big}]}
+                answers.append(await client.post(ctx.base_url + "/chat/completions", json=chat, headers=headers))
+        finally:
+            tick.cancel()
+        await call(ctx)
+        return 1.0
+
+    tok = tiny_tokenizer()
+    sampler = ScriptedSampler(tok, arithmetic)
+    rollout = make_rollout(tok, agent)
+    encode = rollout.endpoint._encode
+
+    def recording(text: str) -> list[int]:
+        encoded_in.append(threading.current_thread().name)
+        return encode(text)
+
+    rollout.endpoint._encode = recording  # type: ignore[method-assign]
+
+    async def main() -> list[Group]:
+        await rollout.endpoint.start()
+        try:
+            return await rollout(SamplerSlot(0, sampler), requests_for(tok, PROMPT, 1))
+        finally:
+            await rollout.endpoint.stop()
+
+    groups = asyncio.run(main())
+    assert [r.status_code for r in answers] == [400, 400]
+    errors = [r.json()["error"] for r in answers]
+    assert [e["param"] for e in errors] == ["prompt", "messages"]
+    assert all(e["type"] == "context_length_exceeded" and "rollout.max_total_tokens" in e["message"] for e in errors)
+    assert "1000000 characters, over the 2560" in errors[0]["message"]
+    assert max(lags) < 0.5, max(lags)  # the loop kept turning (tokenizing 1 MB on it took seconds)
+    assert encoded_in and all(name.startswith("relayrl-agent-text") for name in encoded_in)
+    assert groups[0].trajectories[0].status is TrajectoryStatus.OK and len(sampler.sampled) == 1
+
+
 # -- agents ---------------------------------------------------------------------------------
 
 

@@ -26,7 +26,10 @@ Invariants:
   past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
   (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
   them), penalties or logit biases, a `tool_choice` other than "auto" / "none", a context beyond
-  the episode's token room, a prompt that encodes to no token (400), a body over
+  the episode's token room, a prompt that encodes to no token (400), a prompt (or messages'
+  content) of more characters than the episode's tokens could hold (`max_total_tokens` × the
+  longest token's characters: 400 `context_length_exceeded` naming the limit, checked before any
+  rendering or tokenizing), a body over
   `max_body_bytes` (413), more than `max_n` choices being sampled at once for one episode (429:
   OpenAI clients retry it); an unknown path or method gets the same JSON shape (404, 405);
 - a call answered after its episode closed (its agent returned, failed or timed out) is refused
@@ -39,7 +42,10 @@ Invariants:
   fresh chain stays unused (forgotten with the episode's), and a continued node's chain is
   continued by the next call as before; the replica's cache for that chain then covers tokens the
   next context does not start with, and the samplers reuse a cache only for a context it is a
-  prefix of, so that call is prefilled afresh.
+  prefix of, so that call is prefilled afresh;
+- nothing proportional to a request's size runs on the event loop past its JSON parsing: the chat
+  template's rendering, tokenizing and decoding of a prompt run in the endpoint's own thread
+  ("relayrl-agent-text", one call at a time: the tokenizer is not shared between threads).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -70,9 +76,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
 from relayrl.errors import UserError
+from relayrl.threads import ThreadHost
 from relayrl.types import Prompt, TurnRequest, TurnResult
 
 __all__ = ["AgentEndpoint", "AgentEpisode", "EndpointError", "EndpointSettings", "SampleFn", "Tokenizer"]
+
+T = TypeVar("T")
 
 # samples one replica's turns: (requests) -> results in the same order (agents' stage batches them)
 SampleFn = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
@@ -239,6 +248,8 @@ class AgentEndpoint:
         self._socket: socket.socket | None = None
         self.port = 0
         self._native_tools: bool | None = None  # whether the chat template renders tools (agents/chat.py)
+        self._longest: int | None = None  # the longest token's characters (the prompt bound's unit)
+        self._text: ThreadHost | None = None  # renders and tokenizes off the loop while started
         self.app = self._build_app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -265,6 +276,7 @@ class AgentEndpoint:
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
         self._server, self._socket = server, sock
+        self._text = ThreadHost("agent-text")
         self.port = int(sock.getsockname()[1])
 
     async def stop(self) -> None:
@@ -273,8 +285,13 @@ class AgentEndpoint:
         self._server = self._socket = None
         for episode in self._episodes.values():
             episode.open = False
-        if server is not None and sock is not None:
-            await server.shutdown(sockets=[sock])
+        try:
+            if server is not None and sock is not None:
+                await server.shutdown(sockets=[sock])
+        finally:
+            text, self._text = self._text, None
+            if text is not None:
+                await text.aclose()
 
     @property
     def url(self) -> str:
@@ -380,6 +397,41 @@ class AgentEndpoint:
         ids = self._tok(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` in the endpoint's text thread (on the caller's thread before `start`)."""
+        host = self._text
+        return fn() if host is None else await host.call(fn)
+
+    async def _bound_chars(self, chars: int, param: str) -> None:
+        """Refuse (400) a prompt of more characters than the episode's tokens could hold, before
+        anything renders or tokenizes it."""
+        if self._longest is None:
+            self._longest = await self._off_loop(self._longest_token)
+        total = self.settings.max_total_tokens
+        limit = total * self._longest
+        if chars > limit:
+            raise HTTPFailure(
+                400,
+                f"{param}: {chars} characters, over the {limit} an episode's {total} tokens can hold "
+                f"(rollout.max_total_tokens × {self._longest} characters, the longest token's): not tokenized",
+                param,
+                "context_length_exceeded",
+            )
+
+    def _longest_token(self) -> int:
+        """The most characters one token stands for (its vocabulary string's: bytes for byte-level BPE)."""
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        return max((len(p) for p in pieces if isinstance(p, str)), default=1) or 1
+
+    async def _context(self, episode: AgentEpisode, text: str) -> Start:
+        """`Transcript.context` with the tokenizing off the loop (the node search and chain stay on it)."""
+        transcript = episode.transcript
+        parent = transcript.parent_of(text)
+        new = transcript.new_text(text, parent)
+        ids = await self._off_loop(lambda: self._encode(new)) if new else []
+        # a node recorded meanwhile that `text` also continues is no better a parent: nodes only grow
+        return transcript.start(parent, text, ids)
+
     async def _complete(self, episode: AgentEpisode, body: CompletionBody, request: Request) -> Any:
         max_new, stops = self._check_common(body)
         if body.echo:
@@ -392,6 +444,15 @@ class AgentEndpoint:
         if not prompt:
             raise HTTPFailure(400, "prompt is empty", "prompt")
         if isinstance(prompt, list):  # token ids: the context as sent, never re-tokenised
+            total = self.settings.max_total_tokens
+            if len(prompt) >= total:
+                raise HTTPFailure(
+                    400,
+                    f"prompt: {len(prompt)} token ids leave no room for a completion within the episode's {total} tokens "
+                    "(rollout.max_total_tokens, the model's context)",
+                    "prompt",
+                    "context_length_exceeded",
+                )
             if any(i < 0 or i >= len(self._tok) for i in prompt):
                 raise HTTPFailure(400, f"prompt: token ids must lie in [0, {len(self._tok)})", "prompt")
             ids = [int(i) for i in prompt]
@@ -399,7 +460,8 @@ class AgentEndpoint:
             text = self._tok.decode(ids, skip_special_tokens=False)
         else:
             text = prompt
-            start = episode.transcript.context(text, self._encode)
+            await self._bound_chars(len(text), "prompt")
+            start = await self._context(episode, text)
         answered = await self._sample(episode, start, body.n, max_new, stops, request)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         choices = []
@@ -453,14 +515,17 @@ class AgentEndpoint:
                 "(send 'auto' or 'none')",
                 "tool_choice",
             )
+        await self._bound_chars(_content_chars(body.messages), "messages")
         if self._native_tools is None and getattr(self._tok, "chat_template", None):
-            self._native_tools = renders_tools(self._tok)
+            tok = self._tok
+            self._native_tools = await self._off_loop(lambda: renders_tools(tok))
+        native, replies, messages, tools = self._native_tools is not False, dict(episode.replies), body.messages, body.tools
         try:
-            text = render(self._tok, body.messages, body.tools, native_tools=self._native_tools is not False, replies=episode.replies)
+            text = await self._off_loop(lambda: render(self._tok, messages, tools, native_tools=native, replies=replies))
         except ChatFormatError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
         parse = bool(body.tools) and body.tool_choice != "none"
-        start = episode.transcript.context(text, self._encode)
+        start = await self._context(episode, text)
         answered = await self._sample(episode, start, body.n, max_new, stops, request)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices: list[dict[str, Any]] = []
@@ -596,6 +661,19 @@ class AgentEndpoint:
         finish: Literal["stop", "length"] = "stop" if c.finish_reason == "stop" else "length"
         choice = Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, on_stop, c.versions)
         return _Answered(choice, text, finish)
+
+
+def _content_chars(messages: Sequence[object]) -> int:
+    """The characters of the messages' contents (a string, or parts with a `text`): a lower bound
+    on the rendered prompt's."""
+    chars = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return chars
 
 
 def _cut(versions: list[tuple[int, int]] | None, keep: int) -> list[tuple[int, int]] | None:
