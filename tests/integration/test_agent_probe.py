@@ -373,6 +373,34 @@ def test_a_large_request_is_refused_by_its_length_before_any_work_and_never_free
     assert groups[0].trajectories[0].status is TrajectoryStatus.OK and len(sampler.sampled) == 1
 
 
+def test_a_lone_surrogate_in_a_prompt_or_message_is_a_400_naming_the_field() -> None:
+    """JSON's "\\ud800" parses to a string no tokenizer takes: it used to be a plain-text 500
+    and a 72-line console traceback."""
+    answers: list[httpx.Response] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        headers = {"Authorization": f"Bearer {ctx.api_key}", "Content-Type": "application/json"}
+        lone = "\udfff"
+        bodies = [
+            ("/completions", {"model": ctx.model, "prompt": "1+\ud800="}),
+            ("/chat/completions", {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": lone}]}),
+            ("/completions", {"model": ctx.model, "prompt": "1+1=", "stop": ["\ud800"]}),
+        ]
+        async with httpx.AsyncClient() as client:
+            for path, body in bodies:
+                content = json.dumps(body).encode()  # ASCII, the surrogate as its \\u escape
+                answers.append(await client.post(ctx.base_url + path, content=content, headers=headers))
+        await call(ctx)
+        return 1.0
+
+    groups, sampler = run(agent)
+    assert [r.status_code for r in answers] == [400, 400, 400]
+    errors = [r.json()["error"] for r in answers]
+    assert [e["param"] for e in errors] == ["prompt", "messages.1.content", "stop.0"]
+    assert all("lone surrogate" in e["message"] and e["type"] == "invalid_request_error" for e in errors)
+    assert len(sampler.sampled) == 1 and groups[0].trajectories[0].status is TrajectoryStatus.OK
+
+
 # -- agents ---------------------------------------------------------------------------------
 
 

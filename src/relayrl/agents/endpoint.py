@@ -26,7 +26,8 @@ Invariants:
   past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
   (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
   them), penalties or logit biases, a `tool_choice` other than "auto" / "none", a context beyond
-  the episode's token room, a prompt that encodes to no token (400), a prompt (or messages'
+  the episode's token room, a prompt that encodes to no token, a string with a lone surrogate
+  (JSON's `"\ud800"`: 400 naming the field, e.g. `messages.0.content`), a prompt (or messages'
   content) of more characters than the episode's tokens could hold (`max_total_tokens` × the
   longest token's characters: 400 `context_length_exceeded` naming the limit, checked before any
   rendering or tokenizing), a body over
@@ -370,6 +371,11 @@ class AgentEndpoint:
     def _check_common(self, body: _Common) -> tuple[int, list[str]]:
         """(max new tokens asked, stop strings) once the sampling fields are checked."""
         s = self.settings
+        for name in ("prompt", "messages", "tools", "stop"):  # (a token-id prompt holds no string)
+            value = getattr(body, name, None)
+            where = _not_text(value, name) if not (name == "prompt" and isinstance(value, list)) else None
+            if where is not None:  # JSON's "\ud800": no tokenizer or template can take it
+                raise HTTPFailure(400, f"{where}: a lone surrogate (\\ud800-\\udfff) is not text: send valid UTF-16 pairs", where)
         if body.model != s.model:
             raise HTTPFailure(400, f"model is {body.model!r}: this endpoint serves {s.model!r} (ctx.model)", "model")
         for name, value, run in (("temperature", body.temperature, s.temperature), ("top_p", body.top_p, s.top_p)):
@@ -661,6 +667,24 @@ class AgentEndpoint:
         finish: Literal["stop", "length"] = "stop" if c.finish_reason == "stop" else "length"
         choice = Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, on_stop, c.versions)
         return _Answered(choice, text, finish)
+
+
+def _not_text(value: object, at: str) -> str | None:
+    """Where in `value` (a JSON value at `at`) a string holds a lone surrogate, if anywhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return at
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _not_text(key, at) is not None:
+            return at
+        found = _not_text(item, f"{at}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _content_chars(messages: Sequence[object]) -> int:
