@@ -551,6 +551,31 @@ def test_what_an_agent_raises_or_returns_is_described_in_one_short_line() -> Non
     assert not [w for w in caught if "never awaited" in str(w.message)]
 
 
+def test_the_api_key_is_redacted_in_the_context_repr_and_in_every_error_recorded() -> None:
+    """The context's repr held the token, and reached the trajectory log through an agent's error."""
+    keys: list[str] = []
+    reprs: list[str] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        keys.append(ctx.api_key)
+        reprs.append(repr(ctx))
+        await call(ctx)
+        if ctx.sample_index == 0:
+            raise RuntimeError(f"could not use {ctx!r}")
+        raise RuntimeError(f"{'x' * 270} key={ctx.api_key}")  # cut at ~300 characters: no part of the key stays
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        groups, _ = run(agent, samples=2)
+    errors = [t.error or "" for t in groups[0].trajectories]
+    said = " ".join(str(w.message) for w in caught)
+    assert len(keys) == 2 and all(len(k) > 20 for k in keys)
+    for key in keys:
+        assert all(key[:12] not in text for text in [*errors, *reprs, said])
+    assert all("<redacted>" in r for r in reprs) and "api_key='<redacted>'" in errors[0]
+    assert [agent_failure_reason(t) for t in groups[0].trajectories] == ["raised", "raised"]
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [

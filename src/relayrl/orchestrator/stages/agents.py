@@ -18,7 +18,8 @@ Invariants:
   included, but KeyboardInterrupt), runs past `rollout.agent_timeout_s` (cancelled), returns
   something that is neither None nor a finite number (a coroutine is closed), or made no call,
   fails its sample: one trajectory `failed` with an `error` "agent: REASON: DETAIL (agent NAME,
-  prompt ID, sample I)" (DETAIL one line of at most ~300 characters), not scored, counted by the
+  prompt ID, sample I)" (DETAIL one line of at most ~300 characters, with the episode's key and
+  the run's secret redacted), not scored, counted by the
   score stage (`reward_failures["agent"]`), out of its group's baseline; the run goes on. Under
   `task.strict_agents` it fails the run (`AgentError`, one line), the task's error: no replica is
   retired for it. An agent that raises KeyboardInterrupt fails the run so (asyncio would let it
@@ -47,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from relayrl.agents.context import AgentContext, AgentFn
+from relayrl.agents.context import AgentContext, AgentFn, redact
 from relayrl.agents.tasks import Clocked, EpisodeTasks
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
@@ -256,7 +257,7 @@ class AgentRollout:
             if isinstance(error, KeyboardInterrupt):  # asyncio would let it break the loop: the run stops, in one line
                 raise AgentError(f"{self._where(request, index)}: raised KeyboardInterrupt: the run stops")
             if error is not None:
-                failure = ("raised", _one_line(error))
+                failure = ("raised", _one_line(error, (ctx.api_key, self.endpoint.token)))
             else:
                 reward, failure = _reward(value)
         leaves = episode.transcript.leaves
@@ -377,10 +378,11 @@ def _short(value: object) -> str:
     return short.repr(value)
 
 
-def _one_line(exc: BaseException) -> str:
-    """`Type: message` on one line, at most ~300 characters; an exception whose str() fails too."""
+def _one_line(exc: BaseException, keys: tuple[str, ...] = ()) -> str:
+    """`Type: message` on one line, at most ~300 characters, `keys` redacted (before it is cut, so
+    no part of one is left); an exception whose str() fails too."""
     try:
-        text = " ".join(str(exc).split())
+        text = " ".join(redact(str(exc), keys).split())
     except Exception:  # its __str__ raises: the type says enough
         text = "(its message could not be read)"
     line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
