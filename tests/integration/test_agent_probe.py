@@ -576,6 +576,27 @@ def test_the_api_key_is_redacted_in_the_context_repr_and_in_every_error_recorded
     assert [agent_failure_reason(t) for t in groups[0].trajectories] == ["raised", "raised"]
 
 
+def test_an_absurd_agent_reward_fails_its_sample_and_counts_must_be_json_integers() -> None:
+    """2**70 was accepted as a reward of 1.18e21, and n=true / n=1.0 as n=1."""
+    answers: list[httpx.Response] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        if ctx.sample_index == 0:
+            for fields in ({"n": True}, {"n": 1.0}, {"max_tokens": 2.0}, {"stream": "yes"}):
+                answers.append(await post(ctx, {"model": ctx.model, "prompt": "1+1=", **fields}))
+        await call(ctx)
+        return [2**70, -1.5e6, 1e6, 0.5][ctx.sample_index]
+
+    groups, sampler = run(agent, samples=4)
+    assert [r.status_code for r in answers] == [400] * 4
+    assert [r.json()["error"]["param"] for r in answers] == ["n", "n", "max_tokens", "stream"]
+    trajectories = groups[0].trajectories
+    assert [agent_failure_reason(t) for t in trajectories] == ["non_finite", "non_finite", None, None]
+    assert "out of range (|r| > 1e6)" in (trajectories[0].error or "") and "1180591620717411303424" in (trajectories[0].error or "")
+    assert [t.agent_reward for t in trajectories[2:]] == [1e6, 0.5]
+    assert len(sampler.sampled) == 4  # only the good calls
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [

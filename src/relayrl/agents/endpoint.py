@@ -69,7 +69,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -199,13 +199,14 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    # counts are JSON integers (StrictInt): true or 1.0 is no n
+    n: StrictInt = Field(1, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -213,9 +214,9 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[StrictInt]  # token ids as JSON integers: "5" or true is no token id
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    best_of: int | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
 
@@ -223,8 +224,8 @@ class ChatBody(_Common):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
 @dataclass(slots=True)

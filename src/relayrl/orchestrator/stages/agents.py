@@ -16,7 +16,8 @@ functions' score of the trajectory's last completion (`completion_text`).
 Invariants:
 - an agent that raises (anything, SystemExit, GeneratorExit and a CancelledError of its own
   included, but KeyboardInterrupt), runs past `rollout.agent_timeout_s` (cancelled), returns
-  something that is neither None nor a finite number (a coroutine is closed), or made no call,
+  something that is neither None nor a number within ±MAX_ABS_REWARD (1e6, as reward functions:
+  rewards/registry.py; NaN, an infinity, 2**70 fail as `non_finite`; a coroutine is closed), or made no call,
   fails its sample: one trajectory `failed` with an `error` "agent: REASON: DETAIL (agent NAME,
   prompt ID, sample I)" (DETAIL one line of at most ~300 characters, with the episode's key and
   the run's secret redacted), not scored, counted by the
@@ -54,6 +55,7 @@ from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import SamplerSlot, forget_episodes
+from relayrl.rewards.registry import MAX_ABS_REWARD, OUT_OF_RANGE
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult, versions_used
 
@@ -354,7 +356,7 @@ async def _guarded(agent: AgentFn, ctx: AgentContext, report: Callable[[float], 
 
 
 def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
-    """(reward, failure) of what an agent returned: None, or a finite real number."""
+    """(reward, failure) of what an agent returned: None, or a real number within ±MAX_ABS_REWARD."""
     if value is None:
         return None, None
     if inspect.iscoroutine(value):
@@ -368,6 +370,8 @@ def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
         reward = math.inf
     if not math.isfinite(reward):
         return None, ("non_finite", f"returned {_short(value)}")
+    if abs(reward) > MAX_ABS_REWARD:  # a count, 2**70: a bug, not a signal (as for reward functions)
+        return None, ("non_finite", f"returned {_short(value)}: {OUT_OF_RANGE}")
     return reward, None
 
 
