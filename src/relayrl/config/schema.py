@@ -544,7 +544,8 @@ class LoraConfig(_Section):
     """LoRA adapters (train.lora, via peft): only the adapters train and travel to the samplers."""
 
     r: int = Field(8, ge=1)
-    """The adapters' rank."""
+    """The adapters' rank: at most the narrowest targeted layer's width, and the adapters must fit
+    the host memory budget (checked once the model is loaded: config/sizing.py)."""
     alpha: float = Field(16.0, gt=0.0)
     """The adapters' scale numerator: a layer computes W x + (alpha / r) B A x."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -589,8 +590,9 @@ class TrainConfig(_Section):
     """The learning rate after warm-up: constant, or decayed over run.steps (linear or cosine)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradients are clipped to this global norm."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over a step's data: a step makes ppo_epochs × minibatches_per_step optimizer updates,
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over a step's data (at most 100: more is no PPO, and a step would take hours): a step
+    makes ppo_epochs × minibatches_per_step optimizer updates,
     all inside its one optim_step (one commit, version + 1), against the policy before its first
     update (the proximal policy of tis_cap; clipped PPO stays against the sampler's log-probs)."""
     minibatches_per_step: int = Field(1, ge=1)

@@ -352,9 +352,11 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
     model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
     if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
+        from relayrl.config.sizing import check_lora
         from relayrl.models.lora import check_targets
 
         check_targets(model, cfg.train.lora)
+        check_lora(cfg, model)  # the rank within the layers' width, the adapters within host memory
     trainer_threads, sampler_threads = worker_threads(cfg)
     base = (model, tokenizer)
     return Compute(
