@@ -72,6 +72,9 @@ class _Tokenize:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "{text}", chat: bool = False) -> None:
         self._tok = tokenizer
+        # relayrl bounds prompts itself (the dispatch stage's max_prompt_tokens, check_prompts_fit): a
+        # long one is no reason for transformers' "Token indices sequence length" console line
+        tokenizer.model_max_length = 2**62
         self._template = template
         self._chat = chat
 
