@@ -198,11 +198,12 @@ def _keep_traceback(run_dir: Path, exc: BaseException) -> str:
     import traceback
 
     path = run_dir / ERROR_FILE
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
         tmp.replace(path)
-    except OSError:
+    except OSError:  # e.g. the disk is full: no empty error.txt.tmp is left behind
+        tmp.unlink(missing_ok=True)
         return ""
     return f" (traceback in {path})"
 
