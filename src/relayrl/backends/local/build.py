@@ -221,6 +221,7 @@ def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
         entropy_coef=a.entropy_coef,
         top_entropy_quantile=a.top_entropy_quantile,
         kl_estimator=a.kl_estimator,
+        kl_clamp=a.kl_clamp or None,
         kl_in_reward=a.kl_in_reward,
     )
     return TrainerSettings(
