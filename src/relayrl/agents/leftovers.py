@@ -9,7 +9,9 @@ running, ends those processes, and, when a thread is left, exits the process at 
 Invariants (the contract the README states):
 - a descendant process started during the run and alive at its end is ended with it: SIGTERM,
   then SIGKILL to any still alive after `END_GRACE_S` (found through /proc: Linux; elsewhere
-  processes are not looked for);
+  processes are not looked for). relayrl's own are not counted: a local Ray cluster's (they carry
+  `RELAYRL_RAY_CLUSTER`, ended by backends/ray/cluster.py) and any that ends by itself within
+  `SETTLE_S` of the run's end (an engine's worker finishing its shutdown);
 - a non-daemon thread started during the run and alive at its end never keeps relayrl alive: the
   process flushes its output and exits with the run's exit code (`os._exit`) instead of waiting
   for it, as Python would at interpreter shutdown;
@@ -31,6 +33,10 @@ __all__ = ["END_GRACE_S", "Leftovers"]
 
 #: how long processes left by agents get to end on SIGTERM before SIGKILL
 END_GRACE_S = 2.0
+#: how long a process started during the run has, after it, to end by itself before it counts as left
+SETTLE_S = 1.0
+#: in the environment of every process of a local Ray cluster the run started (backends/ray/cluster.py)
+RAY_MARKER = b"RELAYRL_RAY_CLUSTER="
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -87,9 +93,14 @@ class Leftovers:
         return cls({id(t) for t in threading.enumerate()}, set(_descendants(os.getpid())))
 
     def left(self) -> tuple[list[threading.Thread], dict[int, str]]:
-        """(non-daemon threads, descendant processes) started since `now` and still running."""
+        """(non-daemon threads, descendant processes) started since `now` and still running (see
+        the module for the processes that do not count)."""
         threads = [t for t in threading.enumerate() if id(t) not in self.threads and t.is_alive() and not t.daemon]
-        processes = {pid: cmd for pid, cmd in _descendants(os.getpid()).items() if pid not in self.processes}
+        processes = {pid: cmd for pid, cmd in _descendants(os.getpid()).items() if pid not in self.processes and not _ray(pid)}
+        deadline = time.monotonic() + SETTLE_S
+        while processes and time.monotonic() < deadline:
+            time.sleep(0.05)
+            processes = {pid: cmd for pid, cmd in processes.items() if _alive(pid)}
         return threads, processes
 
     def end(self, code: int | None) -> None:
@@ -127,6 +138,14 @@ class Leftovers:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+
+def _ray(pid: int) -> bool:
+    """Whether `pid` belongs to a local Ray cluster the run started (relayrl ends those itself)."""
+    try:
+        return RAY_MARKER in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
