@@ -20,7 +20,7 @@ from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning, dispatch_
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import PromptSource
 from relayrl.types import FilterReason, Group, Prompt, SampleRequest, Trajectory
-from support.cli import relayrl
+from support.cli import child_env, relayrl, relayrl_argv
 from support.simutil import run_checked
 from support.trajectories import trajectory
 
@@ -136,6 +136,42 @@ def test_a_jsonl_task_none_of_whose_prompts_fits_is_refused_before_the_run(tmp_p
     assert lines[0].startswith(f"error: no training prompt of task.path = {data} fits: each of its 30 rows has more than the 124 tokens")
     assert "the model's context less rollout.max_new_tokens" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_sigterm_while_nearly_every_prompt_is_filtered_winds_down_and_writes_the_summary(tmp_path: Path) -> None:
+    """One prompt in 3,001 fits: the dispatch stage filtered the rest without ever awaiting, so a
+    SIGTERM was not answered within orchestrator.stop_grace_s and no summary.json was written."""
+    import signal
+    import subprocess
+    import time
+
+    rows = [{"prompt": "1+1=", "answer": "2"}] + [{"prompt": "1+1=" * 100, "answer": "2"}] * 3000
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = ["run.backend=local", "task.kind=jsonl", f"task.path={json.dumps(str(data))}", "run.steps=50", "eval.enabled=false"]
+    sets += ["orchestrator.max_filtered_per_step=100000000", "orchestrator.stop_grace_s=10", f"run.output_dir={json.dumps(str(tmp_path))}"]
+    child = subprocess.Popen(
+        relayrl_argv("train", *[a for s in sets for a in ("--set", s)]),
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        begun = time.monotonic()
+        while not (tmp_path / "default" / "trace.json").exists() and time.monotonic() - begun < 180:
+            time.sleep(0.1)
+        time.sleep(3)  # dispatching, filtering nearly every prompt
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        child.kill()
+    assert child.returncode == 143, err[-2000:]
+    assert took < 10 and "did not wind down" not in err, err[-2000:]
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["status"] == "cancelled"
 
 
 def test_a_local_run_with_a_prompt_longer_than_the_context_completes_counting_it(tmp_path: Path) -> None:
