@@ -150,7 +150,7 @@ def test_bad_requests_get_a_clear_4xx_naming_the_field_and_nothing_is_sampled() 
     sampler = ScriptedSampler(tok, arithmetic)
     groups = run(make_rollout(tok, probe, max_total_tokens=100), sampler, PROMPTS[:1], samples=1)
     statuses = [r.status_code for r in probe.responses]
-    assert statuses == [400] * 10 + [404]
+    assert statuses == [400] * 10 + [401]  # another episode's URL: its key opens its own only
     params = [r.json()["error"]["param"] for r in probe.responses]
     assert params[:8] == ["temperature", "top_p", "n", "logit_bias", "stop", "max_tokens", "prompt", "model"]
     assert "rollout.temperature = 1.0" in probe.responses[0].json()["error"]["message"]
@@ -190,7 +190,7 @@ def test_a_call_after_the_episode_deadline_or_end_fails() -> None:
             async with httpx.AsyncClient() as client:
                 after.append(
                     await client.post(
-                        url, json={"model": "tiny", "prompt": "1"}, headers={"Authorization": f"Bearer {rollout.endpoint.token}"}
+                        url, json={"model": "tiny", "prompt": "1"}, headers={"Authorization": f"Bearer {rollout.endpoint.key('0-0-1')}"}
                     )
                 )
             return groups

@@ -263,6 +263,144 @@ def test_the_token_is_checked_before_routing_and_the_scheme_in_any_case() -> Non
     assert len(sampler.sampled) == 1
 
 
+def test_an_episode_key_opens_its_own_episode_only_whatever_the_agent_cached_or_guessed() -> None:
+    """All episodes used to share one token and ids are predictable: a call with one episode's key to
+    a sibling's URL was answered 200 and trained as the sibling's sample, under its prompt."""
+    seen: dict[int, AgentContext] = {}
+    both = asyncio.Event()
+    statuses: dict[str, int] = {}
+    run_token: list[str] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        seen[ctx.sample_index] = ctx
+        if len(seen) == 2:
+            both.set()
+        await asyncio.wait_for(both.wait(), 10)
+        await call(ctx)
+        if ctx.sample_index == 0:
+            other = seen[1]
+            body = {"model": ctx.model, "prompt": "1+1="}
+            guessed = ctx.base_url.rsplit("/episodes/", 1)[0] + "/episodes/0-0-7/v1"
+            async with httpx.AsyncClient() as client:
+                for name, url, key in (
+                    ("sibling_with_own_key", other.base_url, ctx.api_key),
+                    ("guessed_with_own_key", guessed, ctx.api_key),
+                    ("own_with_sibling_key", ctx.base_url, other.api_key),
+                    ("own_with_run_secret", ctx.base_url, run_token[0]),
+                    ("outside_episodes", ctx.base_url.rsplit("/episodes/", 1)[0] + "/v1", ctx.api_key),
+                ):
+                    r = await client.post(url + "/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+                    statuses[name] = r.status_code
+        return 1.0
+
+    tok = tiny_tokenizer()
+    sampler = ScriptedSampler(tok, arithmetic)
+    rollout = make_rollout(tok, agent)
+    run_token.append(rollout.endpoint.token)
+
+    async def main() -> list[Group]:
+        await rollout.endpoint.start()
+        try:
+            return await rollout(SamplerSlot(0, sampler), requests_for(tok, PROMPT, 2))
+        finally:
+            await rollout.endpoint.stop()
+
+    groups = asyncio.run(main())
+    assert seen[0].api_key != seen[1].api_key
+    assert statuses and all(code in (401, 403, 404) for code in statuses.values()), statuses
+    assert len(sampler.sampled) == 2  # only each agent's own call was sampled
+    assert [len(t.turns) for t in groups[0].trajectories] == [1, 1]
+
+
+def test_a_large_request_is_refused_by_its_length_before_any_work_and_never_freezes_the_run() -> None:
+    """The endpoint rendered and tokenized bodies up to 16 MiB on the run's event loop before
+    checking their length: 1 MB of prompt held the loop for seconds (14 MB: 96 s). Now a prompt
+    longer than the episode's tokens could hold is a 400 naming the limit, and what is tokenized
+    is tokenized in the endpoint's own thread."""
+    import threading
+    import time
+
+    big = "1+1=" * 250_000  # 1 MB
+    answers: list[httpx.Response] = []
+    lags: list[float] = []
+    encoded_in: list[str] = []
+
+    async def ticker() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - before - 0.01)
+
+    async def agent(ctx: AgentContext) -> float:
+        tick = asyncio.create_task(ticker())
+        try:
+            answers.append(await post(ctx, {"model": ctx.model, "prompt": big}))
+            headers = {"Authorization": f"Bearer {ctx.api_key}"}
+            async with httpx.AsyncClient() as client:
+                chat = {"model": ctx.model, "messages": [{"role": "user", "content": big}]}
+                answers.append(await client.post(ctx.base_url + "/chat/completions", json=chat, headers=headers))
+        finally:
+            tick.cancel()
+        await call(ctx)
+        return 1.0
+
+    tok = tiny_tokenizer()
+    sampler = ScriptedSampler(tok, arithmetic)
+    rollout = make_rollout(tok, agent)
+    encode = rollout.endpoint._encode
+
+    def recording(text: str) -> list[int]:
+        encoded_in.append(threading.current_thread().name)
+        return encode(text)
+
+    rollout.endpoint._encode = recording  # type: ignore[method-assign]
+
+    async def main() -> list[Group]:
+        await rollout.endpoint.start()
+        try:
+            return await rollout(SamplerSlot(0, sampler), requests_for(tok, PROMPT, 1))
+        finally:
+            await rollout.endpoint.stop()
+
+    groups = asyncio.run(main())
+    assert [r.status_code for r in answers] == [400, 400]
+    errors = [r.json()["error"] for r in answers]
+    assert [e["param"] for e in errors] == ["prompt", "messages"]
+    assert all(e["type"] == "context_length_exceeded" and "rollout.max_total_tokens" in e["message"] for e in errors)
+    assert "1000000 characters, over the 2560" in errors[0]["message"]
+    assert max(lags) < 0.5, max(lags)  # the loop kept turning (tokenizing 1 MB on it took seconds)
+    assert encoded_in and all(name.startswith("relayrl-agent-text") for name in encoded_in)
+    assert groups[0].trajectories[0].status is TrajectoryStatus.OK and len(sampler.sampled) == 1
+
+
+def test_a_lone_surrogate_in_a_prompt_or_message_is_a_400_naming_the_field() -> None:
+    """JSON's "\\ud800" parses to a string no tokenizer takes: it used to be a plain-text 500
+    and a 72-line console traceback."""
+    answers: list[httpx.Response] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        headers = {"Authorization": f"Bearer {ctx.api_key}", "Content-Type": "application/json"}
+        lone = "\udfff"
+        bodies = [
+            ("/completions", {"model": ctx.model, "prompt": "1+\ud800="}),
+            ("/chat/completions", {"model": ctx.model, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": lone}]}),
+            ("/completions", {"model": ctx.model, "prompt": "1+1=", "stop": ["\ud800"]}),
+        ]
+        async with httpx.AsyncClient() as client:
+            for path, body in bodies:
+                content = json.dumps(body).encode()  # ASCII, the surrogate as its \\u escape
+                answers.append(await client.post(ctx.base_url + path, content=content, headers=headers))
+        await call(ctx)
+        return 1.0
+
+    groups, sampler = run(agent)
+    assert [r.status_code for r in answers] == [400, 400, 400]
+    errors = [r.json()["error"] for r in answers]
+    assert [e["param"] for e in errors] == ["prompt", "messages.1.content", "stop.0"]
+    assert all("lone surrogate" in e["message"] and e["type"] == "invalid_request_error" for e in errors)
+    assert len(sampler.sampled) == 1 and groups[0].trajectories[0].status is TrajectoryStatus.OK
+
+
 # -- agents ---------------------------------------------------------------------------------
 
 
@@ -411,6 +549,52 @@ def test_what_an_agent_raises_or_returns_is_described_in_one_short_line() -> Non
     assert "Unprintable" in errors[0] and "ValueError: line xxx" in errors[1] and "returned a coroutine" in errors[3]
     assert all(len(e) < 450 and "\n" not in e for e in errors)
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_the_api_key_is_redacted_in_the_context_repr_and_in_every_error_recorded() -> None:
+    """The context's repr held the token, and reached the trajectory log through an agent's error."""
+    keys: list[str] = []
+    reprs: list[str] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        keys.append(ctx.api_key)
+        reprs.append(repr(ctx))
+        await call(ctx)
+        if ctx.sample_index == 0:
+            raise RuntimeError(f"could not use {ctx!r}")
+        raise RuntimeError(f"{'x' * 270} key={ctx.api_key}")  # cut at ~300 characters: no part of the key stays
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        groups, _ = run(agent, samples=2)
+    errors = [t.error or "" for t in groups[0].trajectories]
+    said = " ".join(str(w.message) for w in caught)
+    assert len(keys) == 2 and all(len(k) > 20 for k in keys)
+    for key in keys:
+        assert all(key[:12] not in text for text in [*errors, *reprs, said])
+    assert all("<redacted>" in r for r in reprs) and "api_key='<redacted>'" in errors[0]
+    assert [agent_failure_reason(t) for t in groups[0].trajectories] == ["raised", "raised"]
+
+
+def test_an_absurd_agent_reward_fails_its_sample_and_counts_must_be_json_integers() -> None:
+    """2**70 was accepted as a reward of 1.18e21, and n=true / n=1.0 as n=1."""
+    answers: list[httpx.Response] = []
+
+    async def agent(ctx: AgentContext) -> float:
+        if ctx.sample_index == 0:
+            for fields in ({"n": True}, {"n": 1.0}, {"max_tokens": 2.0}, {"stream": "yes"}):
+                answers.append(await post(ctx, {"model": ctx.model, "prompt": "1+1=", **fields}))
+        await call(ctx)
+        return [2**70, -1.5e6, 1e6, 0.5][ctx.sample_index]
+
+    groups, sampler = run(agent, samples=4)
+    assert [r.status_code for r in answers] == [400] * 4
+    assert [r.json()["error"]["param"] for r in answers] == ["n", "n", "max_tokens", "stream"]
+    trajectories = groups[0].trajectories
+    assert [agent_failure_reason(t) for t in trajectories] == ["non_finite", "non_finite", None, None]
+    assert "out of range (|r| > 1e6)" in (trajectories[0].error or "") and "1180591620717411303424" in (trajectories[0].error or "")
+    assert [t.agent_reward for t in trajectories[2:]] == [1e6, 0.5]
+    assert len(sampler.sampled) == 4  # only the good calls
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from relayrl.orchestrator.stages.agents import AgentError, AgentFailedWarning
 from relayrl.recipes import shipped_recipe
 from relayrl.types import MicroBatch, Trajectory, TurnRequest, TurnResult
 from support.agentutil import Sampled, assert_trained_as_sampled, sampled_of
+from support.cli import relayrl
 from support.simutil import run_checked
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agents" / "completions_agent.py"
@@ -147,3 +148,42 @@ def test_an_agent_that_is_not_an_async_function_is_refused(tmp_path: Path) -> No
     cfg = load_config(None, ["run.backend=local", "task.kind=arithmetic", f"task.agent={json.dumps(f'{agent}:agent')}"])
     with pytest.raises(ValueError, match=r"task.agent = .* is a function, not an async function"):
         build_program(cfg, run_dir=tmp_path / "run")
+
+
+def test_threads_and_subprocesses_an_agent_leaves_are_named_in_one_line_and_never_keep_relayrl_alive(tmp_path: Path) -> None:
+    """A non-daemon thread an agent started kept the process alive after `done:` (for ever), and
+    its subprocess outlived the run."""
+    pid_file = tmp_path / "child.pid"
+    agent = tmp_path / "leaves.py"
+    agent.write_text(
+        "import subprocess, threading\n"
+        "import openai\n"
+        "started = []\n"
+        "async def agent(ctx):\n"
+        "    if not started:\n"
+        "        started.append(1)\n"
+        "        threading.Thread(target=threading.Event().wait, name='agent-forever', daemon=False).start()\n"
+        f"        open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '1000']).pid))\n"
+        "    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:\n"
+        "        await client.completions.create(model=ctx.model, prompt=ctx.prompt.text, max_tokens=4)\n"
+        "    return float(ctx.sample_index % 2)\n"
+    )
+    sets = [
+        *QUICK,
+        "run.steps=1",
+        "run.backend=local",
+        "task.kind=arithmetic",
+        "eval.enabled=false",
+        f"task.agent={json.dumps(f'{agent}:agent')}",
+    ]
+    result = relayrl("train", *[a for s in sets for a in ("--set", s)], "--set", f"run.output_dir={json.dumps(str(tmp_path))}", timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if "left running" in line]
+    assert len(said) == 1, result.stderr[-2000:]
+    pid = int(pid_file.read_text())
+    assert "'agent-forever'" in said[0] and f"pid {pid} 'sleep 1000'" in said[0] and "ended (SIGTERM)" in said[0]
+    assert "done: 1 steps" in result.stdout
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # ended (a zombie of the gone run at most)

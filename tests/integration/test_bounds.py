@@ -52,12 +52,18 @@ def _sets(*overrides: str) -> list[str]:
             "task.dataset_size=900,000 entries need an estimated 3.4 GB of host memory (~4 KB each), "
             "more than orchestrator.max_host_memory_gb (1.0 GB)",
         ),
+        (
+            ["run.backend=local", "task.kind=arithmetic", "train.lora.r=100000"],
+            "invalid config key 'train.lora.r': 100,000 is more than 64, the width of the narrowest targeted layer",
+        ),
+        (["train.ppo_epochs=1e6"], "invalid config key 'train.ppo_epochs' (from --set): Input should be less than or equal to 100"),
     ],
-    ids=["workers-cap", "workers-memory", "dataset-cap", "dataset-memory"],
+    ids=["workers-cap", "workers-memory", "dataset-cap", "dataset-memory", "lora-rank", "ppo-epochs"],
 )
 def test_a_size_beyond_its_bound_is_refused_in_one_line_before_anything_starts(tmp_path: Path, overrides: list[str], expected: str) -> None:
     """Before the bounds, 100000 workers were spawned at the first reward call and a dataset of
-    100,000,000 entries was generated for hours (this test then times out)."""
+    100,000,000 entries was generated for hours (this test then times out); train.lora.r=100000 on
+    the tiny model was OOM-killed with no message, and ppo_epochs=1e6 made no step and said nothing."""
     if any("reasoning_gym" in o for o in overrides):
         pytest.importorskip("reasoning_gym")
     done = relayrl("train", SIM_RECIPE, *_sets(*overrides, f"run.output_dir={tmp_path / 'runs'}"), timeout=120)
@@ -65,6 +71,22 @@ def test_a_size_beyond_its_bound_is_refused_in_one_line_before_anything_starts(t
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_lora_adapters_are_counted_against_the_host_memory_budget() -> None:
+    from relayrl.config.schema import ConfigError
+    from relayrl.config.sizing import LORA_BYTES_PER_PARAM, LORA_SAMPLER_BYTES_PER_PARAM, check_lora
+    from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
+
+    model, _ = load_model_and_tokenizer(shipped_model_dir())
+    cfg = load_config(None, ["run.backend=local", "train.lora.r=64"])
+    widths = [(m.in_features, m.out_features) for n, m in model.named_modules() if n.rpartition(".")[2] in cfg.train.lora.target_modules]  # type: ignore[union-attr]
+    need = sum(64 * (i + o) for i, o in widths) * (LORA_BYTES_PER_PARAM + LORA_SAMPLER_BYTES_PER_PARAM)
+    check_lora(cfg, model, (need, "a test budget"))  # exactly enough
+    with pytest.raises(ConfigError, match=r"^train.lora.r=64 on \d+ layers is [\d,]+ adapter parameters: an estimated") as info:
+        check_lora(cfg, model, (need - 1, "a test budget"))
+    assert "\n" not in str(info.value) and "more than a test budget" in str(info.value)
+    check_lora(load_config(None, ["run.backend=local", "train.lora.r=64"]), model)  # the rank bound itself: 64 is allowed
 
 
 def test_the_reward_worker_cap_follows_the_cpus() -> None:

@@ -236,6 +236,50 @@ def filtered_count(trajs: pd.DataFrame) -> int:
     return int(trajs["status"].str.startswith("filtered").sum())
 
 
+def test_a_checkpoint_on_a_full_disk_names_the_disk_leaves_no_temporary_and_writes_the_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It said `RuntimeError: [enforce fail at inline_container.cc:672]` and left an empty
+    error.txt.tmp behind."""
+    import errno
+
+    from relayrl.cli import main as cli
+    from relayrl.orchestrator import checkpointing
+    from relayrl.orchestrator.checkpointing import CheckpointWriteError
+
+    commit = checkpointing.commit_checkpoint
+
+    def full_disk(staging: Path, final: Path, state: dict[str, object], keep: int) -> None:
+        if final.name.endswith("2"):
+            (staging / "state.json.tmp").write_text('{"torn')  # a write cut by the full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        commit(staging, final, state, keep)
+
+    monkeypatch.setattr(checkpointing, "commit_checkpoint", full_disk)
+    run_dir = tmp_path / "run"
+    program = build_program(sim_config("run.steps=4", "orchestrator.checkpoint_every=1"), run_dir=run_dir)
+    with pytest.raises(CheckpointWriteError) as info:
+        asyncio.run(asyncio.wait_for(program.run(), 120))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"step 2's checkpoint cannot be written to {run_dir / CHECKPOINTS}")
+    assert "no space left on the disk at /" in message and "MB free; the checkpoint needs" in message
+    assert "the previous checkpoint step-000001 is intact" in message
+    assert [p.name for p in complete_checkpoints(run_dir / CHECKPOINTS)] == ["step-000001"]
+    assert sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir()) == ["step-000001"]  # no staging directory left
+    assert not list(run_dir.rglob("*.tmp"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no space left on the disk" in summary["error"]
+
+    def no_room(self: Path, *args: object, **kwargs: object) -> int:
+        with open(self, "w"):  # created, then the write fails
+            pass
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", no_room)
+    assert cli._keep_traceback(run_dir, RuntimeError("x")) == ""
+    assert not (run_dir / "error.txt.tmp").exists() and not (run_dir / "error.txt").exists()
+
+
 def test_prompt_source_replays_then_continues_the_stream() -> None:
     stream = (Prompt(f"p{i}", str(i), str(i)) for i in range(100))
     replay = [Drawn(3, Prompt("p3", "3", "3")), Drawn(5, Prompt("p5", "5", "5"))]

@@ -132,6 +132,33 @@ def test_export_refuses_in_one_line(trained: Path, tmp_path: Path) -> None:
     assert refused.stderr.strip().count("\n") == 0 and "checkpoints there: steps 2, 3" in refused.stderr
 
 
+@pytest.mark.parametrize("content", [b"", b"garbage, not a checkpoint", b"\x80\x02]q\x00."], ids=["empty", "garbage", "a-list"])
+def test_export_of_an_unreadable_trainer_state_names_the_file_in_one_line(trained: Path, tmp_path: Path, content: bytes) -> None:
+    """A zero-length trainer.pt printed `Aborted.`, a garbage one an IndexError."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text((trained / "config.toml").read_text())
+    src = checkpoint_dir(trained, STEPS)
+    dst = run / "checkpoints" / src.name
+    dst.mkdir()
+    for path in src.iterdir():
+        if path.is_file():
+            (dst / path.name).write_bytes(path.read_bytes())
+    (dst / "trainer.pt").write_bytes(content)
+    done = relayrl("export", str(run), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {dst / 'trainer.pt'}: unreadable trainer state"), done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_out_through_a_missing_directory_and_dot_dot_leaves_no_stray_directory(trained: Path, tmp_path: Path) -> None:
+    """`export --out x/../y` wrote y and left an empty x/ behind."""
+    exported = export_run(trained, out=tmp_path / "x" / ".." / "y")
+    assert exported.directory == (tmp_path / "y").resolve() and (tmp_path / "y" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["y"]
+
+
 @pytest.mark.slow
 def test_train_continues_from_the_export_and_a_run_without_checkpoints_saves_its_model(trained: Path, tmp_path: Path) -> None:
     """`relayrl train --set model.path=EXPORT`: its first held-out accuracy is the exporting run's

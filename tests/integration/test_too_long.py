@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from relayrl.orchestrator.stages.dispatch import PromptTooLongWarning, dispatch_
 from relayrl.orchestrator.window import DispatchWindow
 from relayrl.rundir.checkpoint import PromptSource
 from relayrl.types import FilterReason, Group, Prompt, SampleRequest, Trajectory
+from support.cli import child_env, relayrl, relayrl_argv
 from support.simutil import run_checked
 from support.trajectories import trajectory
 
@@ -72,6 +75,103 @@ def test_a_prompt_too_long_for_the_context_is_filtered_at_dispatch_not_sampled()
     assert [r.prompt.prompt_id for r in sent] == ["p0", "p2"]  # p1 never reaches a sampler; its credit went to p2
     assert ledger.as_dict()["groups_filtered"] == {"too_long": 1}
     assert [f.reason for f in ledger.drain_filtered()] == [FilterReason.TOO_LONG]
+
+
+def test_a_dispatch_whose_every_prompt_is_filtered_yields_to_the_loop_and_never_spins() -> None:
+    """Every group filtered at once returns its credit at once, so the stage used to loop without
+    ever awaiting: the run's other stages and its stop never ran (no summary on SIGTERM). Bounded
+    here: the stream ends after 20,000 prompts, which ended the old loop with an error."""
+    ticks: list[int] = []
+
+    def endless() -> Iterator[Prompt]:
+        for i in range(20_000):
+            yield Prompt(f"p{i}", "x" * 30, "1")
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(len(ticks))
+            await asyncio.sleep(0)
+
+    async def main() -> BaseException | None:
+        ledger, window = Ledger(), DispatchWindow(groups_per_step=2, max_staleness=0, total_steps=1)
+        outbox: asyncio.Queue[list[SampleRequest]] = asyncio.Queue()
+        tick = asyncio.create_task(ticker())
+        task = asyncio.create_task(
+            dispatch_stage(
+                PromptSource(endless()),
+                lambda text: [7] * len(text),
+                window,
+                ledger,
+                outbox,
+                num_generations=4,
+                prompts_per_request=2,
+                max_prompt_tokens=10,
+            )
+        )
+        await asyncio.sleep(0.01)
+        ran = len(ticks)
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        tick.cancel()
+        assert ran > 0, "the loop never ran beside the dispatch stage"
+        return outcome
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTooLongWarning)
+        outcome = asyncio.run(main())
+    assert isinstance(outcome, asyncio.CancelledError), outcome  # stopped while dispatching, not at the stream's end
+
+
+def test_a_jsonl_task_none_of_whose_prompts_fits_is_refused_before_the_run(tmp_path: Path) -> None:
+    """It used to say one PromptTooLongWarning and then filter every group until the filter bound."""
+    rows = [{"prompt": "9+" * 100 + "9=", "answer": "909"} for _ in range(30)]  # ~200 tokens each
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = ["run.backend=local", "task.kind=jsonl", f"task.path={json.dumps(str(data))}", "run.steps=2", "eval.enabled=false"]
+    sets += [f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}"]
+    done = relayrl("train", *[a for s in sets for a in ("--set", s)], timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: no training prompt of task.path = {data} fits: each of its 30 rows has more than the 124 tokens")
+    assert "the model's context less rollout.max_new_tokens" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sigterm_while_nearly_every_prompt_is_filtered_winds_down_and_writes_the_summary(tmp_path: Path) -> None:
+    """One prompt in 3,001 fits: the dispatch stage filtered the rest without ever awaiting, so a
+    SIGTERM was not answered within orchestrator.stop_grace_s and no summary.json was written."""
+    import signal
+    import subprocess
+    import time
+
+    rows = [{"prompt": "1+1=", "answer": "2"}] + [{"prompt": "1+1=" * 100, "answer": "2"}] * 3000
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = ["run.backend=local", "task.kind=jsonl", f"task.path={json.dumps(str(data))}", "run.steps=50", "eval.enabled=false"]
+    sets += ["orchestrator.max_filtered_per_step=100000000", "orchestrator.stop_grace_s=10", f"run.output_dir={json.dumps(str(tmp_path))}"]
+    child = subprocess.Popen(
+        relayrl_argv("train", *[a for s in sets for a in ("--set", s)]),
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        begun = time.monotonic()
+        while not (tmp_path / "default" / "trace.json").exists() and time.monotonic() - begun < 180:
+            time.sleep(0.1)
+        time.sleep(3)  # dispatching, filtering nearly every prompt
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        child.kill()
+    assert child.returncode == 143, err[-2000:]
+    assert took < 10 and "did not wind down" not in err, err[-2000:]
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["status"] == "cancelled"
 
 
 def test_a_local_run_with_a_prompt_longer_than_the_context_completes_counting_it(tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ def test_kl_in_reward_sequences_interleaved_in_two_rows() -> None:
     kl = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 0.0]])
     seq = torch.tensor([[1, 0, 1], [0, 1, -1]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    cfg = LossConfig(kl_beta=1.0, kl_estimator="k1", kl_in_reward=True)
+    cfg = LossConfig(kl_beta=1.0, kl_estimator="k1", kl_in_reward=True, kl_clamp=None)  # (16 > the default clamp)
     out = policy_loss(logp, logp.detach(), torch.zeros(2, 3), mask, seq, cfg, ref_logprobs=logp.detach() - kl)
     out.loss.backward()
     # seq 1's tokens in flat order: 1, 4, 16 → to go 21, 20, 16; seq 0's: 2, 8 → 10, 8
@@ -225,3 +225,43 @@ def test_turn_discount_refuses_step_level_advantages() -> None:
         Config.model_validate(
             {"task": {"environment": "arithmetic_feedback"}, "algorithm": {"turn_discount": 0.9, "scale_rewards": "batch"}}
         )
+
+
+def test_the_k3_estimate_is_clamped_to_kl_clamp_by_default_as_verl_and_openrlhf() -> None:
+    """Unclamped, k3 reached e^20 ≈ 4.9e8 per token at log-ratio −20: one outlier token dominated."""
+    logp = leaf([-21.0, -1.0])
+    ref = torch.tensor([-1.0, -1.5])  # d = [−20, 0.5]
+    k3 = [min(math.exp(20) - 20 - 1, 10.0), math.exp(-0.5) + 0.5 - 1]
+    out = policy_loss(logp, logp.detach(), torch.zeros(2), torch.ones(2), torch.tensor([0, 0]), LossConfig(kl_beta=0.1), ref_logprobs=ref)
+    assert out.kl_mean == pytest.approx(sum(k3) / 2, rel=1e-5)  # the outlier counts 10
+    out.loss.backward()
+    assert logp.grad is not None and logp.grad[0].item() == 0.0  # a clamped token's KL has no gradient
+    free = LossConfig(kl_beta=0.1, kl_clamp=None)
+    unclamped = policy_loss(logp, logp.detach(), torch.zeros(2), torch.ones(2), torch.tensor([0, 0]), free, ref_logprobs=ref)
+    assert unclamped.kl_mean == pytest.approx((math.exp(20) - 21 + k3[1]) / 2, rel=1e-5)
+    assert AlgorithmConfig().kl_clamp == 10.0 and LossConfig().kl_clamp == 10.0
+    with pytest.raises(ValueError, match="kl_clamp"):
+        LossConfig(kl_clamp=0.0)
+
+
+def test_the_docs_of_kl_in_reward_and_entropy_coef_say_what_runs() -> None:
+    """kl_in_reward claimed to match verl's use_kl_in_reward, which with grpo adds the summed KL to
+    the score before group normalisation; entropy_coef said "mean entropy" whatever the aggregation."""
+    fields = AlgorithmConfig.model_fields
+    kl = " ".join((fields["kl_in_reward"].description or "").split())
+    assert "Not verl's use_kl_in_reward" in kl and "before group normalisation" in kl
+    entropy = " ".join((fields["entropy_coef"].description or "").split())
+    assert all(mode in entropy for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+    # what runs: the group statistics see the score alone, the penalty comes off per token afterwards
+    logp = leaf([-1.0, -1.0, -1.0, -1.0])
+    ref = logp.detach() - torch.tensor([0.4, 0.2, 0.0, 0.0])  # k1: seq 0's KL sums to 0.6, seq 1's to 0
+    a = 0.5 / math.sqrt(0.5)  # scores 1 and 0, group-normalised (std n − 1): ±0.707
+    adv = torch.tensor([a, a, -a, -a])
+    cfg = LossConfig(kl_beta=1.0, kl_estimator="k1", kl_in_reward=True)
+    out = policy_loss(logp, logp.detach(), adv, torch.ones(4), torch.tensor([0, 0, 1, 1]), cfg, ref_logprobs=ref)
+    out.loss.backward()
+    assert logp.grad is not None
+    ours = [-g * 4 for g in logp.grad.tolist()]
+    assert ours == pytest.approx([a - 0.6, a - 0.2, -a, -a], rel=1e-5)
+    # verl: normalise(1 − 0.6, 0 − 0) = ±0.707 again, one value for all of a sequence's tokens
+    assert ours != pytest.approx([a, a, -a, -a], rel=1e-3)

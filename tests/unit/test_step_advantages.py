@@ -106,3 +106,32 @@ def test_minibatches_beyond_the_groups_of_a_step_are_refused() -> None:
     for key in ("train.ppo_epochs=0", "train.minibatches_per_step=0"):
         with pytest.raises(ConfigError, match=key.split("=")[0]):
             load_config(None, [key])
+
+
+def _masked_whiten(values: list[list[float]]) -> list[list[float]]:
+    """verl's masked_whiten (core_algos / torch_functional), in float64 on lists: the mean and the
+    unbiased variance over every token, whitened = (x − mean) · rsqrt(var + 1e-8)."""
+    flat = [v for row in values for v in row]
+    n = len(flat)
+    mean = sum(flat) / n
+    var = sum((v - mean) ** 2 for v in flat) / n * (n / (n - 1))
+    return [[(v - mean) / math.sqrt(var + 1e-8) for v in row] for row in values]
+
+
+def test_reinforce_pp_whitens_per_token_as_verl_and_openrlhf_do_by_default() -> None:
+    """Short right and long wrong answers: relayrl whitened per sequence, so the token-weighted
+    mean advantage was −0.47 where verl and OpenRLHF (per-token whitening) give 0."""
+    rewards = [1.0, 1.0, 0.0, 0.0]
+    lengths = [2, 3, 12, 15]
+    groups = [
+        Group(0, [trajectory(group=0, sample=i, reward=r, completion_tokens=[5] * n) for i, (r, n) in enumerate(zip(rewards, lengths))])
+    ]
+    assert load_config(None, ["algorithm.advantage=reinforce_pp"]).algorithm.whiten == "token"
+    finish_step_advantages(groups, kind="reinforce_pp", token_whiten=True)
+    token = [t.advantage for t in groups[0].trajectories]
+    reference = _masked_whiten([[r] * n for r, n in zip(rewards, lengths)])  # per-token returns: the reward, γ = 1, no KL
+    assert token == pytest.approx([row[0] for row in reference], rel=1e-5)
+    assert sum(a * n for a, n in zip(token, lengths)) / sum(lengths) == pytest.approx(0.0, abs=1e-9)
+    sequence = step_advantages(rewards, [0.0] * 4, [True] * 4, "reinforce_pp")  # algorithm.whiten = "sequence"
+    assert sum(a * n for a, n in zip(sequence, lengths)) / sum(lengths) < -0.4  # the long wrong answers dominate
+    assert load_config(None, ["algorithm.advantage=reinforce_pp", "algorithm.whiten=sequence"]).algorithm.whiten == "sequence"

@@ -16,13 +16,21 @@ rollout.interruptible a load may land during the call: the choice keeps its toke
 segments); every choice is recorded in the episode's transcript.
 
 Invariants:
-- every request needs `Authorization: Bearer <the run's token>` (random per run; 401 otherwise);
+- every request needs `Authorization: Bearer <its episode's key>` (401 otherwise, any path): an
+  episode's key (`ctx.api_key`) is an HMAC of its id under a secret drawn per run, so it opens
+  only that episode's URLs; a key cached or guessed from another episode, the secret itself or a
+  path outside `/episodes/<id>/` is refused (401) before routing, and no agent can reach another
+  episode's transcript;
 - a request the endpoint cannot serve as asked gets a 4xx JSON error in OpenAI's shape naming the
   field (`param`), and nothing is sampled or recorded: an unknown or finished episode (404), one
   past its deadline (410), a malformed body, a `temperature` / `top_p` other than the run's
   (`rollout.temperature` / `rollout.top_p`: trained tokens must be sampled as the trainer scores
   them), penalties or logit biases, a `tool_choice` other than "auto" / "none", a context beyond
-  the episode's token room, a prompt that encodes to no token (400), a body over
+  the episode's token room, a prompt that encodes to no token, a string with a lone surrogate
+  (JSON's `"\ud800"`: 400 naming the field, e.g. `messages.0.content`), a prompt (or messages'
+  content) of more characters than the episode's tokens could hold (`max_total_tokens` × the
+  longest token's characters: 400 `context_length_exceeded` naming the limit, checked before any
+  rendering or tokenizing), a body over
   `max_body_bytes` (413), more than `max_n` choices being sampled at once for one episode (429:
   OpenAI clients retry it); an unknown path or method gets the same JSON shape (404, 405);
 - a call answered after its episode closed (its agent returned, failed or timed out) is refused
@@ -35,12 +43,18 @@ Invariants:
   fresh chain stays unused (forgotten with the episode's), and a continued node's chain is
   continued by the next call as before; the replica's cache for that chain then covers tokens the
   next context does not start with, and the samplers reuse a cache only for a context it is a
-  prefix of, so that call is prefilled afresh.
+  prefix of, so that call is prefilled afresh;
+- nothing proportional to a request's size runs on the event loop past its JSON parsing: the chat
+  template's rendering, tokenizing and decoding of a prompt run in the endpoint's own thread
+  ("relayrl-agent-text", one call at a time: the tokenizer is not shared between threads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import math
 import secrets
@@ -49,13 +63,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -63,9 +77,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from relayrl.agents.chat import ChatFormatError, ChatTemplate, parse_tool_calls, render, renders_tools
 from relayrl.agents.transcript import Choice, Start, Transcript
 from relayrl.errors import UserError
+from relayrl.threads import ThreadHost
 from relayrl.types import Prompt, TurnRequest, TurnResult
 
 __all__ = ["AgentEndpoint", "AgentEpisode", "EndpointError", "EndpointSettings", "SampleFn", "Tokenizer"]
+
+T = TypeVar("T")
 
 # samples one replica's turns: (requests) -> results in the same order (agents' stage batches them)
 SampleFn = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
@@ -106,6 +123,7 @@ class AgentEpisode:
     rng_key: str
     deadline: float  # the loop's clock; math.inf: none
     base_url: str
+    api_key: str = field(repr=False)  # its key (ctx.api_key): opens this episode's URLs only
     transcript: Transcript = field(default_factory=Transcript)
     open: bool = True
     calls: int = 0
@@ -136,15 +154,15 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
 
 
 class _Guard:
-    """Pure ASGI middleware: an HTTP request without `Authorization: Bearer <token>` gets 401 in
-    OpenAI's shape (checked in constant time, before routing: any path), and one whose body is
+    """Pure ASGI middleware: an HTTP request without `Authorization: Bearer <the key of the episode
+    its path names>` gets 401 in OpenAI's shape (checked in constant time, before routing: any path), and one whose body is
     over `max_body` bytes 413 (by its Content-Length before it is read, else as it is read). A
     pure one, not Starlette's `BaseHTTPMiddleware`, so that the routes' `Request` reads the
     server's own `receive` and sees the client disconnect (`Request.is_disconnected`)."""
 
-    def __init__(self, app: ASGIApp, token: str, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, key: Callable[[str], str], max_body: int) -> None:
         self.app = app
-        self.token = token.encode()
+        self.key = key
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -153,7 +171,10 @@ class _Guard:
             return
         headers = Headers(scope=scope)
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.token):
+        parts = str(scope.get("path", "")).split("/")
+        # the key of the episode the path names (none outside /episodes/<id>/: no key opens those)
+        expected = self.key(parts[2]) if len(parts) > 3 and parts[1] == "episodes" and parts[2] else ""
+        if scheme.lower() != "bearer" or not expected or not secrets.compare_digest(token.strip().encode(), expected.encode()):
             refused = _error(401, "missing or wrong API key: send Authorization: Bearer <ctx.api_key>", None, "authentication_error")
             await refused(scope, receive, send)
             return
@@ -178,13 +199,14 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    # counts are JSON integers (StrictInt): true or 1.0 is no n
+    n: StrictInt = Field(1, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -192,9 +214,9 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[StrictInt]  # token ids as JSON integers: "5" or true is no token id
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    best_of: int | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
 
@@ -202,8 +224,8 @@ class ChatBody(_Common):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
 @dataclass(slots=True)
@@ -220,7 +242,7 @@ class AgentEndpoint:
 
     def __init__(self, settings: EndpointSettings, tokenizer: Tokenizer) -> None:
         self.settings = settings
-        self.token = secrets.token_urlsafe(24)
+        self.token = secrets.token_urlsafe(24)  # the run's secret: episodes' keys derive from it, it opens nothing itself
         self._tok = tokenizer
         self._episodes: dict[str, AgentEpisode] = {}
         self._counter = 0
@@ -228,6 +250,8 @@ class AgentEndpoint:
         self._socket: socket.socket | None = None
         self.port = 0
         self._native_tools: bool | None = None  # whether the chat template renders tools (agents/chat.py)
+        self._longest: int | None = None  # the longest token's characters (the prompt bound's unit)
+        self._text: ThreadHost | None = None  # renders and tokenizes off the loop while started
         self.app = self._build_app()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -254,6 +278,7 @@ class AgentEndpoint:
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
         self._server, self._socket = server, sock
+        self._text = ThreadHost("agent-text")
         self.port = int(sock.getsockname()[1])
 
     async def stop(self) -> None:
@@ -262,8 +287,13 @@ class AgentEndpoint:
         self._server = self._socket = None
         for episode in self._episodes.values():
             episode.open = False
-        if server is not None and sock is not None:
-            await server.shutdown(sockets=[sock])
+        try:
+            if server is not None and sock is not None:
+                await server.shutdown(sockets=[sock])
+        finally:
+            text, self._text = self._text, None
+            if text is not None:
+                await text.aclose()
 
     @property
     def url(self) -> str:
@@ -271,12 +301,18 @@ class AgentEndpoint:
         return f"http://{host}:{self.port}"
 
     # -- episodes -----------------------------------------------------------------------
+    def key(self, eid: str) -> str:
+        """Episode `eid`'s API key (`ctx.api_key`): HMAC-SHA256 of its id under the run's secret, so
+        that it opens that episode's URLs only (see the module)."""
+        digest = hmac.new(self.token.encode(), eid.encode(), hashlib.sha256).digest()
+        return "rl-" + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
     def open(self, name: str, prompt: Prompt, sample: SampleFn, rng_key: str, timeout_s: float = 0.0) -> AgentEpisode:
         """A new episode whose calls `sample` serves, refused after `timeout_s` (0: never)."""
         self._counter += 1
         eid = f"{name.replace('/', '-')}-{self._counter}"
         deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s > 0 else math.inf
-        episode = AgentEpisode(eid, prompt, sample, rng_key, deadline, f"{self.url}/episodes/{eid}/v1")
+        episode = AgentEpisode(eid, prompt, sample, rng_key, deadline, f"{self.url}/episodes/{eid}/v1", self.key(eid))
         self._episodes[eid] = episode
         return episode
 
@@ -308,7 +344,7 @@ class AgentEndpoint:
         async def _refused(request: Request, exc: HTTPFailure) -> JSONResponse:
             return _error(exc.status, str(exc), exc.param, exc.kind)
 
-        app.add_middleware(_Guard, token=self.token, max_body=self.settings.max_body_bytes)
+        app.add_middleware(_Guard, key=self.key, max_body=self.settings.max_body_bytes)
 
         @app.get("/episodes/{eid}/v1/models")
         async def _models(eid: str) -> dict[str, object]:
@@ -336,6 +372,11 @@ class AgentEndpoint:
     def _check_common(self, body: _Common) -> tuple[int, list[str]]:
         """(max new tokens asked, stop strings) once the sampling fields are checked."""
         s = self.settings
+        for name in ("prompt", "messages", "tools", "stop"):  # (a token-id prompt holds no string)
+            value = getattr(body, name, None)
+            where = _not_text(value, name) if not (name == "prompt" and isinstance(value, list)) else None
+            if where is not None:  # JSON's "\ud800": no tokenizer or template can take it
+                raise HTTPFailure(400, f"{where}: a lone surrogate (\\ud800-\\udfff) is not text: send valid UTF-16 pairs", where)
         if body.model != s.model:
             raise HTTPFailure(400, f"model is {body.model!r}: this endpoint serves {s.model!r} (ctx.model)", "model")
         for name, value, run in (("temperature", body.temperature, s.temperature), ("top_p", body.top_p, s.top_p)):
@@ -363,6 +404,41 @@ class AgentEndpoint:
         ids = self._tok(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` in the endpoint's text thread (on the caller's thread before `start`)."""
+        host = self._text
+        return fn() if host is None else await host.call(fn)
+
+    async def _bound_chars(self, chars: int, param: str) -> None:
+        """Refuse (400) a prompt of more characters than the episode's tokens could hold, before
+        anything renders or tokenizes it."""
+        if self._longest is None:
+            self._longest = await self._off_loop(self._longest_token)
+        total = self.settings.max_total_tokens
+        limit = total * self._longest
+        if chars > limit:
+            raise HTTPFailure(
+                400,
+                f"{param}: {chars} characters, over the {limit} an episode's {total} tokens can hold "
+                f"(rollout.max_total_tokens × {self._longest} characters, the longest token's): not tokenized",
+                param,
+                "context_length_exceeded",
+            )
+
+    def _longest_token(self) -> int:
+        """The most characters one token stands for (its vocabulary string's: bytes for byte-level BPE)."""
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        return max((len(p) for p in pieces if isinstance(p, str)), default=1) or 1
+
+    async def _context(self, episode: AgentEpisode, text: str) -> Start:
+        """`Transcript.context` with the tokenizing off the loop (the node search and chain stay on it)."""
+        transcript = episode.transcript
+        parent = transcript.parent_of(text)
+        new = transcript.new_text(text, parent)
+        ids = await self._off_loop(lambda: self._encode(new)) if new else []
+        # a node recorded meanwhile that `text` also continues is no better a parent: nodes only grow
+        return transcript.start(parent, text, ids)
+
     async def _complete(self, episode: AgentEpisode, body: CompletionBody, request: Request) -> Any:
         max_new, stops = self._check_common(body)
         if body.echo:
@@ -375,6 +451,15 @@ class AgentEndpoint:
         if not prompt:
             raise HTTPFailure(400, "prompt is empty", "prompt")
         if isinstance(prompt, list):  # token ids: the context as sent, never re-tokenised
+            total = self.settings.max_total_tokens
+            if len(prompt) >= total:
+                raise HTTPFailure(
+                    400,
+                    f"prompt: {len(prompt)} token ids leave no room for a completion within the episode's {total} tokens "
+                    "(rollout.max_total_tokens, the model's context)",
+                    "prompt",
+                    "context_length_exceeded",
+                )
             if any(i < 0 or i >= len(self._tok) for i in prompt):
                 raise HTTPFailure(400, f"prompt: token ids must lie in [0, {len(self._tok)})", "prompt")
             ids = [int(i) for i in prompt]
@@ -382,7 +467,8 @@ class AgentEndpoint:
             text = self._tok.decode(ids, skip_special_tokens=False)
         else:
             text = prompt
-            start = episode.transcript.context(text, self._encode)
+            await self._bound_chars(len(text), "prompt")
+            start = await self._context(episode, text)
         answered = await self._sample(episode, start, body.n, max_new, stops, request)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         choices = []
@@ -436,14 +522,17 @@ class AgentEndpoint:
                 "(send 'auto' or 'none')",
                 "tool_choice",
             )
+        await self._bound_chars(_content_chars(body.messages), "messages")
         if self._native_tools is None and getattr(self._tok, "chat_template", None):
-            self._native_tools = renders_tools(self._tok)
+            tok = self._tok
+            self._native_tools = await self._off_loop(lambda: renders_tools(tok))
+        native, replies, messages, tools = self._native_tools is not False, dict(episode.replies), body.messages, body.tools
         try:
-            text = render(self._tok, body.messages, body.tools, native_tools=self._native_tools is not False, replies=episode.replies)
+            text = await self._off_loop(lambda: render(self._tok, messages, tools, native_tools=native, replies=replies))
         except ChatFormatError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
         parse = bool(body.tools) and body.tool_choice != "none"
-        start = episode.transcript.context(text, self._encode)
+        start = await self._context(episode, text)
         answered = await self._sample(episode, start, body.n, max_new, stops, request)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices: list[dict[str, Any]] = []
@@ -579,6 +668,37 @@ class AgentEndpoint:
         finish: Literal["stop", "length"] = "stop" if c.finish_reason == "stop" else "length"
         choice = Choice(tokens, logprobs, text, finish, result.policy_version, result.replica, on_stop, c.versions)
         return _Answered(choice, text, finish)
+
+
+def _not_text(value: object, at: str) -> str | None:
+    """Where in `value` (a JSON value at `at`) a string holds a lone surrogate, if anywhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return at
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _not_text(key, at) is not None:
+            return at
+        found = _not_text(item, f"{at}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def _content_chars(messages: Sequence[object]) -> int:
+    """The characters of the messages' contents (a string, or parts with a `text`): a lower bound
+    on the rendered prompt's."""
+    chars = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return chars
 
 
 def _cut(versions: list[tuple[int, int]] | None, keep: int) -> list[tuple[int, int]] | None:

@@ -94,14 +94,29 @@ class Transcript:
 
     def context(self, text: str, encode: Callable[[str], list[int]]) -> Start:
         """Where a call with `text` starts (see the module's rule); `encode` tokenizes new text."""
+        parent = self.parent_of(text)
+        new = self.new_text(text, parent)
+        return self.start(parent, text, encode(new) if new else [])
+
+    def parent_of(self, text: str) -> Node | None:
+        """The node a call with `text` continues (the longest whose text it starts with), if any."""
         parent = None
         for node in self.nodes:
             if text.startswith(node.text) and (parent is None or len(node.text) > len(parent.text)):
                 parent = node
+        return parent
+
+    @staticmethod
+    def new_text(text: str, parent: Node | None) -> str:
+        """The text of a call continuing `parent` that must be tokenized (all of it afresh)."""
+        return text if parent is None else text[len(parent.text) :]
+
+    def start(self, parent: Node | None, text: str, ids: list[int]) -> Start:
+        """`context`, given `parent_of(text)` and the tokens `ids` of its `new_text` (so that the
+        tokenizing can run elsewhere: the endpoint runs it off the event loop)."""
         if parent is None:
-            return Start(None, encode(text), text, self._new_chain())
+            return Start(None, ids, text, self._new_chain())
         suffix = text[len(parent.text) :]
-        ids = encode(suffix) if suffix else []
         if parent.ended_on_stop_token and ids and ids[0] == parent.tokens[-1]:
             ids = ids[1:]
         chain = parent.chain if not parent.continued else self._new_chain()

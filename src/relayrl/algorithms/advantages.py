@@ -8,7 +8,12 @@ Per trajectory i of group g with reward r_i, over the scored members (below):
 - "grpo", "none", and "drgrpo": r_i − mean_g (Dr. GRPO, Liu et al. 2025);
 - "rloo": r_i − mean of the group's other members (leave-one-out);
 - "reinforce_pp": (r_i − mean_step) / (std_step + ε) over the step's scored rewards, no group
-  baseline (REINFORCE++, Hu 2025; OpenRLHF's `reinforce_plus_plus`). It whitens the sequence
+  baseline (REINFORCE++, Hu 2025; OpenRLHF's `reinforce_plus_plus`). By default (algorithm.whiten
+  = "token") the mean and std are over the step's *tokens*, as OpenRLHF and verl whiten the
+  per-token returns (verl's `masked_whiten`): each reward weighs as many times as its trajectory
+  has trained tokens, std with N − 1 over the N tokens, so the token-weighted mean advantage is 0;
+  "sequence" weighs every trajectory once (relayrl's earlier rule: with short right and long
+  wrong answers the token-weighted mean advantage is then negative). It whitens the sequence
   reward only: its per-token KL penalty (algorithm.kl_in_reward) is added per token in the
   trainer, after this.
 ε = 1e-6. The step-level ones need the step's groups: the advantage stage sets the group-centred
@@ -107,16 +112,42 @@ def _mean_std(rewards: Sequence[float]) -> tuple[float, float] | None:
     return mean, math.sqrt(var)
 
 
-def step_advantages(rewards: Sequence[float], group_centred: Sequence[float], scored: Sequence[bool], kind: AdvantageKind) -> list[float]:
+def _weighted_mean_std(rewards: Sequence[float], weights: Sequence[float]) -> tuple[float, float] | None:
+    """Mean and std (N − 1, N = Σ weights: tokens) of `rewards` each counted `weights` times
+    (verl's masked_whiten over per-token returns); None with fewer than two tokens."""
+    total = sum(weights)
+    if total < 2:
+        return None
+    mean = sum(w * r for r, w in zip(rewards, weights)) / total
+    var = sum(w * (r - mean) * (r - mean) for r, w in zip(rewards, weights)) / (total - 1)
+    if not math.isfinite(var):
+        return None
+    return mean, math.sqrt(var)
+
+
+def step_advantages(
+    rewards: Sequence[float],
+    group_centred: Sequence[float],
+    scored: Sequence[bool],
+    kind: AdvantageKind,
+    tokens: Sequence[int] | None = None,
+) -> list[float]:
     """The step's advantages, flat over its groups' trajectories: `rewards`, the per-group stage's
     `group_centred` advantages (r − mean_g) and `scored` flags, one each. "grpo" (batch scaling):
     group_centred / (std_step + ε); "reinforce_pp": (r − mean_step) / (std_step + ε); the step's
-    statistics over its scored finite rewards. Unscored members keep 0; a step with fewer than two
-    scored rewards gets 0 throughout. Always finite."""
+    statistics over its scored finite rewards (for "reinforce_pp" with `tokens`, each trajectory's
+    trained tokens, weighted by them: per-token whitening). Unscored members keep 0; a step with
+    fewer than two scored rewards gets 0 throughout. Always finite."""
     if not len(rewards) == len(group_centred) == len(scored):
         raise ValueError(f"{len(rewards)} rewards, {len(group_centred)} advantages and {len(scored)} scored flags")
     counted = [s and math.isfinite(r) for r, s in zip(rewards, scored)]
-    stats = _mean_std([r for r, c in zip(rewards, counted) if c])
+    if kind == "reinforce_pp" and tokens is not None:
+        if len(tokens) != len(rewards):
+            raise ValueError(f"{len(rewards)} rewards and {len(tokens)} token counts")
+        kept = [(r, t) for r, t, c in zip(rewards, tokens, counted) if c]
+        stats = _weighted_mean_std([r for r, _ in kept], [t for _, t in kept]) if len(kept) >= 2 else None
+    else:
+        stats = _mean_std([r for r, c in zip(rewards, counted) if c])
     if stats is None:
         return [0.0] * len(rewards)
     mean, std = stats

@@ -71,6 +71,10 @@ estimators (`kl_estimator`; "Approximating KL divergence", 2020):
 
     k1_t = d_t        k2_t = ½·d_t²        k3_t = exp(−d_t) + d_t − 1 (default)
 
+each clamped to [−kl_clamp, kl_clamp] (`kl_clamp`, default 10, as verl's low_var_kl and
+OpenRLHF's compute_approx_kl; TRL does not clamp; None = off): unclamped, k3 reaches e^20 ≈ 4.9e8
+at d = −20 and one outlier token dominates a step. A clamped token's KL has no gradient.
+
 and either a loss term (default) or, with `kl_in_reward`, a per-token reward penalty (OpenRLHF's
 and verl's `use_kl_in_reward`): the advantage becomes the undiscounted return-to-go of the
 detached penalty,
@@ -143,7 +147,8 @@ class LossConfig:
       there; usually the sampler's max new tokens).
     - `kl_beta`: weight of the KL estimate to a frozen reference policy; 0 turns it off.
     - `kl_estimator`: "k1", "k2" or "k3" (default); `kl_in_reward`: the KL as a per-token reward
-      penalty folded into the advantage (return-to-go) instead of a loss term (needs kl_beta > 0).
+      penalty folded into the advantage (return-to-go) instead of a loss term (needs kl_beta > 0);
+      `kl_clamp`: each token's estimate is clamped to ±kl_clamp (default 10; None = off).
     - `tis_cap`: None = clipped PPO against the behaviour policy; a cap = decoupled PPO with a
       truncated importance weight min(π_prox / π_behaviour, tis_cap) (see the module docstring).
       Only the policy-gradient term is weighted, not the KL term.
@@ -168,6 +173,7 @@ class LossConfig:
     top_entropy_quantile: float = 1.0
     kl_estimator: KlEstimator = "k3"
     kl_in_reward: bool = False
+    kl_clamp: float | None = 10.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_eps_low < 1.0:
@@ -199,6 +205,8 @@ class LossConfig:
             raise ValueError(f"loss.top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_clamp is not None and not self.kl_clamp > 0.0:
+            raise ValueError(f"loss.kl_clamp must be > 0 or unset (no clamp), got {self.kl_clamp}")
         if self.kl_in_reward and not self.kl_beta > 0.0:
             raise ValueError(f"loss.kl_in_reward needs loss.kl_beta > 0, got {self.kl_beta}")
 
@@ -326,12 +334,12 @@ def policy_loss(
     penalty: torch.Tensor | None = None
     if ref_logprobs is not None:
         d = torch.where(mask, logprobs - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        kl = _kl_estimate(d, cfg.kl_estimator)
+        kl = _kl_estimate(d, cfg.kl_estimator, cfg.kl_clamp)
         if cfg.kl_in_reward:  # the KL of the step's proximal policy as a per-token reward: its return-to-go leaves the advantage
             kl_prox = kl.detach()  # the proximal policy is the current one (the step's first update)
             if prox_logprobs is not None:
                 d_prox = torch.where(mask, proximal - ref_logprobs.detach().to(logprobs.dtype), zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-                kl_prox = _kl_estimate(d_prox, cfg.kl_estimator)
+                kl_prox = _kl_estimate(d_prox, cfg.kl_estimator, cfg.kl_clamp)
             penalty = cfg.kl_beta * _suffix_sums(torch.where(mask, kl_prox, zero), seq).view(adv.shape)
             adv = torch.where(mask, adv - penalty, zero)
 
@@ -419,13 +427,16 @@ def policy_loss(
     )
 
 
-def _kl_estimate(d: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
-    """Schulman's estimator of KL(π‖π_ref) per token from d = logp − ref (see the module docstring)."""
+def _kl_estimate(d: torch.Tensor, estimator: KlEstimator, clamp: float | None = None) -> torch.Tensor:
+    """Schulman's estimator of KL(π‖π_ref) per token from d = logp − ref, clamped to ±`clamp`
+    (see the module docstring)."""
     if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return torch.exp(-d) + d - 1.0
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = torch.exp(-d) + d - 1.0
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def _seq_means(values: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:

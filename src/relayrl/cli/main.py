@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -36,6 +36,10 @@ from relayrl.cli.signals import exit_on_signals
 from relayrl.config.schema import Config, load_config
 from relayrl.errors import RunFailed, UserError
 from relayrl.recipes import default_recipe
+
+if TYPE_CHECKING:
+    from relayrl.orchestrator.program import Program
+    from relayrl.telemetry.progress import ProgressPrinter
 
 T = TypeVar("T")
 
@@ -63,7 +67,6 @@ def train(
     ] = None,
 ) -> None:
     """Run a training recipe and write its run directory, or resume one (--resume RUN_DIR)."""
-    import asyncio
 
     from relayrl.config.extras import check_extras
 
@@ -84,7 +87,6 @@ def train(
     except (UserError, OSError) as exc:
         _fail(_one_line(exc))
 
-    from relayrl.cli.signals import Stopped, run_until_stopped
     from relayrl.orchestrator.build import build_program, run_dir_for
     from relayrl.telemetry.progress import ProgressPrinter
 
@@ -103,6 +105,29 @@ def train(
         )
     else:
         out.print(f"relayrl: {cfg.run.steps} steps on the {cfg.run.backend} backend → {run_dir}")
+    if cfg.task.agent is None:
+        _train_run(cfg, program, progress, run_dir)
+        return
+    from relayrl.agents.leftovers import Leftovers
+
+    before = Leftovers.now()
+    code: int | None = None  # None: a bug escaped the run (main() says it and exits)
+    try:
+        _train_run(cfg, program, progress, run_dir)
+        code = 0
+    except typer.Exit as stop:
+        code = stop.exit_code
+        raise
+    finally:  # what the run's agents left running: named, its processes ended, its threads not waited for
+        before.end(code)
+
+
+def _train_run(cfg: Config, program: Program, progress: ProgressPrinter, run_dir: Path) -> None:
+    """Run `program` to its end and say how it ended (see `train`)."""
+    import asyncio
+
+    from relayrl.cli.signals import Stopped, run_until_stopped
+
     try:
         result = asyncio.run(run_until_stopped(program, cfg.orchestrator.stop_grace_s, lambda: _resume_hint(run_dir, cfg)))
     except UserError as exc:  # a bad checkpoint found while restoring it
@@ -173,11 +198,12 @@ def _keep_traceback(run_dir: Path, exc: BaseException) -> str:
     import traceback
 
     path = run_dir / ERROR_FILE
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
         tmp.replace(path)
-    except OSError:
+    except OSError:  # e.g. the disk is full: no empty error.txt.tmp is left behind
+        tmp.unlink(missing_ok=True)
         return ""
     return f" (traceback in {path})"
 

@@ -445,6 +445,12 @@ class AlgorithmConfig(_Section):
     "batch" by the std of the whole step's scored rewards (TRL's scale_rewards = "batch"), "none"
     not at all (= Dr. GRPO's advantage). Unset, it follows advantage: "none" with "drgrpo" and
     "rloo", "batch" with "reinforce_pp"; another value with those is refused."""
+    whiten: Literal["token", "sequence"] = "token"
+    """How "reinforce_pp" whitens the step's rewards: "token" over the step's trained tokens (each
+    reward weighs as many times as its trajectory has tokens: the per-token whitening of OpenRLHF
+    and verl, REINFORCE++ as published) or "sequence" (each trajectory once: relayrl's rule before
+    this key; with short right and long wrong answers the token-weighted mean advantage is then
+    negative); algorithms/advantages.py. Only "reinforce_pp" whitens: other advantages ignore it."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards all tie (no learning signal; counted as filtered) and sample
     others in their place."""
@@ -474,19 +480,30 @@ class AlgorithmConfig(_Section):
     / clip_eps_high, which GSPO sets tiny, e.g. 3e-4 / 4e-4). "sequence" makes loss_aggregation
     default to "seq_mean_token_mean" (any other is refused) and refuses tis_cap."""
     entropy_coef: float = Field(0.0, ge=0.0)
-    """Entropy bonus: the loss gets −entropy_coef × the mean entropy of the policy's tokens (with
-    its gradient); 0 = off."""
+    """Entropy bonus (with its gradient): each policy token's loss gets −entropy_coef × its entropy,
+    aggregated as loss_aggregation aggregates the loss: "token_mean" the mean entropy over the
+    step's policy tokens; "seq_mean_token_mean" the mean over sequences of each sequence's mean
+    token entropy (a short sequence's tokens weigh more); "seq_mean_token_sum_norm" the sum of the
+    tokens' entropies / (the generation budget × the step's sequences). 0 = off."""
     top_entropy_quantile: float = Field(1.0, gt=0.0, le=1.0)
     """TRL's entropy-quantile masking (Wang et al. 2025): only the policy tokens whose entropy is in
     the top fraction of the micro-batch's keep their policy-gradient term; 1 = off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Schulman's estimator of the KL to the reference (kl_beta > 0): with d = log π − log π_ref,
-    "k1" d, "k2" d²/2, "k3" exp(−d) + d − 1."""
+    "k1" d, "k2" d²/2, "k3" exp(−d) + d − 1; each token's estimate is clamped by kl_clamp."""
+    kl_clamp: float = Field(10.0, ge=0.0)
+    """Each token's KL estimate is clamped to [−kl_clamp, kl_clamp] (as verl's low_var_kl and
+    OpenRLHF clamp k3 to ±10; TRL does not): unclamped, k3 reaches e^20 ≈ 4.9e8 at a log-ratio of
+    −20 and one outlier token dominates the step; 0 = no clamp."""
     kl_in_reward: bool = False
     """The KL (kl_beta × kl_estimator, detached) as a per-token reward penalty: each token's
-    advantage loses the sum of it over the sequence's tokens from there on (OpenRLHF / verl
-    use_kl_in_reward), and no KL loss term; needs kl_beta > 0. Defaults to true with advantage =
-    "reinforce_pp" and kl_beta > 0 (REINFORCE++'s per-token KL penalty)."""
+    advantage, once computed, loses the sum of it over the sequence's tokens from there on (a
+    per-token return-to-go, as OpenRLHF's per-token KL reward), and no KL loss term; needs kl_beta
+    > 0. Defaults to true with advantage = "reinforce_pp" and kl_beta > 0 (REINFORCE++'s per-token
+    KL penalty). Not verl's use_kl_in_reward with "grpo": verl adds −kl_beta × the sequence's summed
+    KL to its score before group normalisation (one normalised value for every token); here the
+    group normalisation sees the score alone and the penalty is taken off afterwards, unnormalised
+    and per token."""
     overlong_buffer: int = Field(0, ge=0)
     """DAPO's soft overlong penalty: a trajectory whose policy tokens L exceed L_max − overlong_buffer
     (L_max = the generation budget: rollout.max_new_tokens; in episodes × max_turns, within
@@ -579,7 +596,8 @@ class LoraConfig(_Section):
     """LoRA adapters (train.lora, via peft): only the adapters train and travel to the samplers."""
 
     r: int = Field(8, ge=1)
-    """The adapters' rank."""
+    """The adapters' rank: at most the narrowest targeted layer's width, and the adapters must fit
+    the host memory budget (checked once the model is loaded: config/sizing.py)."""
     alpha: float = Field(16.0, gt=0.0)
     """The adapters' scale numerator: a layer computes W x + (alpha / r) B A x."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -624,8 +642,9 @@ class TrainConfig(_Section):
     """The learning rate after warm-up: constant, or decayed over run.steps (linear or cosine)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradients are clipped to this global norm."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over a step's data: a step makes ppo_epochs × minibatches_per_step optimizer updates,
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over a step's data (at most 100: more is no PPO, and a step would take hours): a step
+    makes ppo_epochs × minibatches_per_step optimizer updates,
     all inside its one optim_step (one commit, version + 1), against the policy before its first
     update (the proximal policy of tis_cap; clipped PPO stays against the sampler's log-probs)."""
     minibatches_per_step: int = Field(1, ge=1)

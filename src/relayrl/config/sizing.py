@@ -10,6 +10,12 @@
   MAX_DATASET_SIZE entries (~40 µs each to generate here: ~40 s at the cap, and more entries than
   any run draws), and BYTES_PER_DATASET_ENTRY each (chain_sum measured ~1.5-2.4 KB) within the
   memory budget.
+- LoRA adapters (`train.lora`, checked once the model is loaded: `check_lora`): the rank is at most
+  the narrowest targeted layer's width (min of its input and output features: a higher rank adds
+  parameters and no expressiveness; r=100000 on the tiny model was OOM-killed with no message),
+  and the adapter matrices, r × (in + out) per targeted layer, at LORA_BYTES_PER_PARAM each in the
+  trainer (fp32 weight, gradient and AdamW's two moments) plus LORA_SAMPLER_BYTES_PER_PARAM per
+  sampler replica (its fp32 copy), within the memory budget.
 
 A run keeps at most (max_staleness + 2) steps' worth of trajectories in memory: the steps the
 dispatch window lets run ahead, the step being trained and the step being logged. Each costs about
@@ -54,6 +60,8 @@ MIN_REWARD_WORKERS_CAP = 8
 BYTES_PER_DATASET_ENTRY = 4 * 1024
 MAX_DATASET_SIZE = 1_000_000
 SECONDS_PER_DATASET_ENTRY = 40e-6  # chain_sum, one core of this machine
+LORA_BYTES_PER_PARAM = 16  # the trainer's fp32 adapter weight, its gradient, AdamW's exp_avg and exp_avg_sq
+LORA_SAMPLER_BYTES_PER_PARAM = 4  # each sampler replica's fp32 copy of the adapters
 
 
 def physical_memory_bytes() -> int | None:
@@ -424,3 +432,50 @@ def check_gpu_fits(
         cuda_bf16=cuda_bf16,
         max_model_len=max_model_len or shape.context,
     )
+
+
+def lora_shapes(model: object, targets: list[str]) -> list[tuple[str, int, int]]:
+    """(module name, in features, out features) of every linear layer of `model` (a torch module)
+    whose last name part is in `targets`."""
+    named = getattr(model, "named_modules", None)
+    if named is None:
+        return []
+    out = []
+    for name, module in named():
+        fin, fout = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if isinstance(fin, int) and isinstance(fout, int) and name.rpartition(".")[2] in targets:
+            out.append((name, fin, fout))
+    return out
+
+
+def check_lora(cfg: Config, model: object, budget: tuple[int, str] | None = None) -> None:
+    """train.lora on `model` (the loaded base model): the rank within the narrowest targeted
+    layer's width, and the adapters' memory within the host budget (module docstring)."""
+    lora = cfg.train.lora
+    if lora is None:
+        return
+    shapes = lora_shapes(model, list(lora.target_modules))
+    if not shapes:
+        return  # no targeted layer: check_targets says so
+    name, fin, fout = min(shapes, key=lambda s: min(s[1], s[2]))
+    width = min(fin, fout)
+    if lora.r > width:
+        raise ConfigError(
+            f"invalid config key 'train.lora.r': {lora.r:,} is more than {width}, the width of the narrowest targeted layer "
+            f"({name}: {fin} in, {fout} out): a rank above a layer's width adds parameters and no expressiveness; "
+            f"lower train.lora.r to at most {width}"
+        )
+    budget = memory_budget(cfg) if budget is None else budget
+    if budget is None:
+        return
+    budget_bytes, what = budget
+    params = sum(lora.r * (i + o) for _, i, o in shapes)
+    per_param = LORA_BYTES_PER_PARAM + LORA_SAMPLER_BYTES_PER_PARAM * cfg.rollout.num_samplers
+    need = params * per_param
+    if need > budget_bytes:
+        raise ConfigError(
+            f"train.lora.r={lora.r:,} on {len(shapes)} layers is {params:,} adapter parameters: an estimated "
+            f"{need / GB:,.1f} GB of host memory ({LORA_BYTES_PER_PARAM} B each in the trainer, {LORA_SAMPLER_BYTES_PER_PARAM} B "
+            f"in each of rollout.num_samplers={cfg.rollout.num_samplers}), more than {what} ({budget_bytes / GB:,.1f} GB); "
+            "lower train.lora.r or train.lora.target_modules (or raise orchestrator.max_host_memory_gb)"
+        )

@@ -127,7 +127,8 @@ def export_run(run_dir: Path, *, step: int | None = None, out: Path | None = Non
             f"{run_dir}: no checkpoint of step {chosen} (--step); checkpoints there: step{'s' if len(steps) > 1 else ''} "
             f"{', '.join(map(str, steps))}"
         )
-    target = out if out is not None else default_out(run_dir, chosen, steps[-1], merged=merged and cfg.train.lora is not None)
+    # `--out x/../y` is y: resolved first, so that no stray x/ is created on the way
+    target = out.resolve() if out is not None else default_out(run_dir, chosen, steps[-1], merged=merged and cfg.train.lora is not None)
     return write_model(cfg, checkpoint_dir(run_dir, chosen), target, step=chosen, run_dir=run_dir, merged=merged)
 
 
@@ -186,8 +187,11 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
             state = torch.load(state_file, map_location="cpu", weights_only=True)
             version = int(state["version"])
             weights = state["model"]
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
-        raise ExportError(f"{state_file}: unreadable trainer state ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+    except Exception as exc:  # empty (EOFError), garbage (UnpicklingError, IndexError), torn, not a state dict, ...
+        what = " ".join(str(exc).split())[:200] or "no message"
+        size = state_file.stat().st_size if state_file.is_file() else 0
+        empty = " (an empty file)" if size == 0 else ""
+        raise ExportError(f"{state_file}: unreadable trainer state{empty} ({type(exc).__name__}: {what})") from None
     if version != step:
         raise ExportError(f"{state_file}: trainer state is version {version}, expected {step}")
     adapter = None

@@ -21,7 +21,7 @@ from relayrl.config.sizing import check_fits
 from relayrl.envs import build_environment
 from relayrl.envs.base import Environment
 from relayrl.errors import UserError
-from relayrl.orchestrator.parts import assemble
+from relayrl.orchestrator.parts import assemble, episode_settings
 from relayrl.orchestrator.program import Program
 from relayrl.orchestrator.state import RunState
 from relayrl.rewards import registry as rewards
@@ -93,6 +93,33 @@ def _check(cfg: Config, reward_fns: Sequence[rewards.RewardEntry] | None, enviro
     return _Checked(cfg, resolved, environment, build_task(cfg), agent)
 
 
+def check_prompts_fit(cfg: Config, task: TaskData, backend: Backend) -> None:
+    """Refuse (UserError, one line naming the file and the limit's key) a task whose training rows
+    are a finite set none of which fits the prompt bound the dispatch stage applies: such a run
+    would filter every group as too_long and never train. Stops at the first row that fits."""
+    if task.rows is None:
+        return
+    if cfg.task.environment is not None:  # room for one action within the episode's token limit
+        bound: int | None = episode_settings(cfg, backend.max_prompt_tokens).max_total_tokens - 1
+        key = "rollout.max_total_tokens less one action token"
+    else:
+        bound = backend.max_prompt_tokens
+        key = "the model's context less rollout.max_new_tokens"
+    if bound is None or not task.rows:
+        return
+    shortest = None
+    for prompt in task.rows:
+        n = len(backend.tokenize(prompt.text))
+        if n <= bound:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    raise UserError(
+        f"no training prompt of {task.source} fits: each of its {len(task.rows):,} rows has more than the {bound} tokens a "
+        f"prompt may have ({key}); the shortest has {shortest}: shorten the prompts, or lower rollout.max_new_tokens"
+        + (" / raise rollout.max_total_tokens" if cfg.task.environment is not None else "")
+    )
+
+
 def _backend(checked: _Checked, threads: OrchestratorThreads) -> Backend:
     """`run.backend`'s compute kind, placed by the `ray.enabled` host (backends/registry.py); a
     Ray backend starts or joins its cluster."""
@@ -124,6 +151,7 @@ def start_run(
     try:
         if backend is None:
             backend = built = _backend(checked, threads)
+        check_prompts_fit(checked.cfg, checked.task, backend)
         if run_dir is not None and lock is not None:
             lock.acquire()
             if any(p.name != MARKER for p in run_dir.iterdir()):
@@ -172,6 +200,7 @@ def resume_run(
         threads = OrchestratorThreads()
         if backend is None:
             backend = built = _backend(checked, threads)
+        check_prompts_fit(checked.cfg, checked.task, backend)
         rewind_run_dir(run_dir, point)
         if changes:
             append_config_changes(run_dir, changes)

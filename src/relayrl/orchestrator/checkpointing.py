@@ -28,6 +28,8 @@ bounded and failed over like any sync round: a replica that cannot load them is 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import shutil
 import time
 from collections import deque
@@ -45,6 +47,7 @@ from relayrl.rundir.checkpoint import (
     checkpoint_dir,
     checkpoint_state,
     commit_checkpoint,
+    complete_checkpoints,
     staging_dir,
 )
 from relayrl.rundir.files import eval_row
@@ -251,10 +254,88 @@ class Checkpointer:
             staging.mkdir(parents=True)
 
         await self._threads.run("bookkeeping", prepare)
-        await self._trainer.save_state(staging)
-        await self._threads.run("bookkeeping", lambda: commit_checkpoint(staging, final, state, keep))
+        try:
+            await self._trainer.save_state(staging)
+            await self._threads.run("bookkeeping", lambda: commit_checkpoint(staging, final, state, keep))
+        except Exception as exc:  # no temporary is left; the previous checkpoint is untouched (renamed over only once complete)
+            written = await self._threads.run("bookkeeping", lambda: _discard(staging))
+            full = _disk_full(exc, staging)
+            if full is not None:
+                raise CheckpointWriteError(step, final, written, full) from exc
+            raise
         self._written = max(self._written, step)
         self._tracer.complete("orchestrator", "checkpoint", start, self._tracer.now(), step=step)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written for lack of disk space: names the disk, its free space and
+    the space needed (the previous checkpoint's size, or at least what was written of this one)."""
+
+    def __init__(self, step: int, final: Path, written: int, free: int) -> None:
+        disk = _mount_of(final.parent)
+        previous = [p for p in complete_checkpoints(final.parent) if p != final]
+        size = _tree_bytes(previous[-1]) if previous else 0
+        need = f"~{_mb(size)} (the size of {previous[-1].name})" if size > written else f"more than {_mb(written)}"
+        kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
+        super().__init__(
+            errno.ENOSPC,
+            f"step {step}'s checkpoint cannot be written to {final.parent}: no space left on the disk at {disk} "
+            f"({_mb(free)} free; the checkpoint needs {need}); nothing of it was left behind and {kept}: free space there "
+            "(or lower orchestrator.keep_checkpoints) and resume",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _discard(staging: Path) -> int:
+    """Remove a checkpoint's staging directory; the bytes that had been written to it."""
+    written = _tree_bytes(staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    return written
+
+
+def _disk_full(exc: BaseException, where: Path) -> int | None:
+    """The free bytes at `where` when `exc` (or what caused it) says the disk is full, else None.
+    torch.save reports a full disk as a RuntimeError ("file write failed", "enforce fail at
+    inline_container.cc"): that counts too when the disk is (nearly) full."""
+    cause: BaseException | None = exc
+    nospace = False
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            nospace = True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        free = shutil.disk_usage(_mount_of(where)).free
+    except OSError:
+        free = 0
+    if nospace or (isinstance(exc, RuntimeError) and "write" in str(exc) and free < 64 * 2**20):
+        return free
+    return None
+
+
+def _mount_of(path: Path) -> Path:
+    """The mount point of the disk holding `path` (or its nearest existing parent)."""
+    p = path.resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for f in path.rglob("*") if path.is_dir() else ():
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB"
 
 
 async def restore(point: ResumePoint, *, trainer: Trainer, publisher: WeightPublisher) -> Weights:

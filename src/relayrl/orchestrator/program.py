@@ -331,6 +331,7 @@ class Program:
                         mask_truncated=cfg.algorithm.mask_truncated,
                     ),
                     step_advantage=cfg.algorithm.advantage if needs_step(cfg.algorithm.advantage, cfg.algorithm.scale_rewards) else None,
+                    token_whiten=cfg.algorithm.whiten == "token",
                     hooks=StepHooks(
                         on_step_begin=on_step_begin,
                         commit_figures=commit_figures,

@@ -21,6 +21,9 @@ from relayrl.types import Prompt
 class TaskData:
     stream: Iterator[Prompt]
     heldout: list[Prompt]
+    # the training rows, when the task is a finite set (jsonl), and the key naming where they come from
+    rows: tuple[Prompt, ...] | None = None
+    source: str = ""
 
 
 def build_task(cfg: Config) -> TaskData:
@@ -58,7 +61,7 @@ def build_task(cfg: Config) -> TaskData:
     heldout_path = Path(t.heldout_path) if t.heldout_path else None
     jtask = JsonlTask(JsonlTaskConfig(path=Path(t.path), heldout_path=heldout_path, heldout_last=t.heldout_last, seed=cfg.run.seed))
     heldout = jtask.heldout(min(t.heldout_size, len(jtask.heldout_prompts)))
-    return TaskData(jtask.stream(), heldout)
+    return TaskData(jtask.stream(), heldout, jtask.train_prompts, f"task.path = {t.path}")
 
 
 def correctness_check(kind: str) -> ResolvedReward:

@@ -78,6 +78,9 @@ class _Tokenize:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "{text}", chat: bool = False) -> None:
         self._tok = tokenizer
+        # relayrl bounds prompts itself (the dispatch stage's max_prompt_tokens, check_prompts_fit): a
+        # long one is no reason for transformers' "Token indices sequence length" console line
+        tokenizer.model_max_length = 2**62
         self._template = template
         self._chat = chat
 
@@ -266,6 +269,7 @@ def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
         entropy_coef=a.entropy_coef,
         top_entropy_quantile=a.top_entropy_quantile,
         kl_estimator=a.kl_estimator,
+        kl_clamp=a.kl_clamp or None,
         kl_in_reward=a.kl_in_reward,
     )
     return TrainerSettings(
@@ -407,9 +411,11 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
     gpu = gpu_preflight(cfg, train_device, rollout_device) if train_device is not None and rollout_device is not None else None
     model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
     if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
+        from relayrl.config.sizing import check_lora
         from relayrl.models.lora import check_targets
 
         check_targets(model, cfg.train.lora)
+        check_lora(cfg, model)  # the rank within the layers' width, the adapters within host memory
     trainer_threads, sampler_threads = worker_threads(cfg)
     base = (model, tokenizer)
     return Compute(

@@ -115,11 +115,13 @@ def filter_reason(
     return None
 
 
-def finish_step_advantages(groups: list[Group], *, kind: AdvantageKind) -> None:
+def finish_step_advantages(groups: list[Group], *, kind: AdvantageKind, token_whiten: bool = False) -> None:
     """Set the advantages of a step's trajectories that depend on the whole step (batch std
-    scaling of "grpo", "reinforce_pp"; algorithms/advantages.py `step_advantages`)."""
+    scaling of "grpo", "reinforce_pp", with `token_whiten` over its trained tokens;
+    algorithms/advantages.py `step_advantages`)."""
     trajs = [t for g in groups for t in g.trajectories]
-    values = step_advantages([t.reward for t in trajs], [t.advantage for t in trajs], scored(trajs), kind)
+    tokens = [sum(t.loss_mask) if t.loss_mask else len(t.completion_tokens) for t in trajs] if token_whiten else None
+    values = step_advantages([t.reward for t in trajs], [t.advantage for t in trajs], scored(trajs), kind, tokens)
     for traj, adv in zip(trajs, values):
         traj.advantage = adv
 

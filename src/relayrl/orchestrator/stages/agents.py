@@ -16,9 +16,11 @@ functions' score of the trajectory's last completion (`completion_text`).
 Invariants:
 - an agent that raises (anything, SystemExit, GeneratorExit and a CancelledError of its own
   included, but KeyboardInterrupt), runs past `rollout.agent_timeout_s` (cancelled), returns
-  something that is neither None nor a finite number (a coroutine is closed), or made no call,
+  something that is neither None nor a number within ±MAX_ABS_REWARD (1e6, as reward functions:
+  rewards/registry.py; NaN, an infinity, 2**70 fail as `non_finite`; a coroutine is closed), or made no call,
   fails its sample: one trajectory `failed` with an `error` "agent: REASON: DETAIL (agent NAME,
-  prompt ID, sample I)" (DETAIL one line of at most ~300 characters), not scored, counted by the
+  prompt ID, sample I)" (DETAIL one line of at most ~300 characters, with the episode's key and
+  the run's secret redacted), not scored, counted by the
   score stage (`reward_failures["agent"]`), out of its group's baseline; the run goes on. Under
   `task.strict_agents` it fails the run (`AgentError`, one line), the task's error: no replica is
   retired for it. An agent that raises KeyboardInterrupt fails the run so (asyncio would let it
@@ -47,12 +49,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from relayrl.agents.context import AgentContext, AgentFn
+from relayrl.agents.context import AgentContext, AgentFn, redact
 from relayrl.agents.tasks import Clocked, EpisodeTasks
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import SamplerSlot, forget_episodes
+from relayrl.rewards.registry import MAX_ABS_REWARD, OUT_OF_RANGE
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult, versions_used
 
@@ -230,7 +233,7 @@ class AgentRollout:
         episode = self.endpoint.open(
             f"{request.group_id}/{index}", request.prompt, batcher.sample, f"{request.seed_key}\x00{index}", s.timeout_s
         )
-        ctx = AgentContext(episode.base_url, self.endpoint.token, s.model, request.prompt, index)
+        ctx = AgentContext(episode.base_url, episode.api_key, s.model, request.prompt, index)
         tasks = EpisodeTasks(f"agent/{request.group_id}/{index}/call")
         agent = tasks.start(_guarded(self._agent, ctx, lambda seconds: self._blocked(request, index, seconds)))
         timed_out = False
@@ -256,7 +259,7 @@ class AgentRollout:
             if isinstance(error, KeyboardInterrupt):  # asyncio would let it break the loop: the run stops, in one line
                 raise AgentError(f"{self._where(request, index)}: raised KeyboardInterrupt: the run stops")
             if error is not None:
-                failure = ("raised", _one_line(error))
+                failure = ("raised", _one_line(error, (ctx.api_key, self.endpoint.token)))
             else:
                 reward, failure = _reward(value)
         leaves = episode.transcript.leaves
@@ -353,7 +356,7 @@ async def _guarded(agent: AgentFn, ctx: AgentContext, report: Callable[[float], 
 
 
 def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
-    """(reward, failure) of what an agent returned: None, or a finite real number."""
+    """(reward, failure) of what an agent returned: None, or a real number within ±MAX_ABS_REWARD."""
     if value is None:
         return None, None
     if inspect.iscoroutine(value):
@@ -367,6 +370,8 @@ def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
         reward = math.inf
     if not math.isfinite(reward):
         return None, ("non_finite", f"returned {_short(value)}")
+    if abs(reward) > MAX_ABS_REWARD:  # a count, 2**70: a bug, not a signal (as for reward functions)
+        return None, ("non_finite", f"returned {_short(value)}: {OUT_OF_RANGE}")
     return reward, None
 
 
@@ -377,10 +382,11 @@ def _short(value: object) -> str:
     return short.repr(value)
 
 
-def _one_line(exc: BaseException) -> str:
-    """`Type: message` on one line, at most ~300 characters; an exception whose str() fails too."""
+def _one_line(exc: BaseException, keys: tuple[str, ...] = ()) -> str:
+    """`Type: message` on one line, at most ~300 characters, `keys` redacted (before it is cut, so
+    no part of one is left); an exception whose str() fails too."""
     try:
-        text = " ".join(str(exc).split())
+        text = " ".join(redact(str(exc), keys).split())
     except Exception:  # its __str__ raises: the type says enough
         text = "(its message could not be read)"
     line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -8,7 +8,12 @@ flight) samples afresh, and a resumed run samples its replayed prompts as before
 Prompts are encoded here, on the event loop, by the backend's `PromptEncoder` (a tokenizer:
 cheap, orchestrator-side). A prompt longer than `max_prompt_tokens` (no room left for the
 completions in the model's context, or for one action within a multi-turn episode's token
-limit) is never sent to a sampler: its group is filtered as `too_long`, once warned about.
+limit) is never sent to a sampler: its group is filtered as `too_long`, once warned about. A
+batch whose prompts are all filtered yields to the event loop before the next one (credits come
+back at once, so nothing else would await): the stage never spins, and a stop always winds down.
+A task whose finite training rows hold no prompt that fits is refused before the run
+(orchestrator/build.py `check_prompts_fit`); one where too few fit fails by the filter bound
+(`orchestrator.max_filtered_per_step`, orchestrator/ledger.py).
 """
 
 from __future__ import annotations
@@ -64,3 +69,5 @@ async def dispatch_stage(
             ledger.filtered(Group(gid, []), FilterReason.TOO_LONG, window)
         if requests:
             await outbox.put(requests)
+        else:  # every prompt filtered: a credit came back at once, so nothing here awaited; let the loop
+            await asyncio.sleep(0)  # run (a stop, the other stages) between batches, never a spin

@@ -169,9 +169,11 @@ class TrainLoop:
         packing: PackingSpec,
         hooks: StepHooks,
         step_advantage: AdvantageKind | None = None,  # finished over each step's groups when taken (advantage.py)
+        token_whiten: bool = False,  # reinforce_pp's whitening over the step's tokens (algorithm.whiten)
     ) -> None:
         self._start_step = start_step
         self._step_advantage = step_advantage
+        self._token_whiten = token_whiten
         self._steps = steps
         self._trainer = trainer
         self._collator = collator
@@ -210,7 +212,7 @@ class TrainLoop:
         # a failed reward call trains nothing: its trajectory is logged, never packed (orchestrator/stages/advantage.py);
         # nor, under mask_truncated, does a truncated one
         if self._step_advantage is not None:  # advantages over the whole step (batch std scaling, REINFORCE++)
-            finish_step_advantages(groups, kind=self._step_advantage)
+            finish_step_advantages(groups, kind=self._step_advantage, token_whiten=self._token_whiten)
         spec = self._packing
         if spec.mask_truncated:
             trajectories = trainable([t for g in groups for t in g.trajectories], mask_truncated=True)
