@@ -1,6 +1,9 @@
 """`relayrl bench engines`: the same rollout load through the hf engine (relayrl's own decode loop)
 and the vLLM engine, on the shipped tiny model and on a random ~40 M-parameter Qwen2 built here
-(no download): start-up, tokens/s, and the seconds a weight load takes per version.
+(no download): start-up, tokens/s, and the seconds a weight load takes per version. "hf-before"
+is the hf engine with its decode loop as it was before it stopped reading the device per token
+(`relayrl.bench.legacy_decode`), measured in the same run as the baseline of "hf". vLLM is
+measured where it is installed (the vllm extra), else left out and said so.
 
 Invariant: both engines get the same prompts, samples, token budget and temperature (1, top_p 1)
 and one compute thread each (the hf sampler's torch threads = 1; vLLM's CPU build binds its
@@ -11,13 +14,15 @@ Nothing here asserts a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import importlib.util
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +90,21 @@ async def _measure(sampler: Any, requests: list[SampleRequest], state: dict[str,
     return {"tokens_per_s": statistics.median(rates), "weight_load_s": statistics.median(loads)}
 
 
+@contextlib.contextmanager
+def _decode_loop(before: bool) -> Iterator[None]:
+    """Inside: the hf sampler samples with the old decode loop when `before` (else unchanged)."""
+    import relayrl.backends.local.sampler as sampler_module
+    from relayrl.bench.legacy_decode import legacy_sample
+
+    current = sampler_module.sample
+    if before:
+        sampler_module.sample = legacy_sample
+    try:
+        yield
+    finally:
+        sampler_module.sample = current
+
+
 def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[str, dict[str, float]]:
     import torch
 
@@ -117,11 +137,15 @@ def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
-    hf, hf_start = timed(lambda: LocalSampler(copy.deepcopy(model), tokenizer, params, torch_threads=1))
-    try:
-        figures["hf"] = {"startup_s": hf_start, **asyncio.run(_measure(hf, requests, state, repeats, versions))}
-    finally:
-        asyncio.run(hf.close())
+    for engine, before in (("hf-before", True), ("hf", False)):
+        hf, hf_start = timed(lambda: LocalSampler(copy.deepcopy(model), tokenizer, params, torch_threads=1))
+        try:
+            with _decode_loop(before):
+                figures[engine] = {"startup_s": hf_start, **asyncio.run(_measure(hf, requests, state, repeats, versions))}
+        finally:
+            asyncio.run(hf.close())
+    if importlib.util.find_spec("vllm") is None:
+        return figures
 
     from relayrl.backends.vllm.engine import EngineSettings, context_length
     from relayrl.backends.vllm.sampler import VllmSampler
@@ -142,7 +166,8 @@ def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[
 
 
 def run_engines(models: tuple[str, ...] = ENGINE_MODELS, repeats: int = 2, versions: int = 3) -> dict[str, object]:
-    """{model: {"hf": figures, "vllm": figures, "load": [prompts, samples, max_new_tokens]}}."""
+    """{model: {"hf-before": figures, "hf": figures, "vllm": figures (where vllm is installed),
+    "load": [prompts, samples, max_new_tokens]}}."""
     from relayrl.models.loading import shipped_model_dir
 
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "relayrl-vllm-cache"))
