@@ -76,3 +76,56 @@ def test_train_step_host_syncs_per_microbatch() -> None:
     assert compute.optim_step() == 2  # the step still trains and reports
     metrics = compute.metrics()
     assert metrics and all(v == v for v in metrics.values() if isinstance(v, float))
+
+
+def test_batched_draws_give_the_old_loops_tokens() -> None:
+    """The same generator states give the same tokens and log-probs as the old decode loop (one
+    `multinomial` per prompt), with per-prompt generators, top-p, prompts sharing a prefill, a
+    prompt with no sample, and rows stopping at EOS (pruned from the batch)."""
+    from relayrl.backends.local.generation import sample
+    from relayrl.bench.legacy_decode import legacy_sample
+
+    model = random_qwen2(32, 0, pad_token_id=PAD)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [16], [17, 18, 19], [5, 6, 7]]
+    for top_p, eos in ((1.0, (1, 2)), (0.8, (1,))):
+        params = SamplingParams(temperature=0.9, top_p=top_p, max_new_tokens=20, eos_token_ids=eos)
+        for per_prompt in (True, False):
+            runs = []
+            for fn in (sample, legacy_sample):
+                gens = [torch.Generator().manual_seed(10 + i) for i in range(len(prompts))] if per_prompt else None
+                out = fn(model, prompts, [3, 4, 2, 0, 5], params, torch.Generator().manual_seed(3), generators=gens)
+                runs.append([[(s.tokens, s.logprobs, s.finish_reason) for s in group] for group in out])
+            assert runs[0] == runs[1]
+            assert any(s[2] == "stop" for group in runs[0] for s in group)  # rows stopped early
+
+
+def test_preallocated_cache_writes_in_place() -> None:
+    """A decode step writes its own keys and values into the call's buffers (no copy of the whole
+    cache), the views read what concatenation would, a row selection keeps them, and a call that
+    outgrows the capacity grows."""
+    from relayrl.backends.local.generation import _layer_kv, _new_cache
+
+    model = random_qwen2(32, 0)
+    cache = _new_cache(model, capacity=6)
+    layers = len(model.model.layers)
+    gen = torch.Generator().manual_seed(0)
+    written: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    pointers: set[int] = set()
+    for step, new in enumerate((4, 1, 1, 1, 2)):  # 9 tokens: past the capacity of 6 once
+        for layer in range(layers):
+            k = torch.randn((3, 2, new, 16), generator=gen)
+            keys, values = cache.update(k, -k, layer)
+            written[layer].append(k)
+            expected = torch.cat(written[layer], dim=-2)
+            assert torch.equal(keys, expected) and torch.equal(values, -expected)
+            if layer == 0 and step in (1, 2):
+                pointers.add(keys.data_ptr())
+    assert len(pointers) == 1  # steps 1 and 2 wrote into the same buffer
+    assert cache.get_seq_length() == 9
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    for layer, (keys, values) in enumerate(_layer_kv(cache)):
+        expected = torch.cat(written[layer], dim=-2)[[2, 0]]
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    k = torch.randn((2, 2, 1, 16), generator=gen)
+    keys, _ = cache.update(k, k, 0)
+    assert torch.equal(keys[..., -1:, :], k) and keys.shape[-2] == 10

@@ -315,7 +315,7 @@ class SamplerCompute:
                 self._merger = AdapterMerger(self.model)
             with self.gate.load(weights.version):
                 self._forget_sessions()
-                receive(weights.ready, payload.values())
+                receive(weights.ready, payload.values(), self.model.device)
                 self._merger.merge(payload, where)  # checks everything before changing a weight
             return
         unexpected = sorted(set(payload) - set(self._shapes))
@@ -327,7 +327,7 @@ class SamplerCompute:
             )
         with self.gate.load(weights.version):
             self._forget_sessions()
-            receive(weights.ready, payload.values())  # on CUDA: the exporter's copies are done first
+            receive(weights.ready, payload.values(), self.model.device)  # on CUDA: after the exporter's copies
             with torch.no_grad():
                 self.model.load_state_dict(payload, strict=False)
 

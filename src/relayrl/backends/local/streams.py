@@ -15,7 +15,7 @@ Invariants:
   pass stay in the order the `WeightGate` puts them in;
 - a cross-thread handoff of device tensors: the producer calls `handoff()` after queueing the
   work that writes them (an event recorded on its current stream; None off CUDA), the consumer
-  `receive(event, tensors)` before queueing work that reads them: its current stream waits for the
+  `receive(event, tensors, device)` before queueing work that reads them: its current stream waits for the
   event (on the device: the host does not wait), and the tensors are marked as used on that
   stream, so the caching allocator does not hand their memory out again while it still reads
   them. Handoffs: a trainer's exported weights (`Weights.ready`) to a sampler's load and to the
@@ -58,19 +58,24 @@ def handoff(device: torch.device | str) -> torch.cuda.Event | None:
     return event
 
 
-def receive(event: object | None, tensors: Iterable[torch.Tensor]) -> None:
-    """Before reading `tensors` another thread wrote: this thread's current stream waits for
-    `event` (a `handoff`'s; None: nothing to wait for) and the CUDA tensors are recorded as used
-    on it."""
+def receive(event: object | None, tensors: Iterable[torch.Tensor], device: torch.device | str) -> None:
+    """Before this thread reads `tensors` another thread wrote (this thread's worker computing on
+    `device`): its current stream on `device` and on each CUDA tensor's device waits for `event`
+    (a `handoff`'s; None: nothing to wait for), and the CUDA tensors are recorded as used there."""
     if event is None:
         return
     ready = cast(torch.cuda.Event, event)
-    waiting: set[torch.device] = set()
+    own = torch.device(device)
+    waited: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stream_on(where: torch.device) -> torch.cuda.Stream:
+        if where not in waited:
+            waited[where] = torch.cuda.current_stream(where)
+            waited[where].wait_event(ready)
+        return waited[where]
+
+    if own.type == "cuda":
+        stream_on(own)
     for tensor in tensors:
-        if not tensor.is_cuda:
-            continue
-        stream = torch.cuda.current_stream(tensor.device)
-        if tensor.device not in waiting:
-            stream.wait_event(ready)
-            waiting.add(tensor.device)
-        tensor.record_stream(stream)
+        if tensor.is_cuda:
+            tensor.record_stream(stream_on(tensor.device))
