@@ -30,9 +30,10 @@ from relayrl.types import GenerateResult, Prompt, SampleRequest, Weights
 
 __all__ = ["ENGINE_MODELS", "run_engines"]
 
-ENGINE_MODELS = ("tiny", "qwen2-40m")
-# model -> (prompts, samples per prompt, max new tokens)
-LOADS: dict[str, tuple[int, int, int]] = {"tiny": (64, 16, 4), "qwen2-40m": (8, 8, 32)}
+ENGINE_MODELS = ("tiny", "tiny-decode", "qwen2-40m")
+# model -> (prompts, samples per prompt, max new tokens); "tiny-decode" is the tiny model with the
+# decode loop's own load (32 prompts per call, long completions), where its per-token costs show
+LOADS: dict[str, tuple[int, int, int]] = {"tiny": (64, 16, 4), "tiny-decode": (32, 16, 32), "qwen2-40m": (8, 8, 32)}
 
 
 def _random_qwen2_dir(directory: Path) -> None:
@@ -58,7 +59,7 @@ def _random_qwen2_dir(directory: Path) -> None:
 
 
 def _prompts(name: str, model_dir: Path, count: int) -> list[list[int]]:
-    if name == "tiny":
+    if name.startswith("tiny"):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
@@ -73,21 +74,48 @@ def _perturbed(state: dict[str, Any], version: int) -> dict[str, Any]:
     return {k: v + 1e-3 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in state.items()}
 
 
-async def _measure(sampler: Any, requests: list[SampleRequest], state: dict[str, Any], repeats: int, versions: int) -> dict[str, float]:
-    await sampler.generate(requests[:1])  # warm-up
-    rates: list[float] = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        results: list[GenerateResult] = await sampler.generate(requests)
-        seconds = time.perf_counter() - start
-        rates.append(sum(len(c.tokens) for r in results for c in r.completions) / seconds)
+async def _rate(sampler: Any, requests: list[SampleRequest]) -> float:
+    """Tokens per second of one timed `generate` of every request."""
+    start = time.perf_counter()
+    results: list[GenerateResult] = await sampler.generate(requests)
+    seconds = time.perf_counter() - start
+    return sum(len(c.tokens) for r in results for c in r.completions) / seconds
+
+
+async def _load_seconds(sampler: Any, state: dict[str, Any], versions: int) -> float:
+    """The median seconds of `versions` weight loads."""
     loads: list[float] = []
     for v in range(1, versions + 1):
         weights = Weights(version=v, payload=_perturbed(state, v))
         start = time.perf_counter()
         await sampler.load_weights(weights)
         loads.append(time.perf_counter() - start)
-    return {"tokens_per_s": statistics.median(rates), "weight_load_s": statistics.median(loads)}
+    return statistics.median(loads)
+
+
+async def _measure(sampler: Any, requests: list[SampleRequest], state: dict[str, Any], repeats: int, versions: int) -> dict[str, float]:
+    await sampler.generate(requests[:1])  # warm-up
+    rates = [await _rate(sampler, requests) for _ in range(repeats)]
+    return {"tokens_per_s": statistics.median(rates), "weight_load_s": await _load_seconds(sampler, state, versions)}
+
+
+async def _measure_hf(
+    samplers: dict[str, tuple[Any, bool]], requests: list[SampleRequest], state: dict[str, Any], repeats: int, versions: int
+) -> dict[str, dict[str, float]]:
+    """`_measure` for the hf samplers {engine: (sampler, old decode loop)}, their timed calls
+    alternating (so the machine's load drifting during the run weighs on both alike)."""
+    rates: dict[str, list[float]] = {engine: [] for engine in samplers}
+    for _, (sampler, before) in samplers.items():
+        with _decode_loop(before):
+            await sampler.generate(requests[:1])  # warm-up
+    for _ in range(repeats):
+        for engine, (sampler, before) in samplers.items():
+            with _decode_loop(before):
+                rates[engine].append(await _rate(sampler, requests))
+    return {
+        engine: {"tokens_per_s": statistics.median(rates[engine]), "weight_load_s": await _load_seconds(sampler, state, versions)}
+        for engine, (sampler, _) in samplers.items()
+    }
 
 
 @contextlib.contextmanager
@@ -126,8 +154,9 @@ def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[
         return sampler, time.perf_counter() - start
 
     # hf: the model loaded as the local backend loads it, one torch thread
-    tokenizer_dir = model_dir if name == "tiny" else shipped_model_dir()
-    model, _ = load_model_and_tokenizer(model_dir) if name == "tiny" else (None, None)
+    tiny = name.startswith("tiny")
+    tokenizer_dir = model_dir if tiny else shipped_model_dir()
+    model, _ = load_model_and_tokenizer(model_dir) if tiny else (None, None)
     if model is None:
         from transformers import AutoModelForCausalLM
 
@@ -137,20 +166,24 @@ def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
+    hf: dict[str, tuple[Any, bool]] = {}
+    startup: dict[str, float] = {}
     for engine, before in (("hf-before", True), ("hf", False)):
-        hf, hf_start = timed(lambda: LocalSampler(copy.deepcopy(model), tokenizer, params, torch_threads=1))
-        try:
-            with _decode_loop(before):
-                figures[engine] = {"startup_s": hf_start, **asyncio.run(_measure(hf, requests, state, repeats, versions))}
-        finally:
-            asyncio.run(hf.close())
+        sampler, startup[engine] = timed(lambda: LocalSampler(copy.deepcopy(model), tokenizer, params, torch_threads=1))
+        hf[engine] = (sampler, before)
+    try:
+        measured = asyncio.run(_measure_hf(hf, requests, state, repeats, versions))
+        figures.update({engine: {"startup_s": startup[engine], **measured[engine]} for engine in hf})
+    finally:
+        for sampler, _ in hf.values():
+            asyncio.run(sampler.close())
     if importlib.util.find_spec("vllm") is None:
         return figures
 
     from relayrl.backends.vllm.engine import EngineSettings, context_length
     from relayrl.backends.vllm.sampler import VllmSampler
 
-    settings = EngineSettings(model=str(model_dir), max_model_len=context_length(model_dir), skip_tokenizer_init=name != "tiny")
+    settings = EngineSettings(model=str(model_dir), max_model_len=context_length(model_dir), skip_tokenizer_init=not tiny)
 
     async def vllm_run() -> dict[str, float]:
         start = time.perf_counter()
@@ -175,7 +208,7 @@ def run_engines(models: tuple[str, ...] = ENGINE_MODELS, repeats: int = 2, versi
     for name in models:
         scratch = Path(tempfile.mkdtemp(prefix=f"relayrl-bench-{name}-"))
         try:
-            if name == "tiny":
+            if name.startswith("tiny"):
                 model_dir = shipped_model_dir()
             else:
                 _random_qwen2_dir(scratch)

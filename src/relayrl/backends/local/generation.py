@@ -16,6 +16,12 @@ Invariants:
   ratio is exactly 1 and clipping / truncated IS act only on policy change (as TRL and verl,
   which recompute "old" log-probs with the full softmax). In greedy mode it is the log-prob of
   the argmax under the plain temperature-1 softmax, which is what the policy assigns it;
+- a decode step reads the device at most once (`sample`: only with EOS ids, which rows drew one
+  and a NaN check; `sample_turns`: the step's tokens and log-probs); which rows still sample is
+  kept on the host, every row's token is drawn in one batched pick (`pick_tokens`, equal to one
+  `torch.multinomial` per generator), decode steps pass a prepared 4D mask (sdpa, eager), and
+  the cache's full-attention layers write into buffers preallocated for the call
+  (`_PreallocatedLayer`): a step copies its own keys and values, not the whole cache;
 - with a `WeightGate` (rollout.interruptible), a weight load lands only between two forward
   passes; a token's log-prob is under the weights of the pass that produced its logits, and its
   sequence's `versions` records that version (the KV cache of earlier tokens is kept, computed
@@ -243,9 +249,11 @@ class _PreallocatedLayer(DynamicLayer):
         if not self._owned() or self._buffers is None:
             super().batch_select_indices(indices)
             return
+        k, v = self._buffers  # the rows' filled columns into new buffers of the same capacity
+        self._allocate(k[indices, ..., : self._length, :], v[indices, ..., : self._length, :], self._length, k.shape[-2])
+        assert self._buffers is not None
         k, v = self._buffers
-        self._buffers = (k[indices], v[indices])
-        self.keys, self.values = self._buffers[0][..., : self._length, :], self._buffers[1][..., : self._length, :]
+        self.keys, self.values = k[..., : self._length, :], v[..., : self._length, :]
         self._views = (self.keys, self.values)
 
 
