@@ -199,8 +199,9 @@ class _PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer that writes each pass's keys and values into buffers sized
     for the whole call (`capacity` tokens) and hands the attention views of them: a decode step
     copies its own token's keys and values only, where `DynamicLayer` concatenates the whole
-    cache again (O(T^2) copies over a generation). It outgrows `capacity` by doubling, and adopts
-    whatever a transformers method put in `keys`/`values` (a crop, a reorder) at the next update.
+    cache again (O(T^2) copies over a generation; here O(T)). On the CPU the buffers start smaller
+    and double (`_first_capacity`); past `capacity` they grow as needed. It adopts whatever a
+    transformers method put in `keys`/`values` (a crop, a reorder) at the next update.
     Everything else (lengths, masks) is `DynamicLayer`'s, read from the views."""
 
     def __init__(self, capacity: int) -> None:
@@ -209,6 +210,16 @@ class _PreallocatedLayer(DynamicLayer):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # what `keys`/`values` were set to
         self._length = 0
+
+    def _first_capacity(self, need: int, cuda: bool) -> int:
+        """On CUDA the whole call's `capacity` at once (the caching allocator makes it cheap, and
+        a step never reallocates). On the CPU fresh memory costs a page fault per page touched, so a
+        generation that stops early would pay for columns it never fills (measured: 10-20% of a
+        short call): there the buffers start with room for one more token and double as needed,
+        up to `capacity`."""
+        if cuda:
+            return max(self.capacity, need)
+        return max(need, min(self.capacity, need + 1))
 
     def _owned(self) -> bool:
         return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
@@ -232,11 +243,11 @@ class _PreallocatedLayer(DynamicLayer):
             keys = self.keys if self.keys is not None and self.keys.dim() == 4 else key_states
             values = self.values if self.values is not None and self.values.dim() == 4 else value_states
             length = keys.shape[-2] if keys is not key_states else 0
-            self._allocate(keys, values, length, max(self.capacity, length + new))
+            self._allocate(keys, values, length, self._first_capacity(length + new, key_states.is_cuda))
         assert self._buffers is not None
         k, v = self._buffers
         if self._length + new > k.shape[-2]:
-            self._allocate(k, v, self._length, max(2 * k.shape[-2], self._length + new))
+            self._allocate(k, v, self._length, max(min(2 * k.shape[-2], self.capacity), self._length + new))
             k, v = self._buffers
         k[..., self._length : self._length + new, :] = key_states
         v[..., self._length : self._length + new, :] = value_states
@@ -249,8 +260,14 @@ class _PreallocatedLayer(DynamicLayer):
         if not self._owned() or self._buffers is None:
             super().batch_select_indices(indices)
             return
-        k, v = self._buffers  # the rows' filled columns into new buffers of the same capacity
-        self._allocate(k[indices, ..., : self._length, :], v[indices, ..., : self._length, :], self._length, k.shape[-2])
+        k, v = self._buffers
+        rows, length = indices.shape[0], self._length
+        if rows <= k.shape[0]:  # fewer rows (pruning): compacted in place, no new buffer
+            k[:rows, ..., :length, :] = k[indices, ..., :length, :]  # (the right side is gathered first)
+            v[:rows, ..., :length, :] = v[indices, ..., :length, :]
+            self._buffers = (k[:rows], v[:rows])
+        else:  # more rows (a prompt's prefill copied to its samples): the filled columns into new buffers
+            self._allocate(k[indices, ..., :length, :], v[indices, ..., :length, :], length, k.shape[-2])
         assert self._buffers is not None
         k, v = self._buffers
         self.keys, self.values = k[..., : self._length, :], v[..., : self._length, :]
