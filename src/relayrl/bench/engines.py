@@ -3,7 +3,8 @@ and the vLLM engine, on the shipped tiny model and on a random ~40 M-parameter Q
 (no download): start-up, tokens/s, and the seconds a weight load takes per version. "hf-before"
 is the hf engine with its decode loop as it was before it stopped reading the device per token
 (`relayrl.bench.legacy_decode`), measured in the same run as the baseline of "hf". vLLM is
-measured where it is installed (the vllm extra), else left out and said so.
+measured where it is installed (the vllm extra), else left out and said so; not under the
+"tiny-decode" load (hf only: its EOS is never drawn, which the vLLM sampler has no setting for).
 
 Invariant: both engines get the same prompts, samples, token budget and temperature (1, top_p 1)
 and one compute thread each (the hf sampler's torch threads = 1; vLLM's CPU build binds its
@@ -31,8 +32,10 @@ from relayrl.types import GenerateResult, Prompt, SampleRequest, Weights
 __all__ = ["ENGINE_MODELS", "run_engines"]
 
 ENGINE_MODELS = ("tiny", "tiny-decode", "qwen2-40m")
-# model -> (prompts, samples per prompt, max new tokens); "tiny-decode" is the tiny model with the
-# decode loop's own load (32 prompts per call, long completions), where its per-token costs show
+# model -> (prompts, samples per prompt, max new tokens). "tiny-decode" is the tiny model under the
+# decode loop's own load, the hf engine only: 32 prompts per call and EOS never drawn (an id past
+# the vocabulary), so every row decodes its 32 tokens and the loop's per-token costs show.
+DECODE_ONLY = ("tiny-decode",)
 LOADS: dict[str, tuple[int, int, int]] = {"tiny": (64, 16, 4), "tiny-decode": (32, 16, 32), "qwen2-40m": (8, 8, 32)}
 
 
@@ -165,7 +168,8 @@ def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new)
+    never = (int(model.config.vocab_size),) if name in DECODE_ONLY else ()  # () : the tokenizer's EOS
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=max_new, eos_token_ids=never)
     hf: dict[str, tuple[Any, bool]] = {}
     startup: dict[str, float] = {}
     for engine, before in (("hf-before", True), ("hf", False)):
@@ -177,7 +181,7 @@ def _one_model(name: str, model_dir: Path, repeats: int, versions: int) -> dict[
     finally:
         for sampler, _ in hf.values():
             asyncio.run(sampler.close())
-    if importlib.util.find_spec("vllm") is None:
+    if name in DECODE_ONLY or importlib.util.find_spec("vllm") is None:
         return figures
 
     from relayrl.backends.vllm.engine import EngineSettings, context_length
