@@ -256,9 +256,8 @@ class TrainerCompute:
         snapshot = self.committed_weights()
         if snapshot is None or snapshot.version != self.version:
             raise RuntimeError(f"save_state: no committed snapshot of version {self.version}")
-        receive(
-            snapshot.ready, cast(dict[str, torch.Tensor], snapshot.payload).values(), self.device
-        )  # (recorded after the optimizer's step too)
+        # on CUDA: this thread's stream waits for the commit's event (recorded after the optimizer's step too)
+        receive(snapshot.ready, cast(dict[str, torch.Tensor], snapshot.payload).values(), self.device)
         state = {
             "version": snapshot.version,
             "model": snapshot.payload,
