@@ -20,8 +20,9 @@ Invariants:
   and a NaN check; `sample_turns`: the step's tokens and log-probs); which rows still sample is
   kept on the host, every row's token is drawn in one batched pick (`pick_tokens`, equal to one
   `torch.multinomial` per generator), decode steps pass a prepared 4D mask (sdpa, eager), and
-  the cache's full-attention layers write into buffers preallocated for the call
-  (`_PreallocatedLayer`): a step copies its own keys and values, not the whole cache;
+  the cache's full-attention layers write into buffers kept across steps (`_PreallocatedLayer`:
+  the call's whole length on CUDA, doubling on the CPU): a step copies its own keys and values,
+  not the whole cache;
 - with a `WeightGate` (rollout.interruptible), a weight load lands only between two forward
   passes; a token's log-prob is under the weights of the pass that produced its logits, and its
   sequence's `versions` records that version (the KV cache of earlier tokens is kept, computed
