@@ -291,10 +291,13 @@ class PackPlan:
 
 @dataclass(slots=True, frozen=True)
 class Weights:
-    """A policy version's weights as they travel to samplers; `payload` is backend-specific."""
+    """A policy version's weights as they travel to samplers; `payload` is backend-specific.
+    `ready`: in one process on CUDA, the event the exporting thread recorded after queueing the
+    payload's copies (`relayrl.backends.local.streams`); a reader on another stream waits for it."""
 
     version: int
     payload: object
+    ready: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

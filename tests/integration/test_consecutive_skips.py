@@ -101,14 +101,14 @@ QUICK = [
 def _poison_every_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     import relayrl.backends.local.trainer as trainer_module
 
-    real = trainer_module.policy_loss
+    real = trainer_module.deferred_policy_loss
 
     def nan_loss(*args: object, **kwargs: object) -> object:
         out = real(*args, **kwargs)  # type: ignore[arg-type]
         out.loss = out.loss * NAN
         return out
 
-    monkeypatch.setattr(trainer_module, "policy_loss", nan_loss)
+    monkeypatch.setattr(trainer_module, "deferred_policy_loss", nan_loss)
 
 
 def test_a_run_whose_every_step_is_non_finite_fails_after_the_eleventh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,12 +134,12 @@ def test_the_command_line_reports_it_in_one_line(tmp_path: Path) -> None:
             """
             import sys
             import relayrl.backends.local.trainer as t
-            real = t.policy_loss
+            real = t.deferred_policy_loss
             def nan_loss(*args, **kwargs):
                 out = real(*args, **kwargs)
                 out.loss = out.loss * float("nan")
                 return out
-            t.policy_loss = nan_loss
+            t.deferred_policy_loss = nan_loss
             from relayrl.cli.main import main
             sys.argv = ["relayrl", "train", *sys.argv[1:]]
             main()

@@ -237,6 +237,7 @@ class LossOutput:
 
     loss: torch.Tensor
     num_tokens: int
+    loss_value: float  # `loss` as a float, read with the statistics
     logprob_diff_mean: float
     logprob_diff_max: float
     ratio_mean: float
@@ -257,7 +258,7 @@ class LossOutput:
     def metrics(self) -> dict[str, float]:
         """Flat metrics (detached floats); optional statistics only when present."""
         out: dict[str, float] = {
-            "loss": float(self.loss.detach().item()),
+            "loss": self.loss_value,
             "num_loss_tokens": float(self.num_tokens),
             "logprob_diff_mean": self.logprob_diff_mean,
             "logprob_diff_max": self.logprob_diff_max,
@@ -286,7 +287,68 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     prox_logprobs: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The policy loss of one micro-batch (see the module docstring for both modes).
+    """The policy loss of one micro-batch and its statistics, read from the device at once
+    (`deferred_policy_loss(...).fetch()`; see there for the arguments)."""
+    return deferred_policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        seq_index,
+        cfg,
+        num_tokens_in_step=num_tokens_in_step,
+        num_seqs_in_step=num_seqs_in_step,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        prox_logprobs=prox_logprobs,
+    ).fetch()
+
+
+@dataclass(slots=True)
+class DeferredLoss:
+    """A micro-batch's loss (with graph) whose statistics are still on the device: queue the
+    backward pass of `loss` first, then `fetch()` reads the loss and every statistic with one host
+    sync (so the device never idles waiting for the host between the forward and the backward)."""
+
+    loss: torch.Tensor
+    values: torch.Tensor  # float64: loss tokens, the five fixed statistics, the present optional ones
+    present: tuple[bool, ...]  # per OPTIONAL_STATS: whether `values` holds it
+
+    def fetch(self) -> LossOutput:
+        """The statistics as floats; the loss read is `loss` as it is now (what was backpropagated)."""
+        values = torch.cat([self.loss.detach().reshape(1).to(torch.float64), self.values]).tolist()
+        loss, n_tokens, fixed, rest = values[0], values[1], values[2:7], iter(values[7:])
+        opt = {name: next(rest) if here else None for name, here in zip(OPTIONAL_STATS, self.present, strict=True)}
+        return LossOutput(
+            loss=self.loss,
+            num_tokens=int(n_tokens),
+            loss_value=loss,
+            logprob_diff_mean=fixed[0],
+            logprob_diff_max=fixed[1],
+            ratio_mean=fixed[2],
+            ratio_min=fixed[3],
+            ratio_max=fixed[4],
+            **opt,
+        )
+
+
+def deferred_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_index: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    num_tokens_in_step: float | None = None,
+    num_seqs_in_step: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    prox_logprobs: torch.Tensor | None = None,
+) -> DeferredLoss:
+    """The policy loss of one micro-batch (see the module docstring for both modes), its
+    statistics left on the device (`DeferredLoss`): in the default configuration nothing here
+    reads the device (per-sequence aggregation, GSPO, an entropy quantile read it once or twice).
 
     All tensors share one shape. `logprobs` carries the gradient; `old_logprobs` are the
     behaviour policy's (the sampler's log-probs of the tokens it drew); `seq_index` names each
@@ -317,9 +379,10 @@ def policy_loss(
         raise ValueError("policy_loss: loss.entropy_coef > 0 needs the per-token entropy (with its gradient)")
 
     mask = loss_mask > 0
-    n_tokens = int(mask.sum().item())
+    n_tokens = mask.sum()  # on the device: read with the statistics
+    any_tokens = n_tokens > 0
     per_sequence = cfg.aggregation != "token_mean" or cfg.ratio_level == "sequence" or cfg.kl_in_reward
-    if per_sequence and n_tokens and int(seq_index[mask].min().item()) < 0:
+    if per_sequence and bool((mask & (seq_index < 0)).any()):
         raise ValueError("policy_loss: seq_index must be >= 0 on every loss token")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     adv = torch.where(mask, advantages.to(logprobs.dtype), zero)
@@ -368,7 +431,7 @@ def policy_loss(
     if cfg.top_entropy_quantile < 1.0 and entropy is not None:  # TRL: the top-ρ entropy tokens keep pg
         h = entropy.detach().to(torch.float32)
         entropy_kept = mask
-        if n_tokens:
+        if bool(any_tokens):
             threshold = torch.quantile(h[mask], 1.0 - cfg.top_entropy_quantile)
             entropy_kept = mask & (h >= threshold)
         pg = torch.where(entropy_kept, pg, zero)
@@ -384,7 +447,7 @@ def policy_loss(
 
     # ---- detached statistics, fetched with one device sync ----
     with torch.no_grad():
-        denom = max(n_tokens, 1)
+        denom = n_tokens.clamp(min=1).to(logprobs.dtype)
         delta_b = torch.where(mask, logprobs.detach() - behaviour, zero)
         diff = delta_b.abs()
         r = torch.exp(delta_b.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # current over behaviour, both modes
@@ -393,9 +456,9 @@ def policy_loss(
         stats = [
             diff.sum() / denom,
             diff.max() if diff.numel() else zero,
-            torch.where(mask, r, zero).sum() / denom if n_tokens else one,
-            torch.where(mask, r, torch.full_like(r, torch.inf)).min() if n_tokens else one,
-            torch.where(mask, r, torch.full_like(r, -torch.inf)).max() if n_tokens else one,
+            torch.where(any_tokens, torch.where(mask, r, zero).sum() / denom, one),
+            torch.where(any_tokens, torch.where(mask, r, torch.full_like(r, torch.inf)).min(), one),
+            torch.where(any_tokens, torch.where(mask, r, torch.full_like(r, -torch.inf)).max(), one),
         ]
         s_ratio = None if seq_log_ratio is None else torch.exp(seq_log_ratio)
         optional: list[torch.Tensor | None] = [
@@ -406,25 +469,18 @@ def policy_loss(
             None if kl is None else torch.where(mask, kl.detach(), zero).sum() / denom,
             None if tis_weight is None else torch.where(mask, tis_weight, zero).sum() / denom,
             None if uncapped is None or cfg.tis_cap is None else ((uncapped > cfg.tis_cap) & mask).sum() / denom,
-            None if s_ratio is None else (torch.where(mask, s_ratio, torch.full_like(s_ratio, torch.inf)).min() if n_tokens else one),
-            None if s_ratio is None else (torch.where(mask, s_ratio, torch.full_like(s_ratio, -torch.inf)).max() if n_tokens else one),
+            None
+            if s_ratio is None
+            else torch.where(any_tokens, torch.where(mask, s_ratio, torch.full_like(s_ratio, torch.inf)).min(), one),
+            None
+            if s_ratio is None
+            else torch.where(any_tokens, torch.where(mask, s_ratio, torch.full_like(s_ratio, -torch.inf)).max(), one),
             None if entropy_kept is None else (mask & ~entropy_kept).sum() / denom,
             None if penalty is None else torch.where(mask, penalty, zero).sum() / denom,
         ]
         present = [s for s in optional if s is not None]
-        values = torch.stack([s.to(torch.float64) for s in stats + present]).tolist()
-    fixed, rest = values[: len(stats)], iter(values[len(stats) :])
-    opt = dict(zip(OPTIONAL_STATS, (None if s is None else next(rest) for s in optional), strict=True))
-    return LossOutput(
-        loss=loss,
-        num_tokens=n_tokens,
-        logprob_diff_mean=fixed[0],
-        logprob_diff_max=fixed[1],
-        ratio_mean=fixed[2],
-        ratio_min=fixed[3],
-        ratio_max=fixed[4],
-        **opt,
-    )
+        values = torch.stack([s.to(torch.float64) for s in [n_tokens, *stats, *present]])
+    return DeferredLoss(loss=loss, values=values, present=tuple(s is not None for s in optional))
 
 
 def _kl_estimate(d: torch.Tensor, estimator: KlEstimator, clamp: float | None = None) -> torch.Tensor:

@@ -497,22 +497,30 @@ def bench_engines(
     versions: int = typer.Option(3, help="Weight versions loaded per engine."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """The same rollout load through the hf engine and the vLLM engine (needs the vllm extra), on
-    the tiny model and a random ~40M Qwen2: start-up, tokens/s, weight load per version."""
+    """The same rollout load through the hf engine and the vLLM engine (where the vllm extra is
+    installed), on the tiny model and a random ~40M Qwen2: start-up, tokens/s, weight load per
+    version; "hf-before" is the hf engine's old decode loop, the same-run baseline of "hf"."""
     from relayrl.bench.engines import ENGINE_MODELS, run_engines
 
     figures = _bench(lambda: run_engines(repeats=repeats, versions=versions), as_json)
     for name in ENGINE_MODELS:
         f = cast(dict[str, Any], figures[name])
         prompts, samples, tokens = f["load"]
-        out.print(f"{name}: {prompts} prompts x {samples} samples x <= {tokens} tokens, temperature 1, one compute thread")
-        for engine in ("hf", "vllm"):
+        eos = ", EOS never drawn" if name == "tiny-decode" else ""
+        out.print(f"{name}: {prompts} prompts x {samples} samples x <= {tokens} tokens, temperature 1{eos}, one compute thread")
+        for engine in ("hf-before", "hf", "vllm"):
+            if engine not in f:
+                why = "not measured under this load" if name == "tiny-decode" else "not installed (the vllm extra)"
+                out.print(f"  {engine:<9} {why}: left out")
+                continue
             e = f[engine]
             out.print(
-                f"  {engine:<5} {e['tokens_per_s']:9,.0f} tokens/s   weight load {e['weight_load_s'] * 1e3:8.1f} ms per version   "
+                f"  {engine:<9} {e['tokens_per_s']:9,.0f} tokens/s   weight load {e['weight_load_s'] * 1e3:8.1f} ms per version   "
                 f"start-up {e['startup_s']:6.1f} s"
             )
-        out.print(f"  vllm/hf tokens/s: {f['vllm']['tokens_per_s'] / f['hf']['tokens_per_s']:.2f}")
+        out.print(f"  hf decode loop, after/before tokens/s: {f['hf']['tokens_per_s'] / f['hf-before']['tokens_per_s']:.2f}")
+        if "vllm" in f:
+            out.print(f"  vllm/hf tokens/s: {f['vllm']['tokens_per_s'] / f['hf']['tokens_per_s']:.2f}")
 
 
 @bench_app.command("trainer")

@@ -16,6 +16,13 @@ Invariants:
   ratio is exactly 1 and clipping / truncated IS act only on policy change (as TRL and verl,
   which recompute "old" log-probs with the full softmax). In greedy mode it is the log-prob of
   the argmax under the plain temperature-1 softmax, which is what the policy assigns it;
+- a decode step reads the device at most once (`sample`: only with EOS ids, which rows drew one
+  and a NaN check; `sample_turns`: the step's tokens and log-probs); which rows still sample is
+  kept on the host, every row's token is drawn in one batched pick (`pick_tokens`, equal to one
+  `torch.multinomial` per generator), decode steps pass a prepared 4D mask (sdpa, eager), and
+  the cache's full-attention layers write into buffers kept across steps (`_PreallocatedLayer`:
+  the call's whole length on CUDA, doubling on the CPU): a step copies its own keys and values,
+  not the whole cache;
 - with a `WeightGate` (rollout.interruptible), a weight load lands only between two forward
   passes; a token's log-prob is under the weights of the pass that produced its logits, and its
   sequence's `versions` records that version (the KV cache of earlier tokens is kept, computed
@@ -44,12 +51,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+try:
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # transformers < 4.56: no per-layer caches; DynamicCache is used as it is
+    DynamicLayer = object  # type: ignore[misc,assignment]
 
 from relayrl.backends.local.gate import WeightGate
 
@@ -111,14 +124,22 @@ def pick_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
-    per_group: Sequence[tuple[torch.Generator | None, torch.Tensor]] | None = None,
+    per_group: Sequence[tuple[torch.Generator | None, Sequence[int]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row of `logits` ([B, V]); return (tokens [B], logprobs [B]).
 
-    With `per_group`, (generator, row indices) pairs, each group's rows are drawn, in order, from
-    its own generator (None: torch's default one), and rows in no group (finished ones riding
-    along) get the argmax, drawing nothing; otherwise every row draws from `generator`. Greedy draws from no generator, so
-    evaluation does not shift a sampling RNG stream.
+    With `per_group`, (generator, batch rows in ascending order) pairs, each group's rows are
+    drawn, in order, from its own generator (None: torch's default one), and rows in no group
+    (finished ones riding along) get the argmax, drawing nothing; otherwise every row draws from
+    `generator`. Greedy draws from no generator, so evaluation does not shift a sampling RNG
+    stream.
+
+    A draw is `torch.multinomial`'s own for one sample (argmax of p / E, E ~ Exp(1) drawn from
+    the generator for each of the group's rows and tokens), so the same generator states give the
+    same tokens as one `multinomial` call per group; but the whole batch is picked at once and
+    nothing here reads the device (`multinomial` checks its input with a host sync per call): a
+    distribution with NaN shows as a NaN log-prob, which the callers check with their one
+    per-step read.
     """
     logits = logits.float()
     if params.is_greedy:
@@ -133,15 +154,40 @@ def pick_tokens(
         # Drop a token when the tokens ranked above it already reach top_p (the top one never is).
         outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
         drop = torch.zeros_like(outside).scatter_(-1, order, outside)
-        probs = probs.masked_fill(drop, 0.0)  # multinomial renormalises the nucleus
-    if per_group is None:
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    else:
-        tokens = probs.argmax(dim=-1)
-        for group_generator, index in per_group:
-            if index.numel():
-                tokens[index] = torch.multinomial(probs[index], 1, generator=group_generator).squeeze(-1)
+        probs = probs.masked_fill(drop, 0.0)  # p / E only compares: the nucleus needs no renormalising
+    tokens = (probs / _exponential_noise(probs, generator, per_group)).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _exponential_noise(
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    per_group: Sequence[tuple[torch.Generator | None, Sequence[int]]] | None,
+) -> torch.Tensor:
+    """E [B, V] with each group's rows drawn as `torch.multinomial(probs[rows], 1, generator)`
+    draws them (one `exponential_` of shape [len(rows), V], groups in order), 1 for rows in no
+    group; assembled from contiguous slices, so no index tensor crosses to the device."""
+    if per_group is None:
+        return torch.empty_like(probs).exponential_(generator=generator)
+    width = probs.shape[-1]
+    owner: list[tuple[int, int] | None] = [None] * probs.shape[0]  # (group, its k-th row)
+    draws: list[torch.Tensor] = []
+    for g, (group_generator, rows) in enumerate(per_group):
+        draws.append(probs.new_empty((len(rows), width)).exponential_(generator=group_generator) if rows else probs.new_empty((0, width)))
+        for k, row in enumerate(rows):
+            owner[row] = (g, k)
+    pieces: list[torch.Tensor] = []
+    start = 0
+    while start < len(owner):  # runs of consecutive rows from one group's consecutive draws, or of no group
+        first = owner[start]
+        end = start + 1
+        while end < len(owner) and (
+            (first is None and owner[end] is None) or (first is not None and owner[end] == (first[0], first[1] + end - start))
+        ):
+            end += 1
+        pieces.append(probs.new_ones((end - start, width)) if first is None else draws[first[0]][first[1] : first[1] + end - start])
+        start = end
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
@@ -150,11 +196,119 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _new_cache(model: PreTrainedModel) -> DynamicCache:
+class _PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer that writes each pass's keys and values into buffers sized
+    for the whole call (`capacity` tokens) and hands the attention views of them: a decode step
+    copies its own token's keys and values only, where `DynamicLayer` concatenates the whole
+    cache again (O(T^2) copies over a generation; here O(T)). On the CPU the buffers start smaller
+    and double (`_first_capacity`); past `capacity` they grow as needed. It adopts whatever a
+    transformers method put in `keys`/`values` (a crop, a reorder) at the next update.
+    Everything else (lengths, masks) is `DynamicLayer`'s, read from the views."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # what `keys`/`values` were set to
+        self._length = 0
+
+    def _first_capacity(self, need: int, cuda: bool) -> int:
+        """On CUDA the whole call's `capacity` at once (the caching allocator makes it cheap, and
+        a step never reallocates). On the CPU fresh memory costs a page fault per page touched, so a
+        generation that stops early would pay for columns it never fills (measured: 10-20% of a
+        short call): there the buffers start with room for one more token and double as needed,
+        up to `capacity`."""
+        if cuda:
+            return max(self.capacity, need)
+        return max(need, min(self.capacity, need + 1))
+
+    def _owned(self) -> bool:
+        return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, length: int, capacity: int) -> None:
+        """New buffers of `capacity` tokens holding the first `length` tokens of `keys`/`values`."""
+        k = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]))
+        v = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]))
+        if length:
+            k[..., :length, :] = keys[..., :length, :]
+            v[..., :length, :] = values[..., :length, :]
+        self._buffers, self._length = (k, v), length
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if not self._owned():  # first update, or something else replaced the views
+            keys = self.keys if self.keys is not None and self.keys.dim() == 4 else key_states
+            values = self.values if self.values is not None and self.values.dim() == 4 else value_states
+            length = keys.shape[-2] if keys is not key_states else 0
+            self._allocate(keys, values, length, self._first_capacity(length + new, key_states.is_cuda))
+        assert self._buffers is not None
+        k, v = self._buffers
+        if self._length + new > k.shape[-2]:
+            self._allocate(k, v, self._length, max(min(2 * k.shape[-2], self.capacity), self._length + new))
+            k, v = self._buffers
+        k[..., self._length : self._length + new, :] = key_states
+        v[..., self._length : self._length + new, :] = value_states
+        self._length += new
+        self.keys, self.values = k[..., : self._length, :], v[..., : self._length, :]
+        self._views = (self.keys, self.values)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self._owned() or self._buffers is None:
+            super().batch_select_indices(indices)
+            return
+        k, v = self._buffers
+        rows, length = indices.shape[0], self._length
+        if rows <= k.shape[0]:  # fewer rows (pruning): compacted in place, no new buffer
+            k[:rows, ..., :length, :] = k[indices, ..., :length, :]  # (the right side is gathered first)
+            v[:rows, ..., :length, :] = v[indices, ..., :length, :]
+            self._buffers = (k[:rows], v[:rows])
+        else:  # more rows (a prompt's prefill copied to its samples): the filled columns into new buffers
+            self._allocate(k[indices, ..., :length, :], v[indices, ..., :length, :], length, k.shape[-2])
+        assert self._buffers is not None
+        k, v = self._buffers
+        self.keys, self.values = k[..., : self._length, :], v[..., : self._length, :]
+        self._views = (self.keys, self.values)
+
+
+def _new_cache(model: PreTrainedModel, capacity: int = 0) -> DynamicCache:
+    """A DynamicCache for `model`; with `capacity`, its full-attention layers preallocate that
+    many tokens (`_PreallocatedLayer`); other layers (sliding window, ...) stay transformers'."""
     try:
-        return DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config)
     except TypeError:  # transformers < 4.56
         return DynamicCache()
+    layers = getattr(cache, "layers", None)
+    if capacity > 0 and layers:
+        cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in layers]
+    return cache
+
+
+def _step_mask(model: PreTrainedModel, attention: torch.Tensor, plain: bool) -> torch.Tensor:
+    """The attention mask of a decode step (one new column per row) from `attention` [rows,
+    columns]. For sdpa and eager attention over full-attention layers (`plain`) it is the 4D mask
+    [rows, 1, 1, columns] transformers would build (bool for sdpa; additive for eager), which
+    transformers then uses as it is: building it from the 2D mask costs a host sync per forward
+    (its check whether the mask has any padding). Otherwise the 2D mask."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if not plain or implementation not in ("sdpa", "eager"):
+        return attention
+    keep = attention.bool()[:, None, None, :]
+    if implementation == "sdpa":
+        return keep
+    dtype = model.dtype
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+
+def _check_finite(logprobs: Sequence[float], where: str) -> None:
+    """Refuse sampled log-probs with a NaN: the distribution they were drawn from was not one
+    (the model's logits held inf or nan), as `torch.multinomial` refuses such probabilities."""
+    if any(math.isnan(x) for x in logprobs):
+        raise RuntimeError(f"{where}: the model's logits hold inf or nan, so the probabilities are not a distribution")
 
 
 def _one_pass(gate: WeightGate | None) -> contextlib.AbstractContextManager[int]:
@@ -240,8 +394,9 @@ def sample(
         source = list(range(total))
 
     device = model.device
-    input_ids, attention = _left_padded(prefill_rows, pad_token_id, device)
-    positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)
+    input_ids, prompt_attention = _left_padded(prefill_rows, pad_token_id, device)
+    positions = (prompt_attention.cumsum(dim=-1) - 1).clamp_(min=0)
+    width = input_ids.shape[-1]
 
     eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=device)
     out_tokens = torch.zeros((total, params.max_new_tokens), dtype=torch.long, device=device)
@@ -254,13 +409,14 @@ def sample(
 
     check_abort()
     cache_arg = _cache_kwarg(model)
-    cache = _new_cache(model)
+    cache = _new_cache(model, width + params.max_new_tokens)
+    plain = _plain_layers(cache)
     changes: list[tuple[int, int]] = []  # (first step, version) of the passes that drew each run of steps
     with torch.inference_mode():
         with _one_pass(gate) as version:
             out = model(
                 input_ids=input_ids,
-                attention_mask=attention,
+                attention_mask=prompt_attention,
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=1,
@@ -268,49 +424,66 @@ def sample(
             )
         changes.append((0, version))
         logits = out.logits[:, -1, :]
-        index = torch.tensor(source, dtype=torch.long, device=device)
         if source != list(range(len(prefill_rows))):
+            index = torch.tensor(source, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
-            logits, attention = logits[index], attention[index]
-        next_pos = attention.sum(dim=-1)  # position of the token about to be fed
-        rows = torch.arange(total, device=device)  # sample row of each batch row
-        alive = torch.ones(total, dtype=torch.bool, device=device)  # batch rows still sampling
-        prompt_of = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=device)
+            logits, prompt_attention = logits[index], prompt_attention[index]
+        next_pos = prompt_attention.sum(dim=-1)  # position of the token about to be fed
+        # Every column a decode step adds is attended: the whole call's mask is laid out once and
+        # each step passes a view of its first columns.
+        attention = torch.cat([prompt_attention, prompt_attention.new_ones((total, params.max_new_tokens))], dim=-1)
+        mask = _step_mask(model, attention, plain)
+        # Host-side bookkeeping: which sample row each batch row is, which still sample. The
+        # device is read once per decode step (which rows drew EOS, and a NaN check), and only
+        # when there are EOS ids; without them, once at the end.
+        rows = list(range(total))
+        alive = [True] * total
+        rows_index = torch.arange(total, device=device)  # `rows` on the device
+        prompt_of = [i for i, c in enumerate(counts) for _ in range(c)]
         for step in range(params.max_new_tokens):
             per_group = None
             if generators is not None and not params.is_greedy:
-                owner = prompt_of[rows]  # the prompt of each batch row
-                per_group = [(g, ((owner == i) & alive).nonzero().squeeze(-1)) for i, g in enumerate(generators) if counts[i]]
+                members: dict[int, list[int]] = {}
+                for b, r in enumerate(rows):
+                    if alive[b]:
+                        members.setdefault(prompt_of[r], []).append(b)
+                per_group = [(g, members.get(i, [])) for i, g in enumerate(generators) if counts[i]]
             tokens, logprobs = pick_tokens(logits, params, generator, per_group)
             # Rows that already stopped still ride along until pruned; their writes land past
             # their length and are cut off below.
-            out_tokens[rows, step] = tokens
-            out_logprobs[rows, step] = logprobs
+            out_tokens[rows_index, step] = tokens
+            out_logprobs[rows_index, step] = logprobs
             last = step == params.max_new_tokens - 1
             if eos.numel():
-                done = torch.isin(tokens, eos) & alive
-                if bool(done.any()):
-                    for r in rows[done].tolist():
-                        lengths[r], stopped[r] = step + 1, True
-                    alive &= ~done
-                    live = int(alive.sum())
+                # the step's one read: per batch row, whether it drew EOS, then whether its log-prob is NaN
+                flags = torch.cat([torch.isin(tokens, eos), logprobs.isnan()]).tolist()
+                n = len(rows)
+                if not params.is_greedy:
+                    _check_finite([math.nan if flags[n + b] and alive[b] else 0.0 for b in range(n)], f"sample, decode step {step}")
+                done = [b for b in range(n) if alive[b] and flags[b]]
+                if done:
+                    for b in done:
+                        lengths[rows[b]], stopped[rows[b]] = step + 1, True
+                        alive[b] = False
+                    live = n - alive.count(False)
                     if last or live == 0:
                         break
                     # Copying the cache rows costs ~1/10 of a decode step: prune once enough
                     # rows are dead to pay for it.
-                    if (alive.numel() - live) * _PRUNE_FRACTION >= alive.numel():
-                        keep = alive.nonzero().squeeze(-1)
+                    if (n - live) * _PRUNE_FRACTION >= n:
+                        keep_rows = [b for b in range(n) if alive[b]]
+                        keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
                         cache.batch_select_indices(keep)
-                        rows, tokens, alive = rows[keep], tokens[keep], alive[keep]
-                        attention, next_pos = attention[keep], next_pos[keep]
+                        tokens, attention, mask, next_pos = tokens[keep], attention[keep], mask[keep], next_pos[keep]
+                        rows, alive = [rows[b] for b in keep_rows], [True] * live
+                        rows_index = rows_index[keep]
             if last:
                 break
             check_abort()
-            attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=-1)
             with _one_pass(gate) as version:
                 out = model(
                     input_ids=tokens[:, None],
-                    attention_mask=attention,
+                    attention_mask=mask[..., : width + step + 1],
                     position_ids=next_pos[:, None],
                     use_cache=True,
                     **{cache_arg: cache},
@@ -322,6 +495,8 @@ def sample(
 
     token_lists = out_tokens.cpu().tolist()
     logprob_lists = out_logprobs.cpu().tolist()
+    if not params.is_greedy:
+        _check_finite([x for r, n in enumerate(lengths) for x in logprob_lists[r][:n]], "sample")
     results: list[list[SampledSequence]] = []
     row = 0
     for count in counts:
@@ -416,8 +591,9 @@ def _layer_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def _cache_from(model: PreTrainedModel, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = _new_cache(model)
+def _cache_from(model: PreTrainedModel, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], extra: int = 0) -> DynamicCache:
+    """A cache holding `kv`, with room for `extra` more tokens preallocated."""
+    cache = _new_cache(model, (kv[0][0].shape[-2] + extra) if kv and extra > 0 else 0)
     for index, (keys, values) in enumerate(kv):
         cache.update(keys, values, index)
     return cache
@@ -450,9 +626,9 @@ class _Prefilled:
     logits: torch.Tensor
 
 
-def _merge(model: PreTrainedModel, parts: list[_Prefilled], order: list[tuple[int, int]]) -> _Prefilled:
+def _merge(model: PreTrainedModel, parts: list[_Prefilled], order: list[tuple[int, int]], extra: int = 0) -> _Prefilled:
     """One batch whose row i is row order[i][1] of part order[i][0], the narrower parts
-    left-padded (zeros, attention 0) to the widest."""
+    left-padded (zeros, attention 0) to the widest (its cache with room for `extra` more tokens)."""
     device = parts[0].attention.device
     if len(parts) == 1:
         part = parts[0]
@@ -485,7 +661,7 @@ def _merge(model: PreTrainedModel, parts: list[_Prefilled], order: list[tuple[in
     for part, (dest, src) in zip(parts, picks):
         attention[dest, width - part.attention.shape[-1] :] = part.attention[src]
         logits[dest] = part.logits[src]
-    return _Prefilled(_cache_from(model, merged), attention, logits)
+    return _Prefilled(_cache_from(model, merged, extra), attention, logits)
 
 
 def _extract(cache: DynamicCache, attention: torch.Tensor, row: int, tokens: list[int]) -> RowCache:
@@ -555,6 +731,7 @@ def sample_turns(
             where.append((True, len(continuing)))
             continuing.append(i)
 
+    room = max(t.max_new_tokens for t in turns)  # decode columns the caches need room for
     parts: list[_Prefilled] = []
     part_of: dict[bool, int] = {}
     part_version: dict[bool, int] = {}  # the version of each prefill pass (0 without a gate)
@@ -588,7 +765,9 @@ def sample_turns(
             input_ids, attention = _left_padded(fresh, pad_token_id, device)
             positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)
             part_of[False] = len(parts)
-            part, part_version[False] = prefill(_new_cache(model), input_ids, attention, positions, sum(len(c) for c in fresh), 0)
+            part, part_version[False] = prefill(
+                _new_cache(model, input_ids.shape[-1] + room), input_ids, attention, positions, sum(len(c) for c in fresh), 0
+            )
             parts.append(part)
         if continuing:
             _check_abort(abort)
@@ -602,9 +781,11 @@ def sample_turns(
             positions = (attention.cumsum(dim=-1) - 1).clamp_(min=0)[:, past_attention.shape[-1] :]
             part_of[True] = len(parts)
             computed, reused = sum(len(s) for s in suffixes), sum(len(c.tokens) for c in saved_caches)
-            part, part_version[True] = prefill(_cache_from(model, kv), input_ids, attention, positions, computed, reused)
+            part, part_version[True] = prefill(
+                _cache_from(model, kv, input_ids.shape[-1] + room), input_ids, attention, positions, computed, reused
+            )
             parts.append(part)
-        batch = _merge(model, parts, [(part_of[cont], r) for cont, r in where])
+        batch = _merge(model, parts, [(part_of[cont], r) for cont, r in where], room)
         cache, attention, logits = batch.cache, batch.attention, batch.logits
 
         n = len(turns)
@@ -616,24 +797,36 @@ def sample_turns(
         rows = list(range(n))  # the turn of each batch row
         alive = [True] * n  # batch rows still sampling
         next_pos = attention.sum(dim=-1)  # position of the token each row feeds next
-        batch_index = torch.arange(n, device=device)
+        plain = _plain_layers(cache)
+        eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+        # On the device too: whether each batch row still samples, and each row's token budget;
+        # the decode columns are laid out once (a stopped row's stay 0).
+        live_flags = torch.ones(n, dtype=torch.bool, device=device)
+        limit_of = torch.tensor(limits, dtype=torch.long, device=device)
+        columns = attention.shape[-1]
+        attention = torch.cat([attention, attention.new_zeros((n, room))], dim=-1)
         decode_versions: list[int] = []  # decode step k's version: its logits drew every row's token k + 1
         step = 0
         while True:
             per_group = None
             if not params.is_greedy:
-                per_group = [(turns[r].generator, batch_index[b : b + 1]) for b, r in enumerate(rows) if alive[b]]
+                per_group = [(turns[r].generator, [b]) for b, r in enumerate(rows) if alive[b]]
             tokens, logprobs = pick_tokens(logits, params, None, per_group)
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+            # the step's one read: every row's token and log-prob (token ids are exact in float64)
+            token_list, logprob_list = torch.stack([tokens.double(), logprobs.double()]).tolist()
             for b, r in enumerate(rows):
                 if not alive[b]:
                     continue  # riding along until pruned: its draws are discarded
-                tokens_of[r].append(token_list[b])
+                if math.isnan(logprob_list[b]) and not params.is_greedy:
+                    _check_finite([logprob_list[b]], f"sample_turns, turn {r}")
+                token = int(token_list[b])
+                tokens_of[r].append(token)
                 logprobs_of[r].append(logprob_list[b])
-                if token_list[b] in eos:
+                if token in eos:
                     stopped[r], alive[b] = True, False
                 elif step + 1 >= limits[r]:
                     alive[b] = False
+            live_flags &= ~torch.isin(tokens, eos_ids) & (limit_of > step + 1)
             live = sum(alive)
             if live == 0:
                 break
@@ -641,21 +834,21 @@ def sample_turns(
                 if keep_caches:
                     for b, r in enumerate(rows):
                         if not alive[b]:
-                            saved_out[r] = _extract(cache, attention, b, list(turns[r].context) + tokens_of[r][:-1])
+                            saved_out[r] = _extract(cache, attention[:, :columns], b, list(turns[r].context) + tokens_of[r][:-1])
                 keep = [b for b in range(len(rows)) if alive[b]]
                 index = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)
                 tokens, attention, next_pos = tokens[index], attention[index], next_pos[index]
+                live_flags, limit_of = live_flags[index], limit_of[index]
                 rows, alive = [rows[b] for b in keep], [True] * live
-                batch_index = torch.arange(live, device=device)
             _check_abort(abort)
             # A stopped row's later columns get attention 0: its cache never holds what it did not sample.
-            column = torch.tensor(alive, dtype=torch.long, device=device)[:, None]
-            attention = torch.cat([attention, column], dim=-1)
+            attention[:, columns] = live_flags
+            columns += 1
             with _one_pass(gate) as version:
                 out = model(
                     input_ids=tokens[:, None],
-                    attention_mask=attention,
+                    attention_mask=_step_mask(model, attention[:, :columns], plain),
                     position_ids=next_pos[:, None],
                     use_cache=True,
                     **{cache_arg: cache},
@@ -666,6 +859,7 @@ def sample_turns(
             step += 1
             if stats is not None:
                 stats.forward_passes += 1
+        attention = attention[:, :columns]
         if keep_caches:
             for b, r in enumerate(rows):
                 if saved_out[r] is None:

@@ -69,6 +69,7 @@ from relayrl.backends.local.generation import (
     sample,
     sample_turns,
 )
+from relayrl.backends.local.streams import enter_stream, receive, worker_stream
 from relayrl.backends.protocols import Sampler
 from relayrl.models.lora import AdapterMerger, is_adapter_payload
 from relayrl.threads import ThreadHost
@@ -99,13 +100,15 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(sorted(ids))
 
 
-def _setup_worker_thread(torch_threads: int | None, nice: int) -> None:
-    """Runs first in the sampler's thread: its torch intra-op threads, and its scheduling
-    priority (Linux: niceness is per thread and inherited by the OpenMP threads it starts)."""
+def _setup_worker_thread(torch_threads: int | None, nice: int, stream: torch.cuda.Stream | None = None) -> None:
+    """Runs first in the sampler's thread: its torch intra-op threads, its scheduling priority
+    (Linux: niceness is per thread and inherited by the OpenMP threads it starts), and on CUDA the
+    replica's own stream (`relayrl.backends.local.streams`)."""
     if nice and hasattr(os, "setpriority"):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    enter_stream(stream)
 
 
 class SamplerCompute:
@@ -312,6 +315,7 @@ class SamplerCompute:
                 self._merger = AdapterMerger(self.model)
             with self.gate.load(weights.version):
                 self._forget_sessions()
+                receive(weights.ready, payload.values(), self.model.device)
                 self._merger.merge(payload, where)  # checks everything before changing a weight
             return
         unexpected = sorted(set(payload) - set(self._shapes))
@@ -323,6 +327,7 @@ class SamplerCompute:
             )
         with self.gate.load(weights.version):
             self._forget_sessions()
+            receive(weights.ready, payload.values(), self.model.device)  # on CUDA: after the exporter's copies
             with torch.no_grad():
                 self.model.load_state_dict(payload, strict=False)
 
@@ -389,10 +394,11 @@ class LocalSampler(Sampler):
             interruptible=interruptible,
         )
         self.torch_threads = torch_threads
-        self._host = ThreadHost(f"sampler-{replica}", initializer=_setup_worker_thread, initargs=(torch_threads, nice))
+        stream = worker_stream(model.device)  # both threads' (CUDA): loads and forwards stay in gate order
+        self._host = ThreadHost(f"sampler-{replica}", initializer=_setup_worker_thread, initargs=(torch_threads, nice, stream))
         # interruptible: loads do not queue behind generate calls, they run here
         self._load_host = (
-            ThreadHost(f"sampler-{replica}-load", initializer=_setup_worker_thread, initargs=(torch_threads, nice))
+            ThreadHost(f"sampler-{replica}-load", initializer=_setup_worker_thread, initargs=(torch_threads, nice, stream))
             if interruptible
             else None
         )

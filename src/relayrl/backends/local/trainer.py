@@ -48,20 +48,21 @@ steps in a row fail the run (the count is checkpointed).
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel
 
-from relayrl.algorithms.losses import MAX_LOG_RATIO, LossConfig, policy_loss
+from relayrl.algorithms.losses import MAX_LOG_RATIO, LossConfig, deferred_policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.gpumem import step_peak_gb
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.local.streams import enter_stream, handoff, receive, worker_stream
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
 from relayrl.models.loading import disable_dropout
@@ -256,6 +257,8 @@ class TrainerCompute:
         snapshot = self.committed_weights()
         if snapshot is None or snapshot.version != self.version:
             raise RuntimeError(f"save_state: no committed snapshot of version {self.version}")
+        # on CUDA: this thread's stream waits for the commit's event (recorded after the optimizer's step too)
+        receive(snapshot.ready, cast(dict[str, torch.Tensor], snapshot.payload).values(), self.device)
         state = {
             "version": snapshot.version,
             "model": snapshot.payload,
@@ -325,7 +328,7 @@ class TrainerCompute:
         elif self._adapters and cfg.kl_beta > 0:  # the reference: the base model, adapters off
             with torch.no_grad(), self.model.disable_adapter():
                 ref, _ = token_logprobs(self._net, batch, self.settings.temperature)
-        out = policy_loss(
+        deferred = deferred_policy_loss(
             logp,
             batch.old_logprobs,
             batch.advantages,
@@ -338,8 +341,9 @@ class TrainerCompute:
             entropy=entropy,
             prox_logprobs=proximal,
         )
-        out.loss.backward()
-        loss = float(out.loss.detach())
+        deferred.loss.backward()
+        out = deferred.fetch()  # the micro-batch's one host sync, after its backward pass is queued
+        loss = out.loss_value
         st.loss += loss
         st.tokens += batch.num_real_tokens
         st.loss_tokens += out.num_tokens
@@ -480,10 +484,17 @@ class TrainerCompute:
     def export(self) -> Weights:
         """The model's weights now, as the version it holds (with LoRA: its adapters only)."""
         if self._adapters:
-            return Weights(version=self.version, payload=adapter_payload(self.model))
+            return Weights(version=self.version, payload=adapter_payload(self.model), ready=handoff(self.device))
         with torch.no_grad():
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return Weights(version=self.version, payload=state)
+        return Weights(version=self.version, payload=state, ready=handoff(self.device))  # (CUDA: other threads wait for it)
+
+
+def _setup_trainer_thread(threads: int | None, stream: torch.cuda.Stream | None) -> None:
+    """Runs first in the trainer's thread: its torch threads, and on CUDA its own stream."""
+    if threads:
+        torch.set_num_threads(threads)
+    enter_stream(stream)
 
 
 class LocalTrainer(Trainer):
@@ -500,7 +511,7 @@ class LocalTrainer(Trainer):
     ) -> None:
         self.compute = TrainerCompute(model, settings, ref_model, device)
         threads = settings.torch_threads
-        self._host = ThreadHost("trainer", initializer=functools.partial(torch.set_num_threads, threads) if threads else None)
+        self._host = ThreadHost("trainer", initializer=_setup_trainer_thread, initargs=(threads, worker_stream(self.compute.device)))
 
     @property
     def model(self) -> PreTrainedModel:
