@@ -51,7 +51,7 @@ def _batch(tok: Any, advantages: tuple[float, float]) -> TrainBatch:
 def _trainer(kl_beta: float = 0.0, lr: float = 1e-2) -> tuple[TrainerCompute, Any]:
     model, tok = load_model_and_tokenizer(shipped_model_dir())
     settings = TrainerSettings(learning_rate=lr, total_steps=8, loss=LossConfig(kl_beta=kl_beta))
-    return TrainerCompute(wrap(model, LoraConfig(r=4, alpha=8.0)), settings), tok
+    return TrainerCompute(wrap(model, LoraConfig(r=4, alpha=8.0), seed=0), settings), tok
 
 
 def _steps(trainer: TrainerCompute, tok: Any, n: int) -> None:
@@ -176,7 +176,7 @@ def test_lora_config_is_checked_in_one_line() -> None:
 def test_adapter_dropout_stays_on_in_training_only_when_asked() -> None:
     model, _ = load_model_and_tokenizer(shipped_model_dir())
     settings = TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig(), lora_dropout=0.25)
-    trainer = TrainerCompute(wrap(model, LoraConfig(dropout=0.25)), settings)
+    trainer = TrainerCompute(wrap(model, LoraConfig(dropout=0.25), seed=0), settings)
     dropouts = [m for n, m in trainer.model.named_modules() if n.endswith("lora_dropout.default")]
     assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.p == 0.25 for m in dropouts)
     others = [m for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" not in n]
@@ -243,7 +243,9 @@ def test_the_exported_adapter_loads_with_peft_and_reproduces_the_trainers_greedy
     loaded = peft_base(PeftModel.from_pretrained(base, model_dir).eval())
     # the trainer's policy: its last checkpoint's adapters in a LoRA-wrapped model
     trainer_model, _ = load_model_and_tokenizer(shipped_model_dir())
-    trainer = TrainerCompute(wrap(trainer_model, LoraConfig(r=8)), TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig()))
+    trainer = TrainerCompute(
+        wrap(trainer_model, LoraConfig(r=8), seed=0), TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig())
+    )
     trainer.load_state(checkpoint_dir(lora_run, 40))
     policy = peft_base(trainer.model.eval())
     prompts = [p.text for p in build_task(load_config(lora_run / "config.toml")).heldout]

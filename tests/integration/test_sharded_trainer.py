@@ -115,9 +115,9 @@ def test_two_ranks_train_lora_adapters_as_one_process_does(tmp_path: Path) -> No
     steps = _steps(tok, 2)
     lora = LoraConfig(r=4, alpha=8.0)
     torch.manual_seed(0)  # the same adapters to start from (A is drawn at random)
-    sharded = ShardedTrainer(wrap(model, lora), _settings(), world_size=2)
+    sharded = ShardedTrainer(wrap(model, lora, seed=0), _settings(), world_size=2)
     torch.manual_seed(0)
-    single = LocalTrainer(wrap(load_model_and_tokenizer(shipped_model_dir())[0], lora), _settings())
+    single = LocalTrainer(wrap(load_model_and_tokenizer(shipped_model_dir())[0], lora, seed=0), _settings())
 
     async def both() -> tuple[Any, Any]:
         try:

@@ -37,8 +37,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import TorchCollator
-from relayrl.backends.local.devices import DeviceError, driver_device, process_device, resolve_device, resolve_dtype
+from relayrl.backends.local.devices import DeviceError, driver_device, process_device, resolve_device, resolve_model_precision
 from relayrl.backends.local.generation import SamplingParams
+from relayrl.backends.local.precision import Precision, cuda_precision_settings, effective_tis_cap, fp32_head
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
@@ -134,12 +135,14 @@ def split_threads(budget: int, trainer: int, sampler: int, num_samplers: int) ->
 
 
 def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The configured model and tokenizer, loaded on the CPU in `dtype` (`model.dtype` resolved;
-    every worker copies or loads its own)."""
+    """The configured model and tokenizer, loaded on the CPU in `dtype` (`model.dtype`'s master
+    dtype; every worker copies or loads its own, a sampler casts its copy to the compute dtype),
+    its output projection computing in float32 (`fp32_head`)."""
     transformers.utils.logging.disable_progress_bar()
     model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=dtype, gguf_file=cfg.model.gguf_file)
     if cfg.model.attn_implementation != "sdpa":
         model.set_attn_implementation(cfg.model.attn_implementation)
+    fp32_head(model)
     return model, tokenizer
 
 
@@ -160,10 +163,13 @@ def make_sampler(
     replica: int,
     threads: int,
     device: torch.device = _CPU,
+    dtype: torch.dtype | None = None,
 ) -> LocalSampler:
-    """Sampler replica `replica` on a frozen copy of `model` on `device`, and its own tokenizer copy."""
+    """Sampler replica `replica` on a frozen copy of `model` on `device` in `dtype` (the compute
+    dtype; None: the model's), and its own tokenizer copy."""
+    cuda_precision_settings(device)
     return LocalSampler(
-        _frozen_copy(model, device),
+        _frozen_copy(model, device, dtype),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=replica,
@@ -175,18 +181,19 @@ def make_sampler(
     )
 
 
-def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer | ShardedTrainer:
+def make_trainer(
+    cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU, precision: Precision | None = None
+) -> LocalTrainer | ShardedTrainer:
     """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
-    there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
-    reference copy is made: the reference is the model with its adapters off. With
-    train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
-    on cuda:r when `device` is CUDA; the reference model unsharded on every rank)."""
+    there when kl_beta > 0), in `precision` (None: model.dtype resolved for `device`). With
+    train.lora, `model` gets LoRA adapters (in place) and no reference copy is made: the
+    reference is the model with its adapters off. With train.world_size = N > 1 the sharded
+    trainer, whose N rank processes each get a copy (rank r on cuda:r when `device` is CUDA; the
+    reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
-    settings = trainer_settings(cfg, threads)
+    settings = trainer_settings(cfg, threads, precision or resolve_model_precision(cfg.model.dtype, [device]))
     if t.lora is not None:
-        from relayrl.models.lora import wrap
-
-        model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
+        model = lora_wrapped(cfg, model)  # (the reference: the model with its adapters off)
         if t.world_size == 1:
             return LocalTrainer(model, settings, device=device)
     if t.world_size > 1:
@@ -203,16 +210,27 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
 
-def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
-    """The trainer's settings from the config, with `threads` torch threads."""
+def lora_wrapped(cfg: Config, model: PreTrainedModel) -> Any:
+    """`model` with train.lora's adapters, initialised from run.seed (every place that wraps the
+    trainer's model calls this: the run, each Ray rank; so runs and ranks start alike)."""
+    from relayrl.models.lora import wrap
+
+    assert cfg.train.lora is not None
+    return wrap(model, cfg.train.lora, seed=cfg.run.seed)
+
+
+def trainer_settings(cfg: Config, threads: int, precision: Precision | None = None) -> TrainerSettings:
+    """The trainer's settings from the config, with `threads` torch threads, in `precision`
+    (model.dtype resolved; None: "float32")."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
+    precision = precision or Precision.of("float32")
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
         aggregation=a.loss_aggregation,
         max_completion_tokens=cfg.generation_budget,
         kl_beta=a.kl_beta,
-        tis_cap=a.tis_cap,
+        tis_cap=effective_tis_cap(a.tis_cap, precision.compute, a.ratio_level),
         clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off
         ratio_level=a.ratio_level,
         entropy_coef=a.entropy_coef,
@@ -236,6 +254,7 @@ def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
         temperature=r.temperature,
         torch_threads=threads,
         lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
+        precision=precision.name,
     )
 
 
@@ -244,12 +263,17 @@ def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
 
 
 def make_greedy_engine(
-    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int, device: torch.device = _CPU
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    threads: int,
+    device: torch.device = _CPU,
+    dtype: torch.dtype | None = None,
 ) -> LocalSampler:
-    """The held-out evaluation's engine: a sampler on its own frozen model copy on `device`,
-    numbered after the rollout replicas."""
+    """The held-out evaluation's engine: a sampler on its own frozen model copy on `device` in
+    `dtype` (the compute dtype; None: the model's), numbered after the rollout replicas."""
     return LocalSampler(
-        _frozen_copy(model, device),
+        _frozen_copy(model, device, dtype),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=cfg.rollout.num_samplers,
@@ -273,11 +297,19 @@ class _Factory:
 
     key = ""  # the config key of the worker's device
 
-    def __init__(self, cfg: Config, args: tuple[int, ...], base: _Base | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        args: tuple[int, ...],
+        base: _Base | None = None,
+        device: torch.device | None = None,
+        precision: Precision | None = None,
+    ) -> None:
         self.cfg = cfg
         self.args = args
         self._base = base
         self._device = device
+        self._precision = precision
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.cfg, self.args))
@@ -292,11 +324,17 @@ class _Factory:
             self._device = _CPU if self._base is not None else process_device(self.spec(), self.key, ray=self.cfg.ray.enabled)
         return self._device
 
+    def precision(self) -> Precision:
+        """model.dtype resolved: the driver's resolution, or this process's for `device()`."""
+        if self._precision is None:
+            self._precision = resolve_model_precision(self.cfg.model.dtype, [self.device()])
+        return self._precision
+
     def base(self) -> _Base:
-        """The driver's loaded model and tokenizer, or loaded here in the dtype for `device()`."""
+        """The driver's loaded model and tokenizer, or loaded here in the master dtype for `device()`."""
         if self._base is not None:
             return self._base
-        return load_base(self.cfg, resolve_dtype(self.cfg.model.dtype, [self.device()]))
+        return load_base(self.cfg, self.precision().master)
 
     def placed(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
         """(model, tokenizer, device) of the worker; the device is resolved before the model loads."""
@@ -313,7 +351,7 @@ class SamplerFactory(_Factory):
     def __call__(self) -> LocalSampler:
         model, tokenizer, device = self.placed()
         replica, threads = self.args
-        return make_sampler(self.cfg, model, tokenizer, replica, threads, device)
+        return make_sampler(self.cfg, model, tokenizer, replica, threads, device, self.precision().compute)
 
 
 class TrainerFactory(_Factory):
@@ -324,7 +362,7 @@ class TrainerFactory(_Factory):
 
     def __call__(self) -> Trainer:
         model, _, device = self.placed()
-        return make_trainer(self.cfg, model, self.args[0], device)
+        return make_trainer(self.cfg, model, self.args[0], device, self.precision())
 
     def rank_parts(self) -> RankParts:
         """One rank of the sharded trainer on Ray (train.world_size > 1; called in the rank's
@@ -334,23 +372,24 @@ class TrainerFactory(_Factory):
         model, _, device = self.placed()
         lora = self.cfg.train.lora
         if lora is not None:
-            from relayrl.models.lora import wrap
-
-            model = wrap(model, lora)
+            model = lora_wrapped(self.cfg, model)
         ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
-        return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
+        return RankParts(model, trainer_settings(self.cfg, self.args[0], self.precision()), ref, device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:
     if cfg.ray.enabled:  # the workers' devices are resolved in their actors
         train_device = rollout_device = None
         greedy_device = driver_device(cfg.rollout.device, "rollout.device")
-        dtype = resolve_dtype(cfg.model.dtype, [greedy_device])
+        precision = resolve_model_precision(cfg.model.dtype, [greedy_device])
+        workers: Precision | None = None  # (each actor resolves its own)
     else:  # before anything loads: a device this machine lacks exits 2 at once
         train_device = resolve_device(cfg.train.device, "train.device")
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
-        dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
-    model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
+        precision = workers = resolve_model_precision(cfg.model.dtype, [train_device, rollout_device])
+    # the driver's copy, in the master dtype: encoders, collator, prompt bound, greedy engine (a
+    # copy in the compute dtype), and the model the trainer trains
+    model, tokenizer = load_base(cfg, precision.master)
     if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
         from relayrl.models.lora import check_targets
 
@@ -363,14 +402,16 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         encode_text=EncodeText(copy.deepcopy(tokenizer)),
         decode=Decode(copy.deepcopy(tokenizer)),
         max_prompt_tokens=max_prompt_tokens(cfg, model),
-        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device),
-        trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device),
-        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device),
+        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device, precision.compute),
+        trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device, workers),
+        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device, workers),
         tokenizer=copy.deepcopy(tokenizer),
     )
 
 
-def sampler_factories(cfg: Config, base: _Base, threads: int, device: torch.device | None) -> list[Callable[[], Sampler]]:
+def sampler_factories(
+    cfg: Config, base: _Base, threads: int, device: torch.device | None, precision: Precision | None = None
+) -> list[Callable[[], Sampler]]:
     """One factory per sampler replica, for the rollout engine `rollout.engine` names (the vLLM
     engine's module is imported only when it is used; it places itself, `device` is the hf
     engine's: rollout.device, None on Ray where each actor resolves it)."""
@@ -378,7 +419,7 @@ def sampler_factories(cfg: Config, base: _Base, threads: int, device: torch.devi
         from relayrl.backends.vllm.build import VllmSamplerFactory
 
         return [VllmSamplerFactory(cfg, i, model_dir(cfg)) for i in range(cfg.rollout.num_samplers)]
-    return [SamplerFactory(cfg, (i, threads), base, device) for i in range(cfg.rollout.num_samplers)]
+    return [SamplerFactory(cfg, (i, threads), base, device, precision) for i in range(cfg.rollout.num_samplers)]
 
 
 def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
@@ -388,9 +429,12 @@ def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
     return max(0, int(context) - cfg.rollout.max_new_tokens) if isinstance(context, int) else None
 
 
-def _frozen_copy(model: PreTrainedModel, device: torch.device = _CPU) -> PreTrainedModel:
-    """A copy of `model` on `device`, in eval mode, without gradients."""
-    clone = torch.nn.Module.to(copy.deepcopy(model), device).eval()  # (transformers' own `to` types badly)
+def _frozen_copy(model: PreTrainedModel, device: torch.device = _CPU, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A copy of `model` on `device` in `dtype` (None: the model's), in eval mode, without gradients."""
+    clone = copy.deepcopy(model)
+    if dtype is not None:
+        torch.nn.Module.to(clone, dtype)  # (on the CPU first: the device gets the smaller copy)
+    clone = torch.nn.Module.to(clone, device).eval()  # (transformers' own `to` types badly)
     for p in clone.parameters():
         p.requires_grad_(False)
     return clone
