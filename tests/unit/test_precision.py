@@ -185,3 +185,29 @@ def test_the_trainer_asks_for_fused_adamw_and_tf32_on_its_device(monkeypatch: py
     compute = TrainerCompute(random_qwen2(VOCAB), TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig()))
     assert seen == [torch.device("cpu"), torch.device("cpu")]
     assert compute._optimizer.defaults["foreach"] is False
+
+
+def test_a_bf16_build_gives_fp32_trainer_and_bf16_samplers() -> None:
+    """The local backend's build with model.dtype "bfloat16": the trainer trains float32 masters
+    (its loss with the truncated-IS cap on), every sampler and the held-out engine hold bfloat16
+    copies, and every model's head computes in float32."""
+    import asyncio
+    import threading
+
+    from relayrl.backends.local.build import compute
+
+    cfg = load_config(None, ["run.backend=local", "model.dtype=bfloat16", "rollout.num_samplers=2"])
+    parts: Any = compute(cfg, threading.Event())
+    samplers: list[Any] = [factory() for factory in parts.samplers]
+    greedy: Any = parts.greedy_engine()
+    trainer: Any = parts.trainer()
+    try:
+        assert trainer.settings.precision == "bfloat16" and trainer.settings.loss.tis_cap == AUTO_TIS_CAP
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+        for engine in [*samplers, greedy]:
+            model: Any = engine.compute.model
+            assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+            assert isinstance(model.get_output_embeddings(), Fp32Linear)
+    finally:
+        for engine in [*samplers, greedy, trainer]:
+            asyncio.run(engine.close())
