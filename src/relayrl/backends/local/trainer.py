@@ -23,6 +23,12 @@ checkpoint's "model" hold the adapters only (`adapter_payload`). The adapters' d
 training when train.lora.dropout > 0 (allowed with algorithm.tis_cap only: on-policy the ratio is
 then not 1).
 
+Precision (`TrainerSettings.precision`, model.dtype resolved; backends/local/precision.py):
+"bfloat16" keeps float32 master parameters, gradients and AdamW moments (and checkpoints them)
+and runs every forward (and so its backward) on bfloat16 casts of them (`_logprobs`); a frozen
+LoRA base and the KL reference are held in bfloat16. "bfloat16-pure" casts everything to
+bfloat16. On CUDA AdamW is fused and float32 matmuls use TF32.
+
 Devices: the policy (and reference) model live on the trainer's device (`device`; default: where
 the model already is); a micro-batch, collated on the CPU, is moved there once, whole, at the start
 of its `train_step`. Exported weights stay on that device (an in-process sampler copies them onto
