@@ -153,8 +153,8 @@ def payload_bytes(payload: Mapping[str, torch.Tensor]) -> int:
 
 class AdaptedLinear(torch.nn.Linear):
     """A sampler's linear layer with its LoRA adapter applied unmerged, in the layer's dtype:
-    W0 x + scaling · B (A x), as peft computes it in the trainer (whose autocast runs the adapter's
-    matmuls in the compute dtype too). Its parameters and state dict are the `nn.Linear`'s."""
+    W0 x + scaling · B (A x), as peft computes it in the trainer (whose forward runs on bfloat16
+    casts of its adapters too). Its parameters and state dict are the `nn.Linear`'s."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor

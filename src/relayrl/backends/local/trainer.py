@@ -94,8 +94,8 @@ class TrainerSettings:
     ppo_epochs: int = 1  # passes over a step's data (train.ppo_epochs)
     minibatches_per_step: int = 1  # optimizer updates per pass (train.minibatches_per_step)
     # model.dtype resolved (relayrl.backends.local.precision): "float32" trains the model in the
-    # dtype it comes in; "bfloat16" casts it to float32 master weights and computes under
-    # bfloat16 autocast; "bfloat16-pure" casts it to bfloat16
+    # dtype it comes in; "bfloat16" casts it to float32 master weights and computes on bfloat16
+    # casts of them; "bfloat16-pure" casts it to bfloat16
     precision: str = "float32"
 
     @property
