@@ -42,7 +42,7 @@ def measure(name: str) -> list[dict[str, object]]:
     assert isinstance(payload, dict)
     rows.append({"model": name, "params": params, "sync": "full", "bytes": payload_bytes(payload), "export_ms": _ms(full.export)})
     for r in (8, 16):
-        trainer = TrainerCompute(wrap(copy.deepcopy(model), LoraConfig(r=r, alpha=2.0 * r)), settings)
+        trainer = TrainerCompute(wrap(copy.deepcopy(model), LoraConfig(r=r, alpha=2.0 * r), seed=0), settings)
         adapters = trainer.export().payload
         assert isinstance(adapters, dict)
         merger = AdapterMerger(copy.deepcopy(model))

@@ -111,6 +111,59 @@ def test_kill_9_then_resume_trains_every_step_and_prompt_once(tmp_path: Path) ->
     assert not [p for p in (run_dir / CHECKPOINTS).iterdir() if p.name.startswith(".")]
 
 
+LORA_RUN = [
+    "run.backend=local",
+    "task.kind=arithmetic",
+    "run.steps=6",
+    "rollout.num_generations=4",
+    "rollout.groups_per_step=4",
+    "rollout.max_staleness=0",
+    "eval.enabled=false",
+    "orchestrator.release_memory=false",
+    "orchestrator.checkpoint_every=2",
+    "train.lora.r=4",
+    "train.learning_rate=1e-2",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_killed_and_resumed_lora_run_equals_an_uninterrupted_one(tmp_path: Path, world_size: int) -> None:
+    """train.lora (and with train.world_size = 2): a run killed with SIGKILL after its step-2
+    checkpoint and resumed trains every step exactly as an uninterrupted run of the same config
+    does (the adapters start from run.seed; the checkpoint holds them and AdamW's moments)."""
+    base = [*LORA_RUN, f"train.world_size={world_size}", f"run.output_dir={tmp_path}"]
+    whole = relayrl("train", *[f"--set={s}" for s in [*base, "run.name=whole"]], timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cli(*[f"--set={s}" for s in [*base, "run.name=killed"]]), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / CHECKPOINTS / "step-000002").exists():
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = relayrl("train", "--resume", str(run_dir), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] >= 2
+
+    def by_step(directory: Path) -> dict[int, dict[str, float]]:
+        rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return {int(r["step"]): r for r in rows}  # (a step logged before the kill and again after: the resumed one)
+
+    a, b = by_step(tmp_path / "whole"), by_step(run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        for key in ("train/grad_norm", "train/loss", "reward_mean"):
+            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+
+
 def test_resume_is_refused_without_a_checkpoint_or_when_done(tmp_path: Path) -> None:
     cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "orchestrator.checkpoint_every=2")
     with pytest.raises(CheckpointError, match="no complete checkpoint"):

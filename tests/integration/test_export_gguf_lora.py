@@ -42,7 +42,7 @@ def _lora_run_dir(tmp_path: Path) -> tuple[Path, torch.Tensor, list[int]]:
     assert load_config(run_dir / "config.toml").train.lora == cfg.train.lora
     model, tokenizer = load_base(cfg)
     assert cfg.train.lora is not None
-    peft = wrap(model, cfg.train.lora)
+    peft = wrap(model, cfg.train.lora, seed=0)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in peft.named_parameters():

@@ -71,7 +71,7 @@ def test_a_checkpointed_step_recomputes_and_matches_the_plain_step(lora: bool) -
         from relayrl.config.schema import LoraConfig
         from relayrl.models.lora import wrap
 
-        models = [wrap(m, LoraConfig(r=4)) for m in models]
+        models = [wrap(m, LoraConfig(r=4), seed=0) for m in models]
         for n, p in models[0].named_parameters():  # (peft's B starts at zero: give the adapters a gradient path both ways)
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)

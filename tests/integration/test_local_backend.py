@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from relayrl.algorithms.losses import LossConfig
+from relayrl.backends.local.precision import LOGPROB_DIFF_MEAN_BOUND
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings, lr_multiplier
 from relayrl.config.schema import load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
@@ -73,6 +74,7 @@ def test_on_policy_sampler_and_trainer_agree(short_run: tuple[Path, object]) -> 
     # recomputed log-probs (packed forward) equal the sampler's (KV-cache decoding)
     assert all(r["staleness_max"] == 0 for r in rows)
     assert max(r["train/logprob_diff_max"] for r in rows) < 1e-3
+    assert max(r["train/logprob_diff_mean"] for r in rows) < LOGPROB_DIFF_MEAN_BOUND[torch.float32]  # (bfloat16's: see test_precision_run)
     assert all(abs(r["train/ratio_mean"] - 1.0) < 1e-3 for r in rows)
 
 

@@ -19,7 +19,7 @@ from relayrl.backends.local.sampler import SamplerCompute
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
 from relayrl.config.schema import ConfigError, LoraConfig, load_config
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
-from relayrl.models.lora import SUFFIXES, adapter_payload, check_targets, is_adapter_payload, payload_bytes, peft_base, wrap
+from relayrl.models.lora import SUFFIXES, AdapterMerger, adapter_payload, check_targets, is_adapter_payload, payload_bytes, peft_base, wrap
 from relayrl.types import TrainBatch, Weights
 
 
@@ -51,7 +51,7 @@ def _batch(tok: Any, advantages: tuple[float, float]) -> TrainBatch:
 def _trainer(kl_beta: float = 0.0, lr: float = 1e-2) -> tuple[TrainerCompute, Any]:
     model, tok = load_model_and_tokenizer(shipped_model_dir())
     settings = TrainerSettings(learning_rate=lr, total_steps=8, loss=LossConfig(kl_beta=kl_beta))
-    return TrainerCompute(wrap(model, LoraConfig(r=4, alpha=8.0)), settings), tok
+    return TrainerCompute(wrap(model, LoraConfig(r=4, alpha=8.0), seed=0), settings), tok
 
 
 def _steps(trainer: TrainerCompute, tok: Any, n: int) -> None:
@@ -176,7 +176,7 @@ def test_lora_config_is_checked_in_one_line() -> None:
 def test_adapter_dropout_stays_on_in_training_only_when_asked() -> None:
     model, _ = load_model_and_tokenizer(shipped_model_dir())
     settings = TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig(), lora_dropout=0.25)
-    trainer = TrainerCompute(wrap(model, LoraConfig(dropout=0.25)), settings)
+    trainer = TrainerCompute(wrap(model, LoraConfig(dropout=0.25), seed=0), settings)
     dropouts = [m for n, m in trainer.model.named_modules() if n.endswith("lora_dropout.default")]
     assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.p == 0.25 for m in dropouts)
     others = [m for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" not in n]
@@ -243,7 +243,9 @@ def test_the_exported_adapter_loads_with_peft_and_reproduces_the_trainers_greedy
     loaded = peft_base(PeftModel.from_pretrained(base, model_dir).eval())
     # the trainer's policy: its last checkpoint's adapters in a LoRA-wrapped model
     trainer_model, _ = load_model_and_tokenizer(shipped_model_dir())
-    trainer = TrainerCompute(wrap(trainer_model, LoraConfig(r=8)), TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig()))
+    trainer = TrainerCompute(
+        wrap(trainer_model, LoraConfig(r=8), seed=0), TrainerSettings(learning_rate=1e-3, total_steps=1, loss=LossConfig())
+    )
     trainer.load_state(checkpoint_dir(lora_run, 40))
     policy = peft_base(trainer.model.eval())
     prompts = [p.text for p in build_task(load_config(lora_run / "config.toml")).heldout]
@@ -267,3 +269,48 @@ def test_an_adapter_payload_crosses_the_ray_transport() -> None:
     back = decode(encode(payload))
     assert isinstance(back, dict) and back.keys() == payload.keys()
     assert all(torch.equal(back[k], payload[k]) for k in payload) and is_adapter_payload(back)
+
+
+def test_a_tiny_adapter_update_survives_in_a_bf16_sampler() -> None:
+    """model.dtype "bfloat16": the sampler's weights are bfloat16, so merging W0 + s·B·A into
+    them rounds an update below half a bfloat16 ulp of W0 away (here every one: W0 = ±1, the update
+    1e-3 per weight); the sampler applies it unmerged, so the output moves by it. A float32 sampler
+    merges (its weights change, exactly W0 + s·B·A)."""
+
+    def layer(dtype: torch.dtype) -> Any:
+        net = torch.nn.Module()
+        net.proj = torch.nn.Linear(128, 4, bias=False)
+        with torch.no_grad():
+            net.proj.weight.copy_(torch.tensor([1.0, -1.0]).repeat(4, 64))  # each row sums to 0 on x = 1
+        return net.to(dtype)
+
+    payload = {"proj.lora_A": torch.full((1, 128), 5e-4), "proj.lora_B": torch.ones(4, 1), "proj.lora_scaling": torch.tensor(2.0)}
+    x = torch.ones(2, 128)
+    sampler = layer(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(sampler.proj(x.bfloat16()), torch.zeros(2, 4, dtype=torch.bfloat16))
+        AdapterMerger(sampler).merge(payload, "test")
+        out = sampler.proj(x.bfloat16()).float()
+    torch.testing.assert_close(out, torch.full((2, 4), 0.128), rtol=0, atol=1e-3)  # 128 × 2 × 5e-4
+    assert all(v.dtype == torch.bfloat16 for v in sampler.state_dict().values())  # the sampler's weights stay bf16
+    full = layer(torch.float32)
+    AdapterMerger(full).merge(payload, "test")
+    torch.testing.assert_close(full.proj.weight, layer(torch.float32).proj.weight + 1e-3, rtol=0, atol=1e-7)
+
+
+def test_lora_adapters_start_from_run_seed() -> None:
+    """Two wraps with one seed give the same adapters whatever torch's global RNG did before,
+    and leave the global RNG as it was; another seed gives others."""
+    lora = LoraConfig(r=4)
+
+    def adapters(seed: int, noise: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(noise)  # the global RNG in some other state
+        model, _ = load_model_and_tokenizer(shipped_model_dir())
+        state = torch.random.get_rng_state()
+        peft_model = wrap(model, lora, seed=seed)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        return adapter_payload(peft_model)
+
+    one, two, other = adapters(7, 1), adapters(7, 2), adapters(8, 1)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert any(not torch.equal(one[k], other[k]) for k in one if k.endswith(".lora_A"))

@@ -115,9 +115,9 @@ def test_two_ranks_train_lora_adapters_as_one_process_does(tmp_path: Path) -> No
     steps = _steps(tok, 2)
     lora = LoraConfig(r=4, alpha=8.0)
     torch.manual_seed(0)  # the same adapters to start from (A is drawn at random)
-    sharded = ShardedTrainer(wrap(model, lora), _settings(), world_size=2)
+    sharded = ShardedTrainer(wrap(model, lora, seed=0), _settings(), world_size=2)
     torch.manual_seed(0)
-    single = LocalTrainer(wrap(load_model_and_tokenizer(shipped_model_dir())[0], lora), _settings())
+    single = LocalTrainer(wrap(load_model_and_tokenizer(shipped_model_dir())[0], lora, seed=0), _settings())
 
     async def both() -> tuple[Any, Any]:
         try:
@@ -299,3 +299,37 @@ def test_a_lora_run_on_two_ranks_completes_and_exports_its_adapter(tmp_path: Pat
     loaded = PeftModel.from_pretrained(load_model_and_tokenizer(shipped_model_dir())[0], run_dir / "model")
     trained = [p for n, p in loaded.named_parameters() if "lora_B" in n]
     assert trained and max(float(p.abs().max()) for p in trained) > 0  # B starts at 0: these trained
+
+
+def test_two_ranks_train_bf16_on_fp32_masters_as_one_process_does() -> None:
+    """model.dtype "bfloat16" with world_size 2: FSDP2's MixedPrecisionPolicy (bfloat16 params
+    in the forward, float32 gradient reduction) over float32 master weights computes what the
+    one-process trainer computes on bfloat16 casts of its float32 masters; the weights a version
+    exports (and checkpoints) are float32."""
+    from relayrl.backends.local.sharded import ShardedTrainer
+
+    torch.set_num_threads(1)
+    model, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = _steps(tok)
+    settings = dataclasses.replace(_settings(), precision="bfloat16")
+    sharded = ShardedTrainer(model, settings, world_size=2)
+    single = LocalTrainer(load_model_and_tokenizer(shipped_model_dir())[0], settings)
+    fp32 = LocalTrainer(load_model_and_tokenizer(shipped_model_dir())[0], _settings())
+
+    async def all_three() -> tuple[Any, Any, Any]:
+        try:
+            return await train_steps(sharded, steps), await train_steps(single, steps), await train_steps(fp32, steps)
+        finally:
+            await sharded.close()
+            await single.close()
+            await fp32.close()
+
+    (m2, w2), (m1, w1), (m32, _) = asyncio.run(all_three())
+    assert all(v.dtype == torch.float32 for v in w2.values())
+    for a, b, c in zip(m2, m1, m32, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=2e-3, rel=0), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-2), (a, b)
+        assert a["loss"] != c["loss"]  # (bfloat16 compute: not the float32 step)
+    for name, value in w1.items():
+        atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 2e-4
+        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(named, name))

@@ -101,6 +101,6 @@ def test_the_samplers_token_choice_stays_on_meta(params: SamplingParams) -> None
     logits = torch.empty(6, VOCAB, device=META)
     tokens, logprobs = pick_tokens(logits, params, None)
     assert tokens.device == META and logprobs.device == META and tokens.shape == (6,)
-    groups = [(None, torch.tensor([0, 2], device=META)), (None, torch.tensor([1], device=META))]
+    groups: list[tuple[torch.Generator | None, list[int]]] = [(None, [0, 2]), (None, [1])]  # rows: host indices
     tokens, logprobs = pick_tokens(logits, params, None, per_group=groups)
     assert tokens.device == META and logprobs.device == META

@@ -120,7 +120,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
     assert rows["rollout.num_generations"][1:4] == ["integer, ≥ 1", "`8`", "no"]
     assert rows["run.backend"][1:3] == ['one of "sim", "local"', '`"sim"`']
     assert rows["task.reward_functions"][1:3] == ["list of strings, at least 1 entry", '`["exact_match"]`']
-    assert rows["algorithm.tis_cap"][1:3] == ["float (optional), > 0.0", "unset"]
+    assert rows["algorithm.tis_cap"][1:3] == ["float (optional), ≥ 0.0", "unset"]
     assert rows["ray.sampler_resources"][1:4] == ["table of floats", "`{}`", "yes"]
 
 

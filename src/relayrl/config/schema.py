@@ -471,9 +471,12 @@ class AlgorithmConfig(_Section):
     algorithms/losses.py."""
     kl_beta: float = Field(0.0, ge=0.0)
     """KL to a frozen reference; 0 = off (no reference kept)."""
-    tis_cap: float | None = Field(None, gt=0.0)
-    """None = clipped PPO against the sampler's log-probs; a cap = decoupled PPO with the importance
-    weight from the sampler to the trainer's policy truncated at it (algorithms/losses.py)."""
+    tis_cap: float | None = Field(None, ge=0.0)
+    """A cap = decoupled PPO with the importance weight from the sampler to the trainer's policy
+    truncated at it (algorithms/losses.py); 0 = off: clipped PPO against the sampler's log-probs.
+    Unset = auto: 2.0 when model.dtype computes in bfloat16 ("bfloat16", "bfloat16-pure", "auto" on
+    a bfloat16 GPU), whose trainer and sampler log-probs differ by ~1e-3 per token even on-policy,
+    and off in float32 (and with ratio_level = "sequence")."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The importance ratio: "token" (PPO, per token) or "sequence" (GSPO, Zheng et al. 2025: one
     ratio per sequence, exp of the mean per-token log-ratio, clipped per sequence with clip_eps_low
@@ -573,8 +576,10 @@ class AlgorithmConfig(_Section):
         if self.advantage == "reinforce_pp" and self.kl_beta > 0 and "kl_in_reward" not in self.model_fields_set:
             self.kl_in_reward = True  # REINFORCE++ = batch-whitened rewards + a per-token KL penalty
         if self.ratio_level == "sequence":
-            if self.tis_cap is not None:
-                raise ValueError("algorithm.ratio_level = 'sequence' (GSPO) clips against the sampler: algorithm.tis_cap must be unset")
+            if self.tis_cap:
+                raise ValueError(
+                    "algorithm.ratio_level = 'sequence' (GSPO) clips against the sampler: algorithm.tis_cap must be unset or 0"
+                )
             if "loss_aggregation" in self.model_fields_set and self.loss_aggregation != "seq_mean_token_mean":
                 raise ValueError(
                     f"algorithm.ratio_level = 'sequence' (GSPO) needs algorithm.loss_aggregation = 'seq_mean_token_mean', "
@@ -721,10 +726,18 @@ class ModelConfig(_Section):
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     gguf_file: str | None = None
     """A GGUF file inside `path`."""
-    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
-    """The weights' dtype; "auto" = bfloat16 when every device the process computes on
-    (train.device and rollout.device in one process, an actor's own device on Ray) is a CUDA
-    device that supports it, else float32 (so float32 on the CPU)."""
+    dtype: Literal["float32", "bfloat16", "bfloat16-pure", "auto"] = "float32"
+    """The precision. "float32": everything in float32 (TF32 matmuls on CUDA). "bfloat16": bfloat16
+    compute with float32 master weights: the trainer's parameters, gradients, AdamW moments and
+    checkpoint are float32, its forward and backward run under torch.autocast (one process) or
+    FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (train.world_size >
+    1); the samplers, the held-out engine and the KL reference hold bfloat16 copies, cast at load;
+    log-probs (the output projection) are computed in float32 on both sides. "bfloat16-pure":
+    everything in bfloat16, AdamW moments too (an update below half a bfloat16 ulp of a weight is
+    lost: at lr 1e-6 almost no weight moves). "auto" = "bfloat16" when every device the process
+    computes on (train.device and rollout.device in one process, an actor's own device on Ray) is
+    a CUDA device that supports it, else "float32" (so "float32" on the CPU). Compute in bfloat16
+    turns algorithm.tis_cap on unless it is set."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """The attention implementation (transformers' attn_implementation)."""
 
@@ -967,7 +980,7 @@ class Config(_Section):
             raise ValueError(
                 "train.lora is not supported with rollout.engine = 'vllm' (its samplers load whole models): use rollout.engine = 'hf'"
             )
-        if self.train.lora is not None and self.train.lora.dropout > 0 and self.algorithm.tis_cap is None:
+        if self.train.lora is not None and self.train.lora.dropout > 0 and not self.algorithm.tis_cap:
             raise ValueError(
                 f"train.lora.dropout = {self.train.lora.dropout} needs algorithm.tis_cap: the samplers sample without dropout, so the"
                 " trainer's log-probs differ from theirs even on-policy (set train.lora.dropout = 0, or a tis_cap)"

@@ -198,7 +198,7 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
     if cfg.train.lora is not None:
         from relayrl.models.lora import load_adapter_payload, wrap
 
-        adapter = wrap(model, cfg.train.lora)
+        adapter = wrap(model, cfg.train.lora, seed=cfg.run.seed)  # (its initial values: overwritten by the checkpoint's)
         try:
             load_adapter_payload(adapter, weights)
         except ValueError as exc:

@@ -4,9 +4,11 @@ payload that travels to the samplers and into checkpoints, and a sampler's merge
 The payload of a LoRA run's version is a dict of tensors (so the Ray transport carries it as any
 state dict), three per adapted linear layer NAME (its name in the plain model, e.g.
 `model.layers.0.self_attn.q_proj`): `NAME.lora_A` (r × in), `NAME.lora_B` (out × r) and
-`NAME.lora_scaling` (a 0-d tensor, alpha / r). A sampler holding the plain model merges it:
-W = W0 + scaling · B · A, from the base weights W0 it kept when the first payload arrived, never
-onto an already merged weight (`AdapterMerger`).
+`NAME.lora_scaling` (a 0-d tensor, alpha / r). A sampler holding the plain model in float32
+merges it: W = W0 + scaling · B · A, computed in float32 from the base weights W0 it kept when the
+first payload arrived, never onto an already merged weight; a sampler in bfloat16 (model.dtype
+"bfloat16") applies it unmerged, W0 x + scaling · B (A x), so that a small update is not rounded
+away (`AdapterMerger`).
 
 Invariants: a payload's tensors are copies (the sender may go on training); a merge is all or
 nothing (every name and shape is checked before any weight changes); peft is imported only when a
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -69,9 +71,11 @@ def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
             )
 
 
-def wrap(model: PreTrainedModel, cfg: LoraConfig) -> Any:
+def wrap(model: PreTrainedModel, cfg: LoraConfig, *, seed: int) -> Any:
     """`model` with LoRA adapters on `cfg.target_modules` (peft's `get_peft_model`, in place: the
-    base weights are frozen, only the adapters require gradients); `check_targets` first."""
+    base weights are frozen, only the adapters require gradients); `check_targets` first. The
+    adapters' initial values are drawn from torch's global RNG seeded with `seed` (run.seed) and
+    put back after, so two runs (and every rank of one) start from the same adapters."""
     check_targets(model, cfg)
     import peft
 
@@ -83,8 +87,11 @@ def wrap(model: PreTrainedModel, cfg: LoraConfig) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing (a FutureWarning)
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=cuda):
+        # (peft asks transformers' deprecated is_gradient_checkpointing: a FutureWarning)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(seed)
         return peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
 
 
@@ -144,9 +151,26 @@ def payload_bytes(payload: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in payload.values())
 
 
+class AdaptedLinear(torch.nn.Linear):
+    """A sampler's linear layer with its LoRA adapter applied unmerged, in the layer's dtype:
+    W0 x + scaling · B (A x), as peft computes it in the trainer (whose forward runs on bfloat16
+    casts of its adapters too). Its parameters and state dict are the `nn.Linear`'s."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    lora_scaling: float
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input)
+        return out + torch.nn.functional.linear(torch.nn.functional.linear(input, self.lora_a), self.lora_b) * self.lora_scaling
+
+
 class AdapterMerger:
-    """A sampler's merge of adapter payloads into its plain model: W = W0 + scaling · B · A, from
-    the base weights W0 of the adapted layers, kept (copied) at the first merge."""
+    """A sampler's merge of adapter payloads into its plain model. Float32 weights: W = W0 +
+    scaling · B · A, computed in float32 from the base weights W0 of the adapted layers, kept
+    (copied) at the first merge. Weights in a lower precision (bfloat16 samplers): the adapters
+    are applied unmerged (`AdaptedLinear`), since a merged update smaller than half a bfloat16
+    ulp of W0 (most of them early in training: B starts at 0) would round away."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
@@ -174,6 +198,9 @@ class AdapterMerger:
         if self._base and set(names) != set(self._base):
             raise ValueError(f"{where}: the adapters name other layers than the first version's")
         with torch.no_grad():
+            if any(self._linears[name].weight.dtype != torch.float32 for name in names):
+                self._attach(payload, names)
+                return
             if not self._base:
                 self._base = {name: self._linears[name].weight.detach().clone() for name in names}
             for name in names:
@@ -183,3 +210,16 @@ class AdapterMerger:
                 scaling = float(payload[f"{name}.lora_scaling"])
                 delta = (b @ a) * scaling
                 weight.copy_((self._base[name].to(torch.float32) + delta).to(weight.dtype))
+
+    def _attach(self, payload: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        """Set each adapted layer's adapter (unmerged, in the layer's dtype; see the class)."""
+        if not self._base:
+            self._base = {name: self._linears[name].weight for name in names}  # (the names: W0 stays in place)
+        for name in names:
+            linear = self._linears[name]
+            weight = linear.weight
+            linear.__class__ = AdaptedLinear
+            adapted = cast(AdaptedLinear, linear)
+            adapted.lora_a = payload[f"{name}.lora_A"].to(weight.device, weight.dtype, copy=True)
+            adapted.lora_b = payload[f"{name}.lora_B"].to(weight.device, weight.dtype, copy=True)
+            adapted.lora_scaling = float(payload[f"{name}.lora_scaling"])

@@ -40,14 +40,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local.collate import TorchCollator
 from relayrl.backends.local.determinism import make_deterministic
-from relayrl.backends.local.devices import process_device, resolve_device, resolve_dtype
+from relayrl.backends.local.devices import process_device, resolve_device, resolve_model_precision
 from relayrl.backends.local.generation import SamplingParams
 from relayrl.backends.local.placement import check_placement
+from relayrl.backends.local.precision import Precision, cuda_precision_settings, effective_tis_cap, fp32_head
 from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
-from relayrl.config.schema import Config, LoraConfig
+from relayrl.config.schema import Config
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
@@ -143,12 +144,14 @@ def split_threads(budget: int, trainer: int, sampler: int, num_samplers: int) ->
 
 
 def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The configured model and tokenizer, loaded on the CPU in `dtype` (`model.dtype` resolved;
-    every worker copies or loads its own)."""
+    """The configured model and tokenizer, loaded on the CPU in `dtype` (`model.dtype`'s master
+    dtype; every worker copies or loads its own, a sampler casts its copy to the compute dtype),
+    its output projection computing in float32 (`fp32_head`)."""
     transformers.utils.logging.disable_progress_bar()
     model, tokenizer = load_model_and_tokenizer(model_dir(cfg), dtype=dtype, gguf_file=cfg.model.gguf_file)
     if cfg.model.attn_implementation != "sdpa":
         model.set_attn_implementation(cfg.model.attn_implementation)
+    fp32_head(model)
     return model, tokenizer
 
 
@@ -169,10 +172,13 @@ def make_sampler(
     replica: int,
     threads: int,
     device: torch.device = _CPU,
+    dtype: torch.dtype | None = None,
 ) -> LocalSampler:
-    """Sampler replica `replica` on a frozen copy of `model` on `device`, and its own tokenizer copy."""
+    """Sampler replica `replica` on a frozen copy of `model` on `device` in `dtype` (the compute
+    dtype; None: the model's), and its own tokenizer copy."""
+    cuda_precision_settings(device)
     return LocalSampler(
-        _frozen_copy(model, device),
+        _frozen_copy(model, device, dtype),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=replica,
@@ -184,14 +190,17 @@ def make_sampler(
     )
 
 
-def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU) -> LocalTrainer | ShardedTrainer:
+def make_trainer(
+    cfg: Config, model: PreTrainedModel, threads: int, device: torch.device = _CPU, precision: Precision | None = None
+) -> LocalTrainer | ShardedTrainer:
     """The trainer, training `model` itself, moved to `device` (plus a frozen reference copy
-    there when kl_beta > 0). With train.lora, `model` gets LoRA adapters (in place) and no
-    reference copy is made: the reference is the model with its adapters off. With
-    train.world_size = N > 1 the sharded trainer, whose N rank processes each get a copy (rank r
-    on cuda:(b+r) when `device` is cuda:b; the reference model unsharded on every rank)."""
+    there when kl_beta > 0), in `precision` (None: model.dtype resolved for `device`). With
+    train.lora, `model` gets LoRA adapters (in place) and no reference copy is made: the
+    reference is the model with its adapters off. With train.world_size = N > 1 the sharded
+    trainer, whose N rank processes each load their own copy (rank r on cuda:(b+r) when `device`
+    is cuda:b; the reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
-    settings = trainer_settings(cfg, threads)
+    settings = trainer_settings(cfg, threads, precision or resolve_model_precision(cfg.model.dtype, [device]))
     if t.world_size > 1:  # each rank loads its own copy (RankModel): `model` only sizes a version
         from relayrl.backends.local.sharded import ShardedTrainer
 
@@ -207,9 +216,7 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
             microbatch_bytes=microbatch_bytes(cfg),
         )
     if t.lora is not None:
-        from relayrl.models.lora import wrap
-
-        model = wrap(model, t.lora)  # (the reference: the model with its adapters off)
+        model = lora_wrapped(cfg, model)  # (the reference: the model with its adapters off)
     if t.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if t.lora is not None:
@@ -218,14 +225,13 @@ def make_trainer(cfg: Config, model: PreTrainedModel, threads: int, device: torc
     return LocalTrainer(model, settings, ref_model=ref, device=device)
 
 
-def seeded_wrap(model: PreTrainedModel, lora: LoraConfig, seed: int) -> Any:
-    """`model` with LoRA adapters whose init is drawn from `seed` (every rank of a sharded
-    trainer, wherever it runs, then holds the same adapters), torch's RNG left as it was."""
+def lora_wrapped(cfg: Config, model: PreTrainedModel) -> Any:
+    """`model` with train.lora's adapters, initialised from run.seed (every place that wraps the
+    trainer's model calls this: the run, each local or Ray rank; so runs and ranks start alike)."""
     from relayrl.models.lora import wrap
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return wrap(model, lora)
+    assert cfg.train.lora is not None
+    return wrap(model, cfg.train.lora, seed=cfg.run.seed)
 
 
 class RankModel:
@@ -242,7 +248,7 @@ class RankModel:
         model, _ = load_base(self.cfg, self.dtype)
         lora = self.cfg.train.lora
         if lora is not None:
-            model = seeded_wrap(model, lora, self.cfg.run.seed)
+            model = lora_wrapped(self.cfg, model)
         ref = _frozen_copy(model) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
         return model, ref
 
@@ -254,16 +260,18 @@ def microbatch_bytes(cfg: Config) -> int:
     return t.rows_per_microbatch * t.row_tokens * (t.row_tokens + 64)
 
 
-def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
-    """The trainer's settings from the config, with `threads` torch threads."""
+def trainer_settings(cfg: Config, threads: int, precision: Precision | None = None) -> TrainerSettings:
+    """The trainer's settings from the config, with `threads` torch threads, in `precision`
+    (model.dtype resolved; None: "float32")."""
     a, t, r = cfg.algorithm, cfg.train, cfg.rollout
+    precision = precision or Precision.of("float32")
     loss = LossConfig(
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
         aggregation=a.loss_aggregation,
         max_completion_tokens=cfg.generation_budget,
         kl_beta=a.kl_beta,
-        tis_cap=a.tis_cap,
+        tis_cap=effective_tis_cap(a.tis_cap, precision.compute, a.ratio_level),
         clip_ratio_c=a.clip_ratio_c or None,  # 0 = dual-clip off
         ratio_level=a.ratio_level,
         entropy_coef=a.entropy_coef,
@@ -288,6 +296,7 @@ def trainer_settings(cfg: Config, threads: int) -> TrainerSettings:
         temperature=r.temperature,
         torch_threads=threads,
         lora_dropout=t.lora.dropout if t.lora is not None else 0.0,
+        precision=precision.name,
     )
 
 
@@ -296,12 +305,17 @@ def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
 
 
 def make_greedy_engine(
-    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int, device: torch.device = _CPU
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    threads: int,
+    device: torch.device = _CPU,
+    dtype: torch.dtype | None = None,
 ) -> LocalSampler:
-    """The held-out evaluation's engine: a sampler on its own frozen model copy on `device`,
-    numbered after the rollout replicas."""
+    """The held-out evaluation's engine: a sampler on its own frozen model copy on `device` in
+    `dtype` (the compute dtype; None: the model's), numbered after the rollout replicas."""
     return LocalSampler(
-        _frozen_copy(model, device),
+        _frozen_copy(model, device, dtype),
         copy.deepcopy(tokenizer),
         sampling_params(cfg),
         replica=cfg.rollout.num_samplers,
@@ -325,11 +339,19 @@ class _Factory:
 
     key = ""  # the config key of the worker's device
 
-    def __init__(self, cfg: Config, args: tuple[int, ...], base: _Base | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        args: tuple[int, ...],
+        base: _Base | None = None,
+        device: torch.device | None = None,
+        precision: Precision | None = None,
+    ) -> None:
         self.cfg = cfg
         self.args = args
         self._base = base
         self._device = device
+        self._precision = precision
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.cfg, self.args))
@@ -344,11 +366,17 @@ class _Factory:
             self._device = _CPU if self._base is not None else process_device(self.spec(), self.key, ray=self.cfg.ray.enabled)
         return self._device
 
+    def precision(self) -> Precision:
+        """model.dtype resolved: the driver's resolution, or this process's for `device()`."""
+        if self._precision is None:
+            self._precision = resolve_model_precision(self.cfg.model.dtype, [self.device()])
+        return self._precision
+
     def base(self) -> _Base:
-        """The driver's loaded model and tokenizer, or loaded here in the dtype for `device()`."""
+        """The driver's loaded model and tokenizer, or loaded here in the master dtype for `device()`."""
         if self._base is not None:
             return self._base
-        return load_base(self.cfg, resolve_dtype(self.cfg.model.dtype, [self.device()]))
+        return load_base(self.cfg, self.precision().master)
 
     def placed(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
         """(model, tokenizer, device) of the worker; the device is resolved before the model loads."""
@@ -367,7 +395,7 @@ class SamplerFactory(_Factory):
     def __call__(self) -> LocalSampler:
         model, tokenizer, device = self.placed()
         replica, threads = self.args
-        return make_sampler(self.cfg, model, tokenizer, replica, threads, device)
+        return make_sampler(self.cfg, model, tokenizer, replica, threads, device, self.precision().compute)
 
 
 class TrainerFactory(_Factory):
@@ -378,7 +406,7 @@ class TrainerFactory(_Factory):
 
     def __call__(self) -> Trainer:
         model, _, device = self.placed()
-        return make_trainer(self.cfg, model, self.args[0], device)
+        return make_trainer(self.cfg, model, self.args[0], device, self.precision())
 
     def rank_parts(self) -> RankParts:
         """One rank of the sharded trainer on Ray (train.world_size > 1; called in the rank's
@@ -388,11 +416,11 @@ class TrainerFactory(_Factory):
         model, _, device = self.placed()
         lora = self.cfg.train.lora
         if lora is not None:  # (seeded: the ranks are separate actors, their adapters must agree)
-            model = seeded_wrap(model, lora, self.cfg.run.seed)
+            model = lora_wrapped(self.cfg, model)
         if self.cfg.train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         ref = _frozen_copy(model, device) if self.cfg.algorithm.kl_beta > 0 and lora is None else None
-        return RankParts(model, trainer_settings(self.cfg, self.args[0]), ref, device)
+        return RankParts(model, trainer_settings(self.cfg, self.args[0], self.precision()), ref, device)
 
 
 def compute(cfg: Config, abort: threading.Event) -> Compute:
@@ -401,15 +429,18 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
     if cfg.ray.enabled:  # the workers' devices are resolved in their actors
         train_device = rollout_device = None
         greedy_device = _CPU  # (the driver's engine: outside Ray's GPU accounting, see the module)
-        dtype = resolve_dtype(cfg.model.dtype, [greedy_device])
+        precision = resolve_model_precision(cfg.model.dtype, [greedy_device])
+        workers: Precision | None = None  # (each actor resolves its own)
     else:  # before anything loads: a device this machine lacks, or a placement refused, exits 2 at once
         train_device = resolve_device(cfg.train.device, "train.device")
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
         check_placement(cfg, train_device, rollout_device)
-        dtype = resolve_dtype(cfg.model.dtype, [train_device, rollout_device])
+        precision = workers = resolve_model_precision(cfg.model.dtype, [train_device, rollout_device])
     # before anything loads too: a run whose GPU copies cannot fit exits 2 (config/sizing.py)
     gpu = gpu_preflight(cfg, train_device, rollout_device) if train_device is not None and rollout_device is not None else None
-    model, tokenizer = load_base(cfg, dtype)  # the driver's copy: encoders, collator, prompt bound, greedy engine
+    # the driver's copy, in the master dtype: encoders, collator, prompt bound, greedy engine (a
+    # copy in the compute dtype), and the model the trainer trains
+    model, tokenizer = load_base(cfg, precision.master)
     if cfg.train.lora is not None:  # before any worker starts: a target that is no linear layer exits 2
         from relayrl.config.sizing import check_lora
         from relayrl.models.lora import check_targets
@@ -424,9 +455,9 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         encode_text=EncodeText(copy.deepcopy(tokenizer)),
         decode=Decode(copy.deepcopy(tokenizer)),
         max_prompt_tokens=max_prompt_tokens(cfg, model),
-        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device),
-        trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device),
-        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device, gpu),
+        greedy_engine=lambda: make_greedy_engine(cfg, model, tokenizer, sampler_threads, greedy_device, precision.compute),
+        trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device, workers),
+        samplers=sampler_factories(cfg, base, sampler_threads, rollout_device, gpu, workers),
         tokenizer=copy.deepcopy(tokenizer),
     )
 
@@ -454,7 +485,12 @@ def gpu_preflight(cfg: Config, train: torch.device, evaluation: torch.device) ->
 
 
 def sampler_factories(
-    cfg: Config, base: _Base, threads: int, device: torch.device | None, gpu: GpuPlan | None = None
+    cfg: Config,
+    base: _Base,
+    threads: int,
+    device: torch.device | None,
+    gpu: GpuPlan | None = None,
+    precision: Precision | None = None,
 ) -> list[Callable[[], Sampler]]:
     """One factory per sampler replica, for the rollout engine `rollout.engine` names (the vLLM
     engine's module is imported only when it is used; it places itself, `device` is the hf
@@ -466,7 +502,7 @@ def sampler_factories(
         check_on_driver(cfg)
         share = gpu.utilization if gpu is not None else {}
         return [VllmSamplerFactory(cfg, i, model_dir(cfg), share.get(i)) for i in range(cfg.rollout.num_samplers)]
-    return [SamplerFactory(cfg, (i, threads), base, device) for i in range(cfg.rollout.num_samplers)]
+    return [SamplerFactory(cfg, (i, threads), base, device, precision) for i in range(cfg.rollout.num_samplers)]
 
 
 def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
@@ -476,9 +512,12 @@ def max_prompt_tokens(cfg: Config, model: PreTrainedModel) -> int | None:
     return max(0, int(context) - cfg.rollout.max_new_tokens) if isinstance(context, int) else None
 
 
-def _frozen_copy(model: PreTrainedModel, device: torch.device = _CPU) -> PreTrainedModel:
-    """A copy of `model` on `device`, in eval mode, without gradients."""
-    clone = torch.nn.Module.to(copy.deepcopy(model), device).eval()  # (transformers' own `to` types badly)
+def _frozen_copy(model: PreTrainedModel, device: torch.device = _CPU, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A copy of `model` on `device` in `dtype` (None: the model's), in eval mode, without gradients."""
+    clone = copy.deepcopy(model)
+    if dtype is not None:
+        torch.nn.Module.to(clone, dtype)  # (on the CPU first: the device gets the smaller copy)
+    clone = torch.nn.Module.to(clone, device).eval()  # (transformers' own `to` types badly)
     for p in clone.parameters():
         p.requires_grad_(False)
     return clone

@@ -2,9 +2,9 @@
 resolved to a torch device and dtype in the process that computes.
 
 Job: turn a device spec ("cpu", "cuda", "cuda:N", "auto"; checked by the config schema) into a
-`torch.device` this process can use, and `model.dtype` ("float32", "bfloat16", "auto") into a
-torch dtype, from what this process sees (`Accelerators.probe()`: torch.cuda.is_available(),
-device_count(), is_bf16_supported()).
+`torch.device` this process can use, and `model.dtype` ("float32", "bfloat16", "bfloat16-pure",
+"auto") into a `Precision` (`relayrl.backends.local.precision`), from what this process sees
+(`Accelerators.probe()`: torch.cuda.is_available(), device_count(), is_bf16_supported()).
 
 Invariants:
 - a spec this machine cannot satisfy ("cuda" without CUDA, "cuda:N" with N out of range) raises
@@ -15,8 +15,8 @@ Invariants:
 - in a Ray actor (`in_ray_actor`) CUDA means the GPU Ray gave the actor, which
   CUDA_VISIBLE_DEVICES remaps to cuda:0: "cuda:N" is read as "cuda", and "auto" is CUDA only when
   Ray gave the actor a GPU;
-- `model.dtype = "auto"` is bfloat16 only when every device given is CUDA and supports it, else
-  float32: the CPU keeps float32.
+- `model.dtype = "auto"` is "bfloat16" (bfloat16 compute, float32 master weights) only when every
+  device given is CUDA and supports it, else "float32": the CPU keeps float32.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from relayrl.backends.local.precision import Precision, resolve_precision
 from relayrl.config.schema import ConfigError, is_cuda_spec
 
-__all__ = ["Accelerators", "DeviceError", "resolve_device", "resolve_dtype"]
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+__all__ = ["Accelerators", "DeviceError", "resolve_device", "resolve_dtype", "resolve_model_precision"]
 
 
 class DeviceError(ConfigError):
@@ -112,16 +111,19 @@ def resolve_device(spec: str, key: str, accel: Accelerators | None = None, *, ra
 
 
 def resolve_dtype(name: str, devices: Sequence[torch.device], accel: Accelerators | None = None) -> torch.dtype:
-    """`model.dtype` for a process computing on `devices`: "auto" is bfloat16 when they are all
-    CUDA and it supports bfloat16 (`accel`, default: probed), else float32."""
-    if name != "auto":
-        if name not in DTYPES:
-            raise ConfigError(f"model.dtype = {name!r}: not one of {', '.join([*DTYPES, 'auto'])}")
-        return DTYPES[name]
-    if not devices or any(d.type != "cuda" for d in devices):
-        return torch.float32
-    accel = accel if accel is not None else Accelerators.probe()
-    return torch.bfloat16 if accel.bf16 else torch.float32
+    """`model.dtype`'s compute dtype for a process computing on `devices` (what a sampler's
+    weights are): "auto" is bfloat16 when they are all CUDA and it supports bfloat16 (`accel`,
+    default: probed), else float32; see `relayrl.backends.local.precision` for the master dtype."""
+    return resolve_model_precision(name, devices, accel).compute
+
+
+def resolve_model_precision(name: str, devices: Sequence[torch.device], accel: Accelerators | None = None) -> Precision:
+    """`model.dtype` resolved for a process computing on `devices` (`resolve_precision` with what
+    `accel`, default: probed, says of bfloat16)."""
+    if name == "auto" and devices and all(d.type == "cuda" for d in devices):
+        accel = accel if accel is not None else Accelerators.probe()
+        return resolve_precision(name, devices, accel.bf16)
+    return resolve_precision(name, devices, False)
 
 
 def process_device(spec: str, key: str, *, ray: bool) -> torch.device:

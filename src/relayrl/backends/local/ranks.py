@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
@@ -68,6 +68,8 @@ class ShardedCompute(TrainerCompute):
     """A `TrainerCompute` on one rank of an initialised process group. Every method that is not
     thread-safe is a collective: all ranks call it, in the same order."""
 
+    casts_params = False  # mixed precision by FSDP2's MixedPrecisionPolicy (wrap_model)
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -92,9 +94,15 @@ class ShardedCompute(TrainerCompute):
         layers = getattr(getattr(net, "model", None), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise TypeError(f"train.world_size > 1: {type(model).__name__} has no model.layers to shard by decoder layer")
+        # model.dtype "bfloat16": float32 sharded master weights, bfloat16 compute, float32 gradient reduction
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.precision.compute, reduce_dtype=torch.float32)
+            if self.precision.mixed
+            else MixedPrecisionPolicy()
+        )
         for layer in layers:
-            fully_shard(layer)
-        fully_shard(net)  # (the root: the module whose forward runs)
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(net, mp_policy=mp)  # (the root: the module whose forward runs)
 
     def gather_stats(self, stats: _StepStats) -> _StepStats:
         parts: list[Any] = [None] * self.world_size

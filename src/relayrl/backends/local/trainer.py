@@ -23,6 +23,12 @@ checkpoint's "model" hold the adapters only (`adapter_payload`). The adapters' d
 training when train.lora.dropout > 0 (allowed with algorithm.tis_cap only: on-policy the ratio is
 then not 1).
 
+Precision (`TrainerSettings.precision`, model.dtype resolved; backends/local/precision.py):
+"bfloat16" keeps float32 master parameters, gradients and AdamW moments (and checkpoints them)
+and runs every forward (and so its backward) on bfloat16 casts of them (`_logprobs`); a frozen
+LoRA base and the KL reference are held in bfloat16. "bfloat16-pure" casts everything to
+bfloat16. On CUDA AdamW is fused and float32 matmuls use TF32.
+
 Devices: the policy (and reference) model live on the trainer's device (`device`; default: where
 the model already is); a micro-batch, collated on the CPU, is moved there once, whole, at the start
 of its `train_step`. Exported weights stay on that device (an in-process sampler copies them onto
@@ -62,6 +68,7 @@ from relayrl.algorithms.losses import MAX_LOG_RATIO, LossConfig, deferred_policy
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.gpumem import step_peak_gb
 from relayrl.backends.local.logprobs import token_logprobs
+from relayrl.backends.local.precision import Precision, cuda_precision_settings, in_compute_dtype, optimizer_options
 from relayrl.backends.local.streams import enter_stream, handoff, receive, worker_stream
 from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
@@ -88,6 +95,10 @@ class TrainerSettings:
     lora_dropout: float = 0.0  # a LoRA model's adapter dropout, kept on in training (train.lora.dropout)
     ppo_epochs: int = 1  # passes over a step's data (train.ppo_epochs)
     minibatches_per_step: int = 1  # optimizer updates per pass (train.minibatches_per_step)
+    # model.dtype resolved (relayrl.backends.local.precision): "float32" trains the model in the
+    # dtype it comes in; "bfloat16" casts it to float32 master weights and computes on bfloat16
+    # casts of them; "bfloat16-pure" casts it to bfloat16
+    precision: str = "float32"
 
     @property
     def several_updates(self) -> bool:
@@ -181,26 +192,41 @@ class TrainerCompute:
             raise ValueError(
                 f"train.ppo_epochs and train.minibatches_per_step must be >= 1, got {settings.ppo_epochs}, {settings.minibatches_per_step}"
             )
+        precision = Precision.of(settings.precision)
+        if precision.name != "float32":  # the master weights' dtype (float32 keeps the model's own)
+            torch.nn.Module.to(model, precision.master)
+            with torch.no_grad():  # frozen (a LoRA base): no master copy needed, held in the compute dtype
+                for p in model.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(precision.compute)
+            if ref_model is not None:  # frozen: held in the compute dtype, as the samplers' copies
+                torch.nn.Module.to(ref_model, precision.compute)
         if device is not None:  # before the optimizer is made: its parameters are the ones on the device
             torch.nn.Module.to(model, device)  # (transformers' own `to` types badly)
             if ref_model is not None:
                 torch.nn.Module.to(ref_model, device)
+        self.settings = settings  # (before wrap_model: a sharded compute's mixed precision policy reads it)
+        self.precision = precision
         self.model = disable_dropout(model).train()  # train mode, but log-probs as the samplers' eval mode gives
         if self._adapters and settings.lora_dropout > 0:
             restore_adapter_dropout(model, settings.lora_dropout)
         self.ref_model = disable_dropout(ref_model).eval() if ref_model is not None else None
         self.wrap_model(self.model)  # before the optimizer is made: it holds the wrapped parameters
         self.device: torch.device = model.device
+        cuda_precision_settings(self.device)  # TF32 for float32 matmuls on CUDA
+        # bfloat16 compute over float32 master weights: parameter casts here (a sharded
+        # compute's FSDP2 policy casts instead)
+        self._cast_to: torch.dtype | None = precision.compute if precision.mixed and self.casts_params else None
         # what computes the log-probs: a peft model's wrapped model (its adapters injected; the
         # packed forward needs the plain causal LM's base model and head)
         self._net: PreTrainedModel = peft_base(model) if self._adapters else model
-        self.settings = settings
         self.version = 0
         self._optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=settings.learning_rate,
             weight_decay=settings.weight_decay,
             betas=settings.betas,
+            **optimizer_options(self.device),  # (fused on CUDA)
         )
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
         self._stats = _StepStats()  # the step's first pass (today's figures)
@@ -213,6 +239,7 @@ class TrainerCompute:
 
     # -- hooks a sharded compute (backends/local/ranks.py) overrides --------------------------
     world_size = 1  # processes that train a step together (each a part of its micro-batches)
+    casts_params = True  # mixed precision ("bfloat16") by in_compute_dtype; False: wrap_model's (FSDP2)
 
     def wrap_model(self, model: PreTrainedModel) -> None:
         """Wrap the policy in place before the optimizer is made. Default: nothing (one process)."""
@@ -299,8 +326,17 @@ class TrainerCompute:
             proximal = self._accumulate(tb, batch, self._stats)[0]
         else:
             with torch.no_grad():
-                proximal, _ = token_logprobs(self._net, batch, self.settings.temperature)
+                proximal, _ = self._logprobs(self._net, batch)
         self._kept.append(_Kept(tb, proximal.detach()))
+
+    def _logprobs(self, model: PreTrainedModel, batch: PackedBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_logprobs` of `model` in the compute dtype ("bfloat16": on bfloat16 casts of the
+        float32 master parameters; the log-probs themselves are float32); the backward of a loss
+        on them runs in it too."""
+        t = self.settings.temperature
+        if entropy_grad:
+            return in_compute_dtype(model, self._cast_to, lambda m: token_logprobs(m, batch, t, entropy_grad=True))
+        return in_compute_dtype(model, self._cast_to, lambda m: token_logprobs(m, batch, t))
 
     def _on_device(self, tb: TrainBatch) -> PackedBatch:
         batch = tb.payload
@@ -317,17 +353,14 @@ class TrainerCompute:
         proximal policy's log-probs when it is no longer the current one (an update after the
         step's first). Returns the current log-probs, detached, and the loss."""
         cfg = self.settings.loss
-        if cfg.entropy_coef > 0:  # an entropy bonus: the entropy with its gradient
-            logp, entropy = token_logprobs(self._net, batch, self.settings.temperature, entropy_grad=True)
-        else:
-            logp, entropy = token_logprobs(self._net, batch, self.settings.temperature)
+        logp, entropy = self._logprobs(self._net, batch, entropy_grad=cfg.entropy_coef > 0)  # (a bonus: with its gradient)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(self.ref_model, batch, self.settings.temperature)
+                ref, _ = self._logprobs(self.ref_model, batch)
         elif self._adapters and cfg.kl_beta > 0:  # the reference: the base model, adapters off
             with torch.no_grad(), self.model.disable_adapter():
-                ref, _ = token_logprobs(self._net, batch, self.settings.temperature)
+                ref, _ = self._logprobs(self._net, batch)
         deferred = deferred_policy_loss(
             logp,
             batch.old_logprobs,
