@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from relayrl.algorithms.losses import LossConfig, policy_loss
+from relayrl.algorithms.losses import LossConfig, deferred_policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.generation import SamplingParams, pick_tokens
 from relayrl.backends.local.logprobs import token_logprobs
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.torch
 VOCAB = 64
 META = torch.device("meta")
 # what a value read on meta says (a sanctioned sync), and what a device mix says (a defect)
-VALUE_READ = ("meta tensors", "on meta", "data-dependent", "meta device")
+VALUE_READ = ("meta tensors", "on meta", "data-dependent", "meta device", "out of meta tensor")
 MIXED = "not on the expected device"
 
 
@@ -69,12 +69,19 @@ def test_a_cpu_tensor_mixed_in_raises() -> None:
         token_logprobs(_model(), mixed)
 
 
-def test_the_policy_loss_runs_on_meta_up_to_a_value_read() -> None:
+def test_the_policy_loss_runs_on_meta_up_to_its_one_value_read() -> None:
+    """The trainer's loss (deferred_policy_loss) and its backward run on meta without reading a
+    value; its one host read is `fetch()`, which meta refuses."""
     model, batch = _model(), _batch().to(META)
-    logp, _ = token_logprobs(model, batch)
-    for cfg in (LossConfig(), LossConfig(kl_beta=0.1), LossConfig(aggregation="seq_mean_token_mean")):
-        try:
-            out = policy_loss(
+    # per-sequence aggregation still checks its sequence index on the host (a sanctioned read)
+    for cfg, reads_early in (
+        (LossConfig(), False),
+        (LossConfig(kl_beta=0.1), False),
+        (LossConfig(aggregation="seq_mean_token_mean"), True),
+    ):
+        logp, _ = token_logprobs(model, batch)
+        with pytest.raises((RuntimeError, NotImplementedError)) as info:  # the value read: meta has none
+            deferred = deferred_policy_loss(
                 logp,
                 batch.old_logprobs,
                 batch.advantages,
@@ -85,12 +92,13 @@ def test_the_policy_loss_runs_on_meta_up_to_a_value_read() -> None:
                 num_seqs_in_step=4.0,
                 ref_logprobs=logp.detach() if cfg.kl_beta > 0 else None,
             )
-        except (RuntimeError, NotImplementedError) as exc:  # a host sync reads a value: meta has none
-            message = str(exc)
-            assert MIXED not in message and "cpu" not in message.lower(), message
-            assert any(s in message for s in VALUE_READ), message
-        else:
-            assert out.loss.device == META
+            assert not reads_early, "per-sequence aggregation read no value before fetch()"
+            assert deferred.loss.device == META and deferred.values.device == META
+            deferred.loss.backward()
+            deferred.fetch()
+        message = str(info.value)
+        assert MIXED not in message and "cpu" not in message.lower(), message
+        assert any(s in message for s in VALUE_READ), message
 
 
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(greedy=True)]

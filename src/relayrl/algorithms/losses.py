@@ -457,8 +457,8 @@ def deferred_policy_loss(
             diff.sum() / denom,
             diff.max() if diff.numel() else zero,
             torch.where(any_tokens, torch.where(mask, r, zero).sum() / denom, one),
-            torch.where(any_tokens, torch.where(mask, r, torch.full_like(r, torch.inf)).min(), one),
-            torch.where(any_tokens, torch.where(mask, r, torch.full_like(r, -torch.inf)).max(), one),
+            torch.where(any_tokens, torch.where(mask, r, torch.full_like(r, torch.inf)).min(), one) if r.numel() else one,
+            torch.where(any_tokens, torch.where(mask, r, torch.full_like(r, -torch.inf)).max(), one) if r.numel() else one,
         ]
         s_ratio = None if seq_log_ratio is None else torch.exp(seq_log_ratio)
         optional: list[torch.Tensor | None] = [
