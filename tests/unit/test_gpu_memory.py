@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config
 
 from relayrl.backends.local.build import compute, gpu_preflight
+from relayrl.bench.gpu_check import QWEN2_05B
 from relayrl.config.schema import Config, ConfigError, load_config
 from relayrl.config.sizing import GiB, Placement, activation_bytes, model_shape, plan_gpu_memory, precision_bytes
 from support.fakecuda import pretend_cuda
@@ -39,16 +40,7 @@ def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen05b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("qwen05b")
-    Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    ).save_pretrained(directory)
+    Qwen2Config(**QWEN2_05B).save_pretrained(directory)
     return directory
 
 

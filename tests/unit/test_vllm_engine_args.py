@@ -20,6 +20,7 @@ from relayrl.backends.local.build import gpu_preflight
 from relayrl.backends.vllm.build import VllmSamplerFactory, engine_settings
 from relayrl.backends.vllm.engine import visible_devices
 from relayrl.backends.vllm.sampler import VllmSampler
+from relayrl.bench.gpu_check import QWEN2_05B
 from relayrl.config.schema import Config, ConfigError, load_config
 from relayrl.config.sizing import GPU_HEADROOM
 from support.fakecuda import GiB, pretend_cuda
@@ -69,16 +70,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
 def qwen_half_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2.5-0.5B-shaped config.json (no weights: the stub engine loads nothing)."""
     directory = tmp_path_factory.mktemp("qwen05")
-    Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    ).save_pretrained(directory)
+    Qwen2Config(**QWEN2_05B).save_pretrained(directory)
     return directory
 
 
