@@ -28,31 +28,10 @@ from relayrl.backends.vllm.engine import EngineSettings
 from relayrl.backends.vllm.sampler import VllmSampler, remove_stale_weight_files, weights_dir
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.types import SampleRequest, Weights
+from support.vllmoutputs import FakeLogprob, FakeOutput, FakeSample
 
 MiB = 2**20
 _Usage = namedtuple("_Usage", "total used free")
-
-
-@dataclass
-class _Sample:
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, Any]]
-    text: str = ""
-    finish_reason: str = "stop"
-
-
-@dataclass
-class _Output:
-    request_id: str
-    outputs: list[_Sample]
-    finished: bool = True
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class _Logprob:
-    logprob: float
 
 
 @dataclass
@@ -64,11 +43,11 @@ class FakeEngine:
     done: int = 0
     files: list[tuple[str, bool]] = field(default_factory=list)  # (path, existed when loaded)
 
-    async def generate(self, prompt: dict[str, list[int]], params: Any, request_id: str) -> AsyncIterator[_Output]:
+    async def generate(self, prompt: dict[str, list[int]], params: Any, request_id: str) -> AsyncIterator[FakeOutput]:
         self.started += 1
         await self.release.wait()
         self.done += 1
-        yield _Output(request_id, [_Sample(i, [1], [{1: _Logprob(-1.0)}]) for i in range(params.n)])
+        yield FakeOutput(request_id, [FakeSample(i, [1], [{1: FakeLogprob(-1.0)}]) for i in range(params.n)])
 
     async def collective_rpc(self, method: str, args: tuple[str, ...]) -> list[dict[str, float]]:
         self.files.append((args[0], os.path.exists(args[0])))

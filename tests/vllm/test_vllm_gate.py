@@ -17,28 +17,7 @@ from relayrl.backends.vllm.engine import EngineSettings
 from relayrl.backends.vllm.sampler import VllmSampler
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 from relayrl.types import SampleRequest, Weights
-
-
-@dataclass
-class _Logprob:
-    logprob: float
-
-
-@dataclass
-class _Sample:
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, _Logprob]]
-    text: str = ""
-    finish_reason: str = "stop"
-
-
-@dataclass
-class _Output:
-    request_id: str
-    outputs: list[_Sample]
-    finished: bool = True
-    num_cached_tokens: int = 0
+from support.vllmoutputs import FakeLogprob, FakeOutput, FakeSample
 
 
 @dataclass
@@ -50,12 +29,12 @@ class FakeEngine:
     started: int = 0
     log: list[str] = field(default_factory=list)
 
-    async def generate(self, prompt: dict[str, list[int]], params: Any, request_id: str) -> AsyncIterator[_Output]:
+    async def generate(self, prompt: dict[str, list[int]], params: Any, request_id: str) -> AsyncIterator[FakeOutput]:
         self.started += 1
         version = self.loaded
         await self.release.wait()
         self.log.append(f"generate v{version}")
-        yield _Output(request_id, [_Sample(i, [version], [{version: _Logprob(-1.0)}]) for i in range(params.n)])
+        yield FakeOutput(request_id, [FakeSample(i, [version], [{version: FakeLogprob(-1.0)}]) for i in range(params.n)])
 
     async def collective_rpc(self, method: str, args: tuple[str, ...]) -> list[dict[str, float]]:
         self.loaded += 1
