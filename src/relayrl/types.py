@@ -389,6 +389,7 @@ class StepRecord:
     train_time: float = 0.0
     optim_time: float = 0.0  # the step's optim_step call (all its optimizer updates)
     loop_lag_max_ms: float = 0.0
+    sampler_gpu_mem_peak_gb: float | None = None  # the samplers' largest peak GPU memory this step (where measured)
     metrics_fetch_time: float = 0.0
     trainer_metrics: dict[str, float] = field(default_factory=dict)
     commit_time: float = 0.0  # run clock, seconds

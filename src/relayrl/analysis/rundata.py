@@ -335,10 +335,15 @@ def key_figures(data: RunData) -> list[KeyFigure]:
     add("reward_last", "last reward (mean)", "reward_mean_last", reward(-1))
     add("filtered_groups", "filtered groups", None, filtered)
 
-    def gpu_peak() -> tuple[float | int | None, str]:
-        peaks = [p for p in (finite(r.get("train/gpu_mem_peak_gb")) for r in rows) if p is not None]
-        return (max(peaks), "metrics.jsonl (max of train/gpu_mem_peak_gb)") if peaks else (None, "")
+    def gpu_peak(key: str) -> Callable[[], tuple[float | int | None, str]]:
+        def figure() -> tuple[float | int | None, str]:
+            peaks = [p for p in (finite(r.get(key)) for r in rows) if p is not None]
+            return (max(peaks), f"metrics.jsonl (max of {key})") if peaks else (None, "")
 
-    if any("train/gpu_mem_peak_gb" in r for r in rows):  # (a CUDA trainer: absent on the CPU)
-        add("train_gpu_mem_peak_gb", "trainer peak GPU memory", None, gpu_peak, lambda v: f"{v:.3g} GiB")
+        return figure
+
+    # (CUDA workers: absent on the CPU)
+    for key, name, label in (("train/gpu_mem_peak_gb", "train", "trainer"), ("rollout/gpu_mem_peak_gb", "rollout", "samplers'")):
+        if any(key in r for r in rows):
+            add(f"{name}_gpu_mem_peak_gb", f"{label} peak GPU memory", None, gpu_peak(key), lambda v: f"{v:.3g} GiB")
     return figures

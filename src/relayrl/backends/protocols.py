@@ -100,6 +100,12 @@ class Sampler(Protocol):
         """Release the worker. Default: nothing to release."""
         return None
 
+    def gpu_mem_peak_gb(self) -> float | None:
+        """Peak allocated GPU memory (GiB) of this worker since the last call, the peak then reset;
+        None where it is not measured (the CPU, a GPU the trainer's own counter covers, a remote
+        worker). Called once per step, on the event loop: it must not block. Default: None."""
+        return None
+
 
 class GreedyEngine(Protocol):
     """The worker a held-out evaluation runs on (e.g. a sampler replica kept out of rollouts)."""

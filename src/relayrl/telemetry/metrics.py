@@ -59,6 +59,7 @@ def reduce_step(record: StepRecord) -> Metrics:
         # tokens the trainer did not compute because completions shared their prompt's copy
         "prompt_sharing_saving": 1.0 - real / unshared if unshared else 0.0,
         "loop_lag_max_ms": record.loop_lag_max_ms,
+        **({} if record.sampler_gpu_mem_peak_gb is None else {"rollout/gpu_mem_peak_gb": record.sampler_gpu_mem_peak_gb}),
     }
     episodes = [t for t in trajs if t.turns]
     if episodes:  # multi-turn: per episode

@@ -173,9 +173,11 @@ def make_sampler(
     threads: int,
     device: torch.device = _CPU,
     dtype: torch.dtype | None = None,
+    own_gpu: bool = False,
 ) -> LocalSampler:
     """Sampler replica `replica` on a frozen copy of `model` on `device` in `dtype` (the compute
-    dtype; None: the model's), and its own tokenizer copy."""
+    dtype; None: the model's), and its own tokenizer copy. `own_gpu`: no trainer of this process
+    computes on `device` (the sampler then reports its GPU memory peak)."""
     cuda_precision_settings(device)
     return LocalSampler(
         _frozen_copy(model, device, dtype),
@@ -187,7 +189,18 @@ def make_sampler(
         nice=cfg.rollout.sampler_nice,
         max_session_bytes=cfg.rollout.episode_cache_mb * 2**20,
         interruptible=cfg.rollout.interrupts,
+        own_gpu=own_gpu,
     )
+
+
+def owns_gpu(cfg: Config, device: torch.device) -> bool:
+    """Whether a sampler on `device` in the driver's process reports its own GPU memory peak: its
+    device is CUDA and no one-process trainer here computes on it (one allocator counts per
+    device: the trainer's `train/gpu_mem_peak_gb` covers both then). On Ray each worker is an
+    actor of its own, which the driver does not ask."""
+    if device.type != "cuda" or cfg.ray.enabled:
+        return False
+    return cfg.train.world_size > 1 or device != resolve_device(cfg.train.device, "train.device")
 
 
 def make_trainer(
@@ -395,7 +408,7 @@ class SamplerFactory(_Factory):
     def __call__(self) -> LocalSampler:
         model, tokenizer, device = self.placed()
         replica, threads = self.args
-        return make_sampler(self.cfg, model, tokenizer, replica, threads, device, self.precision().compute)
+        return make_sampler(self.cfg, model, tokenizer, replica, threads, device, self.precision().compute, owns_gpu(self.cfg, device))
 
 
 class TrainerFactory(_Factory):

@@ -69,6 +69,7 @@ from relayrl.backends.local.generation import (
     sample,
     sample_turns,
 )
+from relayrl.backends.local.gpumem import step_peak_gb
 from relayrl.backends.local.streams import enter_stream, receive, worker_stream
 from relayrl.backends.protocols import Sampler
 from relayrl.models.lora import AdapterMerger, is_adapter_payload
@@ -381,7 +382,9 @@ class LocalSampler(Sampler):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_session_bytes: int | None = None,
         interruptible: bool = False,
+        own_gpu: bool = False,
     ) -> None:
+        self._own_gpu = own_gpu  # its CUDA device is used by no trainer in this process (its peak is its own)
         self.compute = SamplerCompute(
             model,
             tokenizer,
@@ -406,6 +409,12 @@ class LocalSampler(Sampler):
     @property
     def interruptible(self) -> bool:
         return self._load_host is not None
+
+    def gpu_mem_peak_gb(self) -> float | None:
+        """Its CUDA device's peak allocated GiB since the last call (reset then), when no trainer
+        in this process uses that device (one allocator counts per device: a sampler sharing the
+        trainer's GPU is counted in train/gpu_mem_peak_gb)."""
+        return step_peak_gb(self.compute.model.device) if self._own_gpu else None
 
     @property
     def params(self) -> SamplingParams:

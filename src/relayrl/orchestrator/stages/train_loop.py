@@ -118,6 +118,7 @@ class CommitFigures:
 
     weight_sync_time: float
     loop_lag_max_ms: float
+    sampler_gpu_mem_peak_gb: float | None = None  # the largest sampler replica's, where measured
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -374,6 +375,7 @@ class TrainLoop:
             figures = self._commit_figures()
             record.weight_sync_time = figures.weight_sync_time
             record.loop_lag_max_ms = figures.loop_lag_max_ms
+            record.sampler_gpu_mem_peak_gb = figures.sampler_gpu_mem_peak_gb
             self._on_commit(record)
             self.records.append(record)
             await self._end_of_step(record)
