@@ -655,6 +655,23 @@ def _print_interruptible(figures: dict[str, object]) -> None:
     )
 
 
+@bench_app.command("plan")
+def bench_plan(
+    steps: int = typer.Option(30, help="Steps of every real run (source and targets)."),
+    seeds: int = typer.Option(2, help="Predicted runs per configuration."),
+    change: Annotated[list[str] | None, typer.Option("--change", help="Only these changes (labels of the table).")] = None,
+    ray: bool = typer.Option(False, "--ray", help="Source and targets on Ray actors (a local cluster)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """`relayrl plan` checked: calibrated from one default-recipe torch run, predict runs changing
+    one thing each, run them, print predicted vs measured (targets: samples/s within 15%, trainer
+    busy within 5 points)."""
+    from relayrl.plan.bench import bench_text, run_plan_bench
+
+    figures = _bench(lambda: run_plan_bench(steps=steps, seeds=seeds, changes=change, ray=ray), as_json)
+    out.print(bench_text(figures), end="", markup=False)
+
+
 @bench_app.command("soak")
 def bench_soak(
     steps: int = typer.Option(2000, help="Steps of the long sim run (at least 20)."),

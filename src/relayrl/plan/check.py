@@ -5,18 +5,19 @@ which B's report (`relayrl report`) shows."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
-from relayrl.plan.predict import FIGURES
-
 CHECK_FILE = "plan-check.json"
+# the figures a prediction gives, under summary.json's names where it has them
+FIGURES = ("samples_per_s", "trainer_busy_fraction", "step_time_s", "staleness_mean", "sync_round_s")
 
 # how each figure's error is given: relative (share of the measured value) or absolute (points
 # of a fraction, or staleness versions)
 RELATIVE = {"samples_per_s", "step_time_s", "sync_round_s"}
 
 
-def errors(predicted: dict[str, object], measured: dict[str, object]) -> dict[str, dict[str, float | str | None]]:
+def errors(predicted: Mapping[str, object], measured: Mapping[str, object]) -> dict[str, dict[str, float | str | None]]:
     """Per figure: predicted mean, measured, the error and its kind ("relative" or "absolute")."""
     out: dict[str, dict[str, float | str | None]] = {}
     for name in FIGURES:

@@ -19,13 +19,11 @@ from pathlib import Path
 
 from relayrl.config.schema import Config, load_config
 from relayrl.errors import UserError
+from relayrl.plan.check import FIGURES
 from relayrl.plan.fit import PlanModel
 from relayrl.plan.resources import devices_for
 from relayrl.plan.source import SourceRun, measured_figures, read_source
 from relayrl.plan.workers import PlanSampler, PlanTrainer
-
-# the figures a prediction gives, under summary.json's names where it has them
-FIGURES = ("samples_per_s", "trainer_busy_fraction", "step_time_s", "staleness_mean", "sync_round_s")
 
 
 def target_config(source_dir: Path, sets: Sequence[str]) -> Config:
