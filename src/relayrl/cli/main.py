@@ -661,6 +661,7 @@ def bench_plan(
     seeds: int = typer.Option(2, help="Predicted runs per configuration."),
     change: Annotated[list[str] | None, typer.Option("--change", help="Only these changes (labels of the table).")] = None,
     ray: bool = typer.Option(False, "--ray", help="Source and targets on Ray actors (a local cluster)."),
+    keep: Annotated[Path | None, typer.Option("--keep", help="Keep the real runs in this folder (default: a temporary one).")] = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """`relayrl plan` checked: calibrated from one default-recipe torch run, predict runs changing
@@ -668,7 +669,7 @@ def bench_plan(
     busy within 5 points)."""
     from relayrl.plan.bench import bench_text, run_plan_bench
 
-    figures = _bench(lambda: run_plan_bench(steps=steps, seeds=seeds, changes=change, ray=ray), as_json)
+    figures = _bench(lambda: run_plan_bench(steps=steps, seeds=seeds, changes=change, ray=ray, keep=keep), as_json)
     out.print(bench_text(figures), end="", markup=False)
 
 

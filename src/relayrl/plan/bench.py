@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from relayrl.config.schema import load_config
+from relayrl.errors import UserError
 from relayrl.plan.check import errors
 from relayrl.plan.fit import fit_model
 from relayrl.plan.predict import predict
@@ -41,12 +42,18 @@ def _real_run(sets: list[str], steps: int, root: Path, name: str, ray: bool) -> 
     return root / name
 
 
-def run_plan_bench(steps: int = 30, seeds: int = 2, changes: list[str] | None = None, ray: bool = False) -> dict[str, object]:
-    """Figures: {"source": measured, "runs": {label: {"predicted", "measured", "errors", "ok"}}}."""
+def run_plan_bench(
+    steps: int = 30, seeds: int = 2, changes: list[str] | None = None, ray: bool = False, keep: Path | None = None
+) -> dict[str, object]:
+    """Figures: {"source": measured, "runs": {label: {"predicted", "measured", "errors", "ok"}}};
+    `keep`: write the real runs there (source, run0, ...) instead of a temporary directory."""
+    unknown = sorted(set(changes or []) - set(CHANGES))
+    if unknown:
+        raise UserError(f"--change {unknown[0]!r}: not one of {', '.join(repr(k) for k in CHANGES)}")
     picked = {k: v for k, v in CHANGES.items() if changes is None or k in changes}
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="relayrl-bench-plan-") as tmp:
-        root = Path(tmp)
+        root = Path(keep) if keep is not None else Path(tmp)
         source = read_source(_real_run([], steps, root, "source", ray))
         model = fit_model(source)
         out["source"] = dict(measured_figures(source))

@@ -10,9 +10,10 @@ metrics (docs/design.md, "Planning a run"):
   measured micro-batches are all about one size (relative spread under 20%), the intercept cannot
   be told from the slope, and the cost is taken as proportional to the tokens (base_s = 0);
 - the device contention factor (relayrl.plan.resources) jointly with the two above, by least
-  squares on log durations;
+  absolute error on log durations;
 - optim_step, get_metrics, the sync round (`load_s`), checkpoint, packing and each bookkeeping
-  part: the median of their spans (optim_step divided by its measured slowdown);
+  part: the lower quartile of their spans (optim_step divided by its measured slowdown): a span
+  also holds the event loop's latency, which the planned run adds again;
 - warm-up: how much a worker's first call exceeded the model (torch's first-call costs);
 - fixed_s: the run's time outside training (start-up and held-out evaluation before the first
   generate call, the final evaluation after the last update);
@@ -182,12 +183,24 @@ def _check_numbers(m: PlanModel) -> None:
 
 
 def _linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) >= 0 by least squares; proportional (intercept 0) when the xs hardly vary."""
+    """(intercept, slope) >= 0 by least squares refitted without the outliers (residuals beyond 3
+    median absolute residuals: a shared machine's stalls); proportional (intercept 0, the median
+    ratio) when the xs hardly vary."""
+    base, slope = _least_squares(xs, ys)
+    residuals = [abs(y - base - slope * x) for x, y in zip(xs, ys)]
+    bound = 3 * statistics.median(residuals) if residuals else 0.0
+    kept = [(x, y) for x, y, r in zip(xs, ys, residuals) if r <= bound]
+    if bound > 0 and 3 <= len(kept) < len(xs):
+        return _least_squares([x for x, _ in kept], [y for _, y in kept])
+    return base, slope
+
+
+def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     mean_x = statistics.fmean(xs)
     spread = statistics.pstdev(xs) / mean_x if mean_x > 0 else 0.0
-    if spread < NARROW or len(xs) < 3:
-        sxx = sum(x * x for x in xs)
-        return 0.0, (sum(x * y for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0)
+    if spread < NARROW or len(xs) < 3:  # proportional: the median ratio (robust to outliers)
+        ratios = [y / x for x, y in zip(xs, ys) if x > 0]
+        return 0.0, (statistics.median(ratios) if ratios else 0.0)
     mean_y = statistics.fmean(ys)
     sxx = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
@@ -234,6 +247,14 @@ def _histogram(values: Sequence[float], digits: int | None = None) -> dict[str, 
 
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def _quartile(values: Sequence[float]) -> float:
+    """The lower quartile: a fixed-cost call's device time. Each span also holds the event loop's
+    wake-up latency, which the planned run (the real orchestrator on this machine) adds again."""
+    if len(values) < 4:
+        return min(values, default=0.0)
+    return statistics.quantiles(values, n=4)[0]
 
 
 def fit_model(run: SourceRun) -> PlanModel:
@@ -297,10 +318,12 @@ def fit_model(run: SourceRun) -> PlanModel:
         cost.warmup_s = max(cost.warmup_s, call.dur / (1 + kappa * call.load) - cost.cost(call.size))
 
     def alone(name: str, worker: str = "trainer") -> float:
-        return _median([s.dur / (1 + kappa * load_on(worker, s.start, s.end)) for s in spans if s.lane == trainer_lane and s.name == name])
+        return _quartile(
+            [s.dur / (1 + kappa * load_on(worker, s.start, s.end)) for s in spans if s.lane == trainer_lane and s.name == name]
+        )
 
     def med(name: str) -> float:
-        return _median([s.dur for s in spans if s.name == name])
+        return _quartile([s.dur for s in spans if s.name == name])
 
     diag: dict[str, dict[str, float]] = {}
     for kind, cost in (("generate", gen), ("train_step", train)):

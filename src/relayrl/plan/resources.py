@@ -58,7 +58,8 @@ def fit_contention(
     """The contention factor that best explains measured durations: `samples` are (measured
     seconds, load: other workers busy on the device, time-averaged); `alone(c)` returns each
     sample's fitted alone-cost given the factor c (the caller refits its cost model for each c).
-    Least squares on log durations over `grid`; 0 when no sample ever overlapped another."""
+    Least absolute error on log durations over `grid` (robust to a shared machine's outliers and
+    to slow early calls); 0 when no sample ever overlapped another."""
     if not samples or max(load for _, load in samples) < 0.05:
         return 0.0
     import math
@@ -69,7 +70,7 @@ def fit_contention(
         err = 0.0
         for (dur, load), cost in zip(samples, costs):
             if dur > 0 and cost > 0:
-                err += (math.log(dur) - math.log(cost * (1 + c * load))) ** 2
+                err += abs(math.log(dur) - math.log(cost * (1 + c * load)))
         if err < best_err - 1e-12:
             best, best_err = c, err
     return best
