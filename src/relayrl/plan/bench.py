@@ -22,6 +22,8 @@ from relayrl.recipes import default_recipe
 
 # one change at a time from the default recipe (num_samplers 1, max_staleness 1, 32 groups of 16)
 CHANGES: dict[str, list[str]] = {
+    # the source's own config measured again: how far the machine's noise alone moves the figures
+    "none (source again)": [],
     "num_samplers 1->2": ["rollout.num_samplers=2"],
     "max_staleness 1->0": ["rollout.max_staleness=0"],
     "max_staleness 1->2": ["rollout.max_staleness=2"],
@@ -62,12 +64,23 @@ def run_plan_bench(
         for i, (label, sets) in enumerate(picked.items()):
             target = load_config(source.run_dir / "config.toml", sets)
             predicted = predict(target, model, seeds).as_dict()
-            measured = dict(measured_figures(read_source(_real_run(sets, steps, root, f"run{i}", ray))))
+            target_run = read_source(_real_run(sets, steps, root, f"run{i}", ray))
+            measured = dict(measured_figures(target_run))
             errs = errors(predicted, measured)
+            # which part is wrong: the target's own fit against the source's (never fed back into
+            # the prediction): a trainer or sampler that ran faster or slower than when the source
+            # was measured (a shared machine) moves samples/s without any fault in the model
+            own = fit_model(target_run)
+            drift = {
+                "train": own.train_step.cost(2000) / model.train_step.cost(2000) if model.train_step.cost(2000) > 0 else None,
+                "generate": own.generate.cost(512 * own.tokens_per_sequence) / model.generate.cost(512 * model.tokens_per_sequence)
+                if model.generate.cost(512 * model.tokens_per_sequence) > 0
+                else None,
+            }
             rate, busy = errs["samples_per_s"]["error"], errs["trainer_busy_fraction"]["error"]
             ok = isinstance(rate, float) and isinstance(busy, float) and abs(rate) <= TARGETS["samples_per_s"]
             ok = ok and isinstance(busy, float) and abs(busy) <= TARGETS["trainer_busy_fraction"]
-            runs[label] = {"sets": sets, "predicted": predicted, "measured": measured, "errors": errs, "ok": ok}
+            runs[label] = {"sets": sets, "predicted": predicted, "measured": measured, "errors": errs, "ok": ok, "drift": drift}
         out["runs"] = runs
     return out
 
@@ -79,7 +92,8 @@ def bench_text(figures: dict[str, object]) -> str:
     assert isinstance(src, dict) and isinstance(runs, dict)
     lines = [
         f"source (default recipe, measured): {src['samples_per_s']:.1f} samples/s, trainer busy {src['trainer_busy_fraction']:.1%}",
-        f"{'change':<24}{'samples/s pred':>15}{'meas':>9}{'err':>8}   {'busy pred':>9}{'meas':>8}{'err':>10}   target",
+        f"{'change':<24}{'samples/s pred':>15}{'meas':>9}{'err':>8}   {'busy pred':>9}{'meas':>8}{'err':>10}   target"
+        "   its own fit / source's: train, generate",
     ]
     for label, r in runs.items():
         e = r["errors"]
@@ -92,6 +106,10 @@ def bench_text(figures: dict[str, object]) -> str:
             f"{label:<24}{num(rate['predicted'], '.1f'):>15}{num(rate['measured'], '.1f'):>9}{num(rate['error'], '+.1%'):>8}   "
             f"{num(busy['predicted'], '.1%'):>9}{num(busy['measured'], '.1%'):>8}"
             f"{(num(busy['error'] * 100, '+.1f') + ' pt') if isinstance(busy['error'], float) else '-':>10}   "
-            f"{'ok' if r['ok'] else 'MISSED'}"
+            f"{'ok' if r['ok'] else 'MISSED':<6}   {num(r['drift']['train'], '.2f'):>5}, {num(r['drift']['generate'], '.2f')}"
         )
+    lines.append(
+        "(own fit / source's: the target run's trainer and sampler costs, fitted from its own trace, over the source's;"
+        " far from 1 = the machine ran at another speed than when the source was measured)"
+    )
     return "\n".join(lines) + "\n"
