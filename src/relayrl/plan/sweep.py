@@ -80,7 +80,9 @@ def draw_sweep(key: str, rows: Sequence[tuple[str, dict[str, object]]], path: Pa
     rate, rate_err = series("samples_per_s", 1)
     rate_ax.errorbar(xs, rate, yerr=rate_err, color="#1f77b4", marker="s", capsize=3, label="samples/s (predicted)")
     rate_ax.set_ylabel("samples/s")
-    rate_ax.set_ylim(bottom=0)
+    src_rate = measured.get("samples_per_s") if measured else None
+    top = max([r + e for r, e in zip(rate, rate_err[1]) if r == r] + [float(src_rate) if isinstance(src_rate, int | float) else 0.0])
+    rate_ax.set_ylim(0, top * 1.15 if top > 0 else 1)
     if measured is not None and labels is None:
         src = measured.get("value")
         if isinstance(src, int | float):
@@ -90,6 +92,8 @@ def draw_sweep(key: str, rows: Sequence[tuple[str, dict[str, object]]], path: Pa
                 rate_ax.plot([src], [r], marker="*", markersize=12, color="#1f77b4", linestyle="none", label="samples/s (source run)")
     if labels is not None:
         ax.set_xticks(xs, labels)
+    elif all(x == int(x) for x in xs):
+        ax.set_xticks(xs)
     ax.set_title(f"Planned: trainer busy and samples/s against {key}", fontsize=11, loc="left")
     ax.set_xlabel(key)
     ax.grid(True, alpha=0.3)
