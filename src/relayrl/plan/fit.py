@@ -14,7 +14,8 @@ metrics (docs/design.md, "Planning a run"):
 - optim_step, get_metrics, the sync round (`load_s`), checkpoint, packing and each bookkeeping
   part: the lower quartile of their spans (optim_step divided by its measured slowdown): a span
   also holds the event loop's latency, which the planned run adds again;
-- warm-up: how much a worker's first call exceeded the model (torch's first-call costs);
+- warm-up: how much a worker's first call exceeded the model (torch's first-call costs), plus,
+  for the trainer, what its outlying calls took beyond the model (torch's slow first steps);
 - fixed_s: the run's time outside training (start-up and held-out evaluation before the first
   generate call, the final evaluation after the last update);
 - completion lengths and per-prompt success rates as measured distributions (histograms): a
@@ -184,8 +185,9 @@ def _check_numbers(m: PlanModel) -> None:
 
 def _linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """(intercept, slope) >= 0 by least squares refitted without the outliers (residuals beyond 3
-    median absolute residuals: a shared machine's stalls); proportional (intercept 0, the median
-    ratio) when the xs hardly vary."""
+    median absolute residuals: a shared machine's stalls, torch's slow first steps); proportional
+    (intercept 0, the mean ratio without outliers) when the xs hardly vary. Means, not medians:
+    the planned run adds the calls' times up."""
     base, slope = _least_squares(xs, ys)
     residuals = [abs(y - base - slope * x) for x, y in zip(xs, ys)]
     bound = 3 * statistics.median(residuals) if residuals else 0.0
@@ -198,9 +200,13 @@ def _linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     mean_x = statistics.fmean(xs)
     spread = statistics.pstdev(xs) / mean_x if mean_x > 0 else 0.0
-    if spread < NARROW or len(xs) < 3:  # proportional: the median ratio (robust to outliers)
+    if spread < NARROW or len(xs) < 3:  # proportional: the mean ratio, outliers left out
         ratios = [y / x for x, y in zip(xs, ys) if x > 0]
-        return 0.0, (statistics.median(ratios) if ratios else 0.0)
+        if not ratios:
+            return 0.0, 0.0
+        mid = statistics.median(ratios)
+        bound = 3 * statistics.median(abs(r - mid) for r in ratios)
+        return 0.0, statistics.fmean([r for r in ratios if abs(r - mid) <= bound] or ratios)
     mean_y = statistics.fmean(ys)
     sxx = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
@@ -316,6 +322,7 @@ def fit_model(run: SourceRun) -> PlanModel:
     for call in warm:
         cost = gen if call.kind == "generate" else train
         cost.warmup_s = max(cost.warmup_s, call.dur / (1 + kappa * call.load) - cost.cost(call.size))
+    train.warmup_s += _stalls([k for k in calls if k.kind == "train_step"], train, kappa)
 
     def alone(name: str, worker: str = "trainer") -> float:
         return _quartile(
@@ -355,6 +362,17 @@ def fit_model(run: SourceRun) -> PlanModel:
         success_rates=_histogram(successes, 2),
         fit=diag,
     )
+
+
+def _stalls(calls: Sequence[_Call], cost: LinearCost, kappa: float) -> float:
+    """Seconds the trainer's outlying calls (beyond 3 median absolute residuals of the fit, the
+    ones the fit left out) took beyond the model: torch's slow first steps on the source. Charged
+    once, to the planned trainer's first call, so the planned run's wall time holds them too."""
+    residuals = [k.dur / (1 + kappa * k.load) - cost.cost(k.size) for k in calls]
+    if not residuals:
+        return 0.0
+    bound = 3 * statistics.median(abs(r) for r in residuals)
+    return sum(r for r in residuals if r > bound > 0)
 
 
 def _success_rates(rows: list[dict[str, object]]) -> list[float]:
