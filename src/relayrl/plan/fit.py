@@ -272,7 +272,7 @@ def fit_model(run: SourceRun) -> PlanModel:
     devices = {"trainer": device_name(cfg.train.device), **{name: device_name(cfg.rollout.device) for name in sampler_lanes.values()}}
     busy: dict[str, list[tuple[float, float]]] = {}  # plain worker name → its busy intervals
     for s in spans:
-        if s.lane == trainer_lane and s.name in ("train_step", "optim_step") and not s.args.get("ahead"):
+        if s.lane == trainer_lane and s.name in ("train_step", "optim_step") and not (s.args.get("ahead") and s.lane == "trainer"):
             busy.setdefault("trainer", []).append((s.start, s.end))
         elif s.lane in sampler_lanes and s.name == "generate":
             busy.setdefault(sampler_lanes[s.lane], []).append((s.start, s.end))
@@ -292,14 +292,21 @@ def fit_model(run: SourceRun) -> PlanModel:
     first_train = _first_per_lane(spans, {trainer_lane}, "train_step")
     calls: list[_Call] = []
     warm: list[_Call] = []
+    # a micro-batch's tokens are on the orchestrator's trainer lane; on Ray the actor's span (the
+    # work itself, a queued-ahead one included) carries only its step and micro-batch
+    tokens = {
+        (s.args.get("step"), s.args.get("microbatch")): s.args.get("tokens")
+        for s in spans
+        if s.lane == "trainer" and s.name == "train_step"
+    }
     for i, s in enumerate(spans):
-        size = s.args.get("n") if s.name == "generate" else s.args.get("tokens")
+        size = s.args.get("n") if s.name == "generate" else s.args.get("tokens", tokens.get((s.args.get("step"), s.args.get("microbatch"))))
         if not isinstance(size, int) or isinstance(size, bool):
             continue
         if s.lane in sampler_lanes and s.name == "generate":
             call = _Call("generate", size * groups * tokens_per_sequence, s.dur, load_on(sampler_lanes[s.lane], s.start, s.end))
             (warm if i in first_gen else calls).append(call)
-        elif s.lane == trainer_lane and s.name == "train_step" and not s.args.get("ahead"):
+        elif s.lane == trainer_lane and s.name == "train_step" and not (s.args.get("ahead") and s.lane == "trainer"):
             call = _Call("train_step", float(size), s.dur, load_on("trainer", s.start, s.end))
             (warm if i in first_train else calls).append(call)
     if not any(c.kind == "train_step" for c in calls) or not any(c.kind == "generate" for c in calls):
