@@ -46,6 +46,7 @@ from relayrl.analysis.rundata import (
     read_trajectories,
 )
 from relayrl.analysis.runlist import RUN_FILES, is_run_dir, list_runs, run_figures
+from relayrl.plan.check import check_html, read_check
 from relayrl.rundir.jsonl import write_text_atomic
 
 __all__ = [
@@ -94,5 +95,9 @@ def write_report(run_dir: Path) -> Path:
     figures = key_figures(data)
     plots = render_plots(data, run_dir / REPORT_DIR)
     out = run_dir / REPORT_HTML
-    write_text_atomic(out, render_html(data, figures, plots))  # a reader never sees a half-written report
+    html = render_html(data, figures, plots)
+    checked = read_check(run_dir)  # planned from another run (relayrl plan --check): the prediction beside the figures
+    if checked is not None and "</body>" in html:
+        html = html.replace("</body>", check_html(checked) + "</body>", 1)
+    write_text_atomic(out, html)  # a reader never sees a half-written report
     return out

@@ -335,6 +335,57 @@ def runs(root: Annotated[Path, typer.Argument(help="Folder holding run directori
     out.print(table)
 
 
+@app.command("plan")
+def plan(
+    run_dirs: Annotated[list[Path], typer.Argument(help="RUN_DIR (the measured run); with --check: RUN_A RUN_B.")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Change a key of the planned run: section.key=value (repeatable).")
+    ] = None,
+    sweep: Annotated[str | None, typer.Option("--sweep", help="KEY=V1,V2,...: a prediction per value, a table and plan-sweep.png.")] = None,
+    scale: Annotated[
+        list[str] | None, typer.Option("--scale", help="WORK=FACTOR: train, generate, sync, checkpoint, host, metrics.")
+    ] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Predict RUN_B from RUN_A; print the errors; write RUN_B/plan-check.json.")
+    ] = False,
+    seeds: Annotated[int, typer.Option("--seeds", help="Predicted runs per configuration.")] = 3,
+    steps: Annotated[int | None, typer.Option("--steps", help="Steps of each predicted run (default: the config's run.steps).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="An (edited) plan-model.json to use instead of fitting.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Where plan-model.json and plan-sweep.png go (default: RUN_DIR).")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Predict a run from a measured one (docs/design.md, "Planning a run")."""
+    from relayrl.plan.command import PlanOptions, check_text, plan_check, plan_sweep, plan_text
+    from relayrl.plan.command import plan as run_plan
+
+    if len(run_dirs) != (2 if check else 1):
+        _fail("give RUN_A RUN_B with --check" if check else "give one RUN_DIR (two only with --check)")
+    opts = PlanOptions(list(set_ or []), list(scale or []), seeds, steps, model, out_dir)
+    try:
+        if check:
+            result = plan_check(run_dirs[0], run_dirs[1], opts)
+        elif sweep is not None:
+            result = plan_sweep(run_dirs[0], sweep, opts)
+        else:
+            result = run_plan(run_dirs[0], opts)
+    except (UserError, OSError) as exc:  # a missing or foreign run directory, a bad key, --scale or model file
+        _fail(_one_line(exc))
+    if as_json:
+        print(json.dumps(result))
+        return
+    if check:
+        out.print(f"{run_dirs[1]} predicted from {run_dirs[0]}:", markup=False)
+        out.print(check_text(result), end="", markup=False)
+        out.print(f"wrote {result['check_file']}", markup=False)
+    elif sweep is not None:
+        out.print(str(result["table"]), end="", markup=False)
+        out.print(f"wrote {result['png']}", markup=False)
+    else:
+        out.print(plan_text(result), end="", markup=False)
+    if result.get("model_file"):
+        out.print(f"model: {result['model_file']}", markup=False)
+
+
 @app.command("export")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a local-backend run with checkpoints.")],
@@ -676,6 +727,24 @@ def _print_interruptible(figures: dict[str, object]) -> None:
         "  the workload's bound with the orchestration free, a trajectory's staleness its oldest token's: "
         + ", ".join(f"{b:.1%} at max_staleness {t}" for t, b in bounds.items())
     )
+
+
+@bench_app.command("plan")
+def bench_plan(
+    steps: int = typer.Option(30, help="Steps of every real run (source and targets)."),
+    seeds: int = typer.Option(2, help="Predicted runs per configuration."),
+    change: Annotated[list[str] | None, typer.Option("--change", help="Only these changes (labels of the table).")] = None,
+    ray: bool = typer.Option(False, "--ray", help="Source and targets on Ray actors (a local cluster)."),
+    keep: Annotated[Path | None, typer.Option("--keep", help="Keep the real runs in this folder (default: a temporary one).")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """`relayrl plan` checked: calibrated from one default-recipe torch run, predict runs changing
+    one thing each, run them, print predicted vs measured (targets: samples/s within 15%, trainer
+    busy within 5 points)."""
+    from relayrl.plan.bench import bench_text, run_plan_bench
+
+    figures = _bench(lambda: run_plan_bench(steps=steps, seeds=seeds, changes=change, ray=ray, keep=keep), as_json)
+    out.print(bench_text(figures), end="", markup=False)
 
 
 @bench_app.command("soak")
