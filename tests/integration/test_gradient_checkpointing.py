@@ -15,7 +15,7 @@ from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local import build
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
 from relayrl.bench.trainer import _steps
-from relayrl.config.schema import load_config
+from relayrl.config.schema import ConfigError, load_config
 from relayrl.models.checkpointing import enable_gradient_checkpointing, is_checkpointing
 from support.modelutil import random_qwen2
 from support.sharded import named
@@ -47,6 +47,20 @@ def test_off_by_default_and_enabled_by_the_key() -> None:
     assert is_checkpointing(on.model)  # type: ignore[union-attr]
     lora = load_config(None, ["run.backend=local", "train.gradient_checkpointing=true", "train.lora.r=4"])
     assert is_checkpointing(build.make_trainer(lora, random_qwen2(VOCAB), 1).model)  # type: ignore[union-attr]
+
+
+def test_one_process_with_bf16_compute_on_fp32_masters_is_refused_in_one_line() -> None:
+    """The one-process trainer casts its float32 masters to bfloat16 for the forward only: a layer
+    recomputed in the backward would compute in float32 (torch's checkpoint then fails at step 1),
+    so the combination is refused naming the keys; float32 and bfloat16-pure still checkpoint."""
+    cfg = load_config(None, ["run.backend=local", "train.gradient_checkpointing=true", "model.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"train.gradient_checkpointing = true with model.dtype = 'bfloat16'") as info:
+        build.make_trainer(cfg, random_qwen2(VOCAB), 1)
+    assert "\n" not in str(info.value)
+    pure = load_config(None, ["run.backend=local", "train.gradient_checkpointing=true", "model.dtype=bfloat16-pure"])
+    model = random_qwen2(VOCAB)
+    torch.nn.Module.to(model, torch.bfloat16)
+    assert is_checkpointing(build.make_trainer(pure, model, 1).model)  # type: ignore[union-attr]
 
 
 def test_each_rank_is_told_to_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -447,6 +447,9 @@ def test_mask_form_is_chosen_per_device() -> None:
     assert attention.mask_form("sdpa", cuda) == "block"
     assert attention.mask_form("flex_attention", cpu) == "block"
     assert attention.mask_form("eager", cuda) == "float"
+    # checkpointed layers recompute with sdpa in the backward, and deterministic runs avoid flex: a boolean mask
+    assert attention.mask_form("sdpa", cuda, switch_allowed=False) == "bool"
+    assert attention.mask_form("flex_attention", cuda, switch_allowed=False) == "block"
 
 
 @pytest.mark.slow

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from relayrl.models.checkpointing import is_checkpointing
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -73,11 +75,14 @@ def prefix_tree_block_mask(segment_ids: torch.Tensor, branch_ids: torch.Tensor) 
     return create_block_mask(mask_mod, rows, None, length, length, device=segment_ids.device)
 
 
-def mask_form(attn_implementation: str | None, device: torch.device) -> MaskForm:
+def mask_form(attn_implementation: str | None, device: torch.device, *, switch_allowed: bool = True) -> MaskForm:
     """The form of mask a model with this attention implementation takes on `device`: a block
-    mask for flex_attention, and for sdpa on CUDA (run as flex_attention, see `packed_attention`);
-    an additive one for eager; a boolean one otherwise (sdpa on the CPU)."""
-    if attn_implementation == "flex_attention" or (attn_implementation == "sdpa" and device.type == "cuda"):
+    mask for flex_attention, and for sdpa on CUDA (run as flex_attention, see `packed_attention`)
+    when `switch_allowed`; an additive one for eager; a boolean one otherwise (sdpa on the CPU).
+    Not `switch_allowed` (the model recomputes layers in its backward pass, which would run them
+    with sdpa again, or deterministic algorithms are on, for which flex attention's backward is
+    not known to be deterministic): sdpa keeps a boolean mask on CUDA too."""
+    if attn_implementation == "flex_attention" or (attn_implementation == "sdpa" and device.type == "cuda" and switch_allowed):
         return "block"
     if attn_implementation == "eager":
         return "float"
@@ -107,7 +112,10 @@ def packed_attention(model: object, segment_ids: torch.Tensor, branch_ids: torch
     backward, which reuses the saved attention) must run inside the block."""
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    form = mask_form(implementation if isinstance(implementation, str) else None, segment_ids.device)
+    name = implementation if isinstance(implementation, str) else None
+    form = mask_form(name, segment_ids.device)
+    if form == "block" and name != "flex_attention" and (torch.are_deterministic_algorithms_enabled() or is_checkpointing(model)):
+        form = mask_form(name, segment_ids.device, switch_allowed=False)
     if form == "block":
         block = prefix_tree_block_mask(segment_ids, branch_ids)
         with _attention_implementation(config, "flex_attention"):

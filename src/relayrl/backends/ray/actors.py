@@ -241,6 +241,9 @@ class _TrainerActor:
         weights: Weights = await self._worker.export_weights()
         exported = self._exported
         if exported is None or exported.version != weights.version:
+            ready = weights.ready  # (CUDA) recorded on the trainer's stream after the snapshot's copies were queued
+            if ready is not None:  # this thread's stream would copy them out before they are written
+                await asyncio.to_thread(ready.synchronize)  # type: ignore[attr-defined]
             exported = Weights(version=weights.version, payload=ray.put(encode(weights.payload)))
             self._exported = exported  # the previous version's object is freed once no sampler holds it
         return exported
