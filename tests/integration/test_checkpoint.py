@@ -608,3 +608,16 @@ def test_checkpoint_every_s_checkpoints_by_time_between_the_step_cadence(tmp_pat
     off = sim_config(f"run.output_dir={tmp_path}", "run.name=u", *sets, "orchestrator.checkpoint_every_s=0")
     run_checked(build_program(off, run_dir=tmp_path / "u"))
     assert [p.name for p in complete_checkpoints(tmp_path / "u" / CHECKPOINTS)] == ["step-000012"]
+
+
+def test_a_resume_removes_a_checkpoint_left_half_written(tmp_path: Path) -> None:
+    """A stop past its bound (or a kill) while a checkpoint was being written leaves its hidden
+    staging directory; the resume removes it, never reads it."""
+    cfg = sim_config(f"run.output_dir={tmp_path}", "run.name=r", "run.steps=4", "orchestrator.checkpoint_every=2")
+    with pytest.raises(Stopped):
+        asyncio.run(build_program(cfg, [StopAt(3)], run_dir=tmp_path / "r").run())
+    staging = tmp_path / "r" / CHECKPOINTS / ".step-000003.partial"
+    staging.mkdir()
+    (staging / "trainer.pt").write_bytes(b"half")
+    result = run_checked(build_program(cfg, run_dir=tmp_path / "r", resume=True))
+    assert result.summary["resumed_from_step"] == 2 and not staging.exists()

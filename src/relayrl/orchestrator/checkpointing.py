@@ -4,7 +4,7 @@ and the rewind of the run directory are rundir/checkpoint.py's.)
 
 A checkpoint is due at the commit of every `orchestrator.checkpoint_every`-th step, of the
 last step, of the first step to commit once `orchestrator.checkpoint_every_s` seconds have passed
-since the run started or its last checkpoint was due, and — when a stop is asked for (a signal,
+since the run started or the last checkpoint due by time, and — when a stop is asked for (a signal,
 see cli/signals.py: `stop`) — of the last step that committed, without waiting for the step in
 flight; never without a run directory, nor with `checkpoint_every = 0`. Steps are numbered from 1,
 so step N's checkpoint is `checkpoints/step-N/`, holding version N. Its state is taken at that
@@ -149,10 +149,6 @@ class Checkpointer:
         self._jobs = jobs
         self._seal = seal
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._every)
-
     def due(self, step: int) -> bool:
         """Whether the commit of `step` (numbered from 1: `step` steps done) takes a checkpoint.
         Stable for a step once it committed (the bookkeeping thread asks again)."""
@@ -262,6 +258,9 @@ class Checkpointer:
             full = _disk_full(exc, staging)
             if full is not None:
                 raise CheckpointWriteError(step, final, written, full) from exc
+            raise
+        except BaseException:  # cancelled (a stop past its bound): what is there goes now (what the
+            await asyncio.to_thread(shutil.rmtree, staging, True)  # writer thread adds later, at the resume: rewind_run_dir)
             raise
         self._written = max(self._written, step)
         self._tracer.complete("orchestrator", "checkpoint", start, self._tracer.now(), step=step)

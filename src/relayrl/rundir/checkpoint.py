@@ -192,7 +192,10 @@ def rewind_run_dir(run_dir: Path, point: ResumePoint) -> None:
     rewritten without the later ones: rundir/trajfiles.py), evaluations of later versions, the
     old summary; keep the old trace as `trace.part-K.json`. Each file is replaced atomically. `point.evals`
     becomes every evaluation of a version ≤ point.step (those that landed after the checkpoint
-    was taken included). Idempotent: a kill during the rewind leaves it to be done again."""
+    was taken included). A checkpoint left half-written (its staging directory: a run stopped or
+    killed while writing one) is removed. Idempotent: a kill during the rewind leaves it to be done again."""
+    for staging in (run_dir / CHECKPOINTS).glob(".step-*.partial"):
+        shutil.rmtree(staging, ignore_errors=True)
     _rewind_metrics(run_dir / "metrics.jsonl", point)
     evals = run_dir / "evals.jsonl"
     by_version = {int(e["version"]): e for e in point.evals}  # type: ignore[call-overload]
