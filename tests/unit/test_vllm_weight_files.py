@@ -167,13 +167,15 @@ def test_files_of_processes_that_are_gone_are_removed(tmp_path: Path) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     stale = tmp_path / f"relayrl-vllm-p{gone.pid}-0-abc.safetensors"
+    fresh = tmp_path / f"relayrl-vllm-p{gone.pid}-1-abd.safetensors"  # (e.g. another container's live run: kept)
     mine = tmp_path / f"relayrl-vllm-p{os.getpid()}-0-def.safetensors"
     old_unowned = tmp_path / "relayrl-vllm-0-ghi.safetensors"  # an older relayrl's name: no owner
     new_unowned = tmp_path / "relayrl-vllm-1-jkl.safetensors"
     other = tmp_path / "something-else.safetensors"
-    for f in (stale, mine, old_unowned, new_unowned, other):
+    for f in (stale, fresh, mine, old_unowned, new_unowned, other):
         f.write_bytes(b"x")
-    os.utime(old_unowned, (time.time() - 7200, time.time() - 7200))
+    for f in (stale, mine, old_unowned):
+        os.utime(f, (time.time() - 7200, time.time() - 7200))
     removed = remove_stale_weight_files([str(tmp_path)])
     assert sorted(removed) == sorted([str(stale), str(old_unowned)])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (mine, new_unowned, other))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (fresh, mine, new_unowned, other))

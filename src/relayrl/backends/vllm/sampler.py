@@ -70,6 +70,9 @@ SHM_SPARE_BYTES = 64 * 2**20  # left free in /dev/shm beside a weight file (othe
 FILE_PREFIX = "relayrl-vllm-"
 _OWNED = re.compile(r"relayrl-vllm-p(\d+)-")  # relayrl-vllm-p<pid>-<replica>-<random>.safetensors
 OWNERLESS_AGE_S = 3600.0  # a file without an owner pid (an older relayrl's) is stale after this long
+# a file whose owner pid is not alive here is stale only once this old: with --ipc=host, /dev/shm is
+# shared with other containers, whose live runs' pids this process cannot see (each version a fresh file)
+OWNED_STALE_AGE_S = 600.0
 _T = TypeVar("_T")
 
 
@@ -113,8 +116,10 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_weight_files(directories: Sequence[str] = (SHM, tempfile.gettempdir())) -> list[str]:
     """Remove the weight files (relayrl-vllm-*.safetensors) in `directories` whose owner process
-    is gone (a run that crashed, or was killed, before removing its file); a file naming no owner
-    (written by an older relayrl) when older than OWNERLESS_AGE_S. Returns the paths removed."""
+    is gone (a run that crashed, or was killed, before removing its file) and that are older than
+    OWNED_STALE_AGE_S (another container's live run sharing /dev/shm looks gone from here); a file
+    naming no owner (written by an older relayrl) when older than OWNERLESS_AGE_S. Returns the
+    paths removed."""
     removed = []
     now = time.time()
     for directory in dict.fromkeys(directories):
@@ -126,7 +131,8 @@ def remove_stale_weight_files(directories: Sequence[str] = (SHM, tempfile.gettem
             path = os.path.join(directory, name)
             owner = _OWNED.match(name)
             try:
-                stale = not _alive(int(owner.group(1))) if owner else now - os.path.getmtime(path) > OWNERLESS_AGE_S
+                age = now - os.path.getmtime(path)
+                stale = (age > OWNED_STALE_AGE_S and not _alive(int(owner.group(1)))) if owner else age > OWNERLESS_AGE_S
                 if stale:
                     os.unlink(path)
                     removed.append(path)
