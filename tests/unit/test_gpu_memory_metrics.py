@@ -1,7 +1,7 @@
 """GPU memory in telemetry: the trainer's step metrics carry its peak allocated CUDA memory
 (`gpu_mem_peak_gb`, so metrics.jsonl's `train/gpu_mem_peak_gb`), read and reset once per step;
 a sampler replica on a GPU of its own reports its peak once per step (`rollout/gpu_mem_peak_gb`,
-the largest replica's); absent on the CPU; and `relayrl report` shows each run's maximum. A
+the largest of their GPUs' peaks); absent on the CPU; and `relayrl report` shows each run's maximum. A
 recorder stands in for torch.cuda's memory counters (no GPU here)."""
 
 from __future__ import annotations
