@@ -302,17 +302,23 @@ class ShardedTrainer(RankedTrainer):
         port = free_port()
         self._ids = itertools.count(1)
         self._ranks: list[_Rank] = []
-        for r in range(world_size):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(
-                target=rank_main,
-                args=(r, world_size, port, child, handed_model, settings, handed_ref, str(devices[r]), options),
-                name=f"relayrl-trainer-rank{r}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            self._ranks.append(_Rank(r, process, parent, heartbeat_timeout_s))
+        try:
+            for r in range(world_size):
+                parent, child = ctx.Pipe()
+                process = ctx.Process(
+                    target=rank_main,
+                    args=(r, world_size, port, child, handed_model, settings, handed_ref, str(devices[r]), options),
+                    name=f"relayrl-trainer-rank{r}",
+                    daemon=True,
+                )
+                process.start()
+                child.close()
+                self._ranks.append(_Rank(r, process, parent, heartbeat_timeout_s))
+        except BaseException:  # a rank that cannot start: the ones started and the spill directory go with it
+            for rank in self._ranks:
+                rank.process.kill()
+            remove_dir(self.shm.spill_dir)
+            raise
         self._ready = False
         self._closed = False
         self._startup_timeout_s = startup_timeout_s
