@@ -87,6 +87,39 @@ def test_ranks_that_load_the_model_themselves_send_versions_through_disk(monkeyp
     assert roomy.spill_dir is None and roomy.free_bytes is None  # no /dev/shm: not judged
 
 
+def test_a_rank_that_cannot_be_spawned_takes_the_started_ones_and_the_spill_directory_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    _shm_of(monkeypatch, 64 * MiB)
+    FakeProcess.started = []
+    killed: list[int] = []
+
+    class Refused(FakeProcess):
+        def start(self) -> None:
+            if FakeProcess.started:  # rank 1
+                raise OSError("cannot spawn")
+            super().start()
+
+        def kill(self) -> None:
+            killed.append(self.pid)
+
+    context = FakeContext()
+    context.Process = Refused
+    monkeypatch.setattr(sharded.mp, "get_context", lambda method: context)
+    spills: list[str | None] = []
+    real_plan = sharded.plan_shm
+
+    def plan(*args: Any, **kwargs: Any) -> Any:
+        made = real_plan(*args, **kwargs)
+        spills.append(made.spill_dir)
+        return made
+
+    monkeypatch.setattr(sharded, "plan_shm", plan)
+    cfg = load_config(None, ["run.backend=local", "train.world_size=2"])
+    with pytest.raises(OSError, match="cannot spawn"):
+        sharded.ShardedTrainer(_big_model(), _settings(), 2, source=RankModel(cfg, torch.float32), microbatch_bytes=microbatch_bytes(cfg))
+    assert len(killed) == 1  # rank 0, started, is ended
+    assert spills[0] is not None and not Path(spills[0]).exists()
+
+
 def test_spilled_weights_read_back_whole_and_the_file_removed(tmp_path: Path) -> None:
     payload = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
     sent = spill(Weights(version=7, payload=payload), str(tmp_path))
