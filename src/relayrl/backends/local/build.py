@@ -501,9 +501,9 @@ def gpu_preflight(cfg: Config, train: torch.device, evaluation: torch.device) ->
     where = Placement(trainer=index(train), samplers=samplers, evaluation=index(evaluation))
     if all(d is None for d in (where.trainer, where.evaluation, *where.samplers)):
         return None
-    from relayrl.backends.local.devices import Accelerators
-
-    return check_gpu_fits(cfg, model_dir(cfg), where, cuda_bf16=Accelerators.probe().bf16)
+    # "auto" counted as this run resolves it (bfloat16 only when every device here is a bf16 GPU)
+    auto_bf16 = resolve_model_precision("auto", [train, evaluation]).mixed
+    return check_gpu_fits(cfg, model_dir(cfg), where, cuda_bf16=auto_bf16)
 
 
 def sampler_factories(
