@@ -6,6 +6,7 @@ weights: the shape is read on the meta device) and no cluster (`connect` replace
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.bench.gpu_check import QWEN2_05B  # noqa: E402
 from relayrl.config.schema import ConfigError, RayConfig, load_config  # noqa: E402
 from relayrl.config.sizing import MB, MICROBATCH_BYTES_PER_POSITION  # noqa: E402
+from relayrl.models.loading import shipped_model_dir  # noqa: E402
+from support.cli import relayrl  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -32,6 +35,8 @@ def qwen_05b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     directory = tmp_path_factory.mktemp("qwen05b")
     Qwen2Config(**QWEN2_05B).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # (the CLI loads the tokenizer after the preflights)
+        shutil.copy(shipped_model_dir() / name, directory / name)
     return directory
 
 
@@ -68,6 +73,20 @@ def test_a_store_set_too_small_is_refused_naming_the_key_and_the_bytes(qwen_05b:
     assert message.startswith("ray.object_store_mb = 256 is too small") and "\n" not in message
     assert f"{need:,} bytes" in message and f"at least {-(-need // MB)}" in message
     assert connected == []  # refused before any cluster starts
+
+
+def test_the_cli_refuses_a_store_set_too_small_before_loading_anything(qwen_05b: Path, tmp_path: Path) -> None:
+    """The directory has no weights: a run that got as far as loading the model would fail otherwise."""
+    res = relayrl(
+        "train", "--ray", "--set", "run.backend=local", "--set", f"model.path={qwen_05b}", "--set", "ray.object_store_mb=256",
+        "--set", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ray.object_store_mb = 256 is too small"), res.stderr
+    assert f"2 weight versions of {_params() * 4:,} bytes" in lines[0]  # fp32 master weights, the tied embedding once
+    assert int(lines[0].rsplit("at least ", 1)[1].split()[0]) >= 2 * _params() * 4 / MB
+    assert not (tmp_path / "runs").exists() and "Ray cluster" not in res.stdout
 
 
 def test_the_default_store_is_sized_from_the_model(
