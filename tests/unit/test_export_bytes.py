@@ -49,3 +49,41 @@ def test_the_export_holds_each_distinct_parameter_once(which: str) -> None:
     assert unique_bytes(payload) == nbytes
     tied = payload["lm_head.weight"].data_ptr() == payload["model.embed_tokens.weight"].data_ptr()
     assert tied == (which == "shipped tied")
+
+
+class _FileEngine:
+    """A stand-in vLLM engine that reads the weight file it is asked to load (names, bytes)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.nbytes = 0
+
+    async def collective_rpc(self, method: str, args: tuple[str, ...]) -> list[dict[str, float]]:
+        from safetensors import safe_open
+
+        with safe_open(args[0], framework="pt") as f:
+            self.names = list(f.keys())
+            self.nbytes = sum(f.get_tensor(n).nbytes for n in self.names)
+        return [{"seconds": 0.0}]
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return True
+
+
+def test_the_vllm_weight_file_holds_a_tied_weight_once() -> None:
+    """safetensors refuses tensors that share memory: the sampler writes one name of a tied pair
+    (vLLM ties the head to the embedding itself), so the file's bytes are the unique bytes."""
+    import asyncio
+
+    from relayrl.backends.vllm.engine import EngineSettings
+    from relayrl.backends.vllm.sampler import VllmSampler
+    from relayrl.types import Weights
+
+    model = load_model_and_tokenizer(shipped_model_dir())[0]
+    count, nbytes = _unique_parameters(model)
+    weights = _trainer(model).export()
+    engine = _FileEngine()
+    sampler = VllmSampler(EngineSettings(model=str(shipped_model_dir())), temperature=1.0, max_new_tokens=4, engine=engine)
+    asyncio.run(sampler.load_weights(Weights(version=1, payload=weights.payload)))
+    assert "lm_head.weight" not in engine.names and "model.embed_tokens.weight" in engine.names
+    assert len(engine.names) == count and engine.nbytes == nbytes
