@@ -44,6 +44,8 @@ def test_two_ranks_train_what_one_process_trains(tmp_path: Path) -> None:
             assert isinstance(start, dict)
             for name, value in single.model.state_dict().items():
                 torch.testing.assert_close(start[name], value, rtol=0, atol=0)
+            # gathered per name, a tied weight is still sent once (issue 31 §1: export bytes = unique bytes)
+            assert start["lm_head.weight"].data_ptr() == start["model.embed_tokens.weight"].data_ptr()
             return await train_steps(sharded, steps), await train_steps(single, steps)
         finally:
             await sharded.close()

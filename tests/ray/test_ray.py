@@ -240,6 +240,24 @@ def test_tensors_cross_as_numpy_arrays_and_come_back_equal() -> None:
     assert encode(None) is None and encode({}) == {} and encode([1, 2]) == [1, 2]
 
 
+def test_a_tied_weight_crosses_once_and_stays_tied() -> None:
+    """A tied pair is one array on the wire (the bytes sent are the unique bytes) and one tensor
+    after `decode`, under both names, in the payload's order."""
+    import pickle
+
+    head = torch.randn(8, 4).to(torch.bfloat16)
+    weights = {"embed": head, "w": torch.randn(3, 4), "lm_head": head.detach()}
+    sent = encode(weights)
+    assert isinstance(sent, ArrayState) and sent.aliases == {"lm_head": "embed"}
+    buffers: list[pickle.PickleBuffer] = []
+    pickle.dumps(sent, protocol=5, buffer_callback=buffers.append)  # as Ray serialises it: arrays out of band
+    assert sum(memoryview(b).nbytes for b in buffers) == head.nbytes + weights["w"].nbytes
+    back = decode(sent)
+    assert isinstance(back, dict) and list(back) == list(weights)
+    assert back["lm_head"] is back["embed"] and back["embed"].dtype == torch.bfloat16 and torch.equal(back["embed"], head)
+    assert torch.equal(back["w"], weights["w"])
+
+
 def test_multiturn_episodes_on_ray_actors(cluster: RayCluster, tmp_path: Path) -> None:
     """Multi-turn episodes with sampler actors: each turn is one generate_turns call on the actor
     (its lane shows them), the environment steps on the driver, and the run passes the checker."""

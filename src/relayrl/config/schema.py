@@ -880,8 +880,12 @@ class RayConfig(_Section):
     of a running cluster to join ("auto", "host:6379"), which is left running."""
     num_cpus: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Local cluster only; 0 = all of this machine's."""
-    object_store_mb: int = Field(256, ge=64, json_schema_extra=RESUMABLE)
-    """Local cluster only: its object store's size."""
+    object_store_mb: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
+    """Local cluster only: its object store's size; 0 = sized from the model (at least 256). The
+    store must hold 2 weight versions (the parameter count, tied weights once, × 4 bytes, 2 with
+    model.dtype = "bfloat16-pure"; LoRA adapters: not counted) plus 2 micro-batches (train.row_tokens ×
+    train.rows_per_microbatch × 64 bytes): a smaller size (≥ 64 otherwise) is refused, and so is
+    a joined cluster (ray.address) whose smallest node store is smaller."""
     namespace: str = Field("relayrl", json_schema_extra=RESUMABLE)
     """The Ray namespace of the run's actors."""
     sampler_resources: dict[str, float] = Field(default_factory=dict, json_schema_extra=RESUMABLE)
@@ -894,6 +898,13 @@ class RayConfig(_Section):
     queue_ahead: bool = Field(True, json_schema_extra=RESUMABLE)
     """Send the next step's first micro-batch right behind optim_step, so the trainer actor starts
     it the moment the update ends (design rule 10); false: send it after the commit (a baseline)."""
+
+    @field_validator("object_store_mb")
+    @classmethod
+    def _store_size(cls, mb: int) -> int:
+        if 0 < mb < 64:
+            raise ValueError("must be 0 (sized from the model) or at least 64")
+        return mb
 
     @field_validator("sampler_resources", "trainer_resources")
     @classmethod

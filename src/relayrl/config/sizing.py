@@ -479,3 +479,86 @@ def check_lora(cfg: Config, model: object, budget: tuple[int, str] | None = None
             f"in each of rollout.num_samplers={cfg.rollout.num_samplers}), more than {what} ({budget_bytes / GB:,.1f} GB); "
             "lower train.lora.r or train.lora.target_modules (or raise orchestrator.max_host_memory_gb)"
         )
+
+
+# --- the Ray object store ------------------------------------------------------------------------
+
+DEFAULT_OBJECT_STORE_MB = 256  # ray.object_store_mb = 0 (sized from the model): at least this
+STORE_VERSIONS = 2  # weight versions the store holds at once (the one being read, the next one)
+STORE_MICROBATCHES = 2  # micro-batches in flight to the trainer actor (the one it trains, the one queued ahead)
+# a collated micro-batch (relayrl.backends.local.collate.PackedBatch) per laid-out position: four
+# int64 tensors over (rows, row_tokens) and at most one loss token per position (three int64, two float32)
+MICROBATCH_BYTES_PER_POSITION = 4 * 8 + 3 * 8 + 2 * 4
+
+
+@dataclass(frozen=True, slots=True)
+class StoreNeed:
+    """What the Ray object store must hold: STORE_VERSIONS weight versions of `version` bytes
+    (`params` parameters, tied weights once, `per_param` bytes each) and STORE_MICROBATCHES
+    micro-batches of `microbatch` bytes."""
+
+    params: int
+    per_param: int
+    version: int
+    microbatch: int
+
+    @property
+    def nbytes(self) -> int:
+        return STORE_VERSIONS * self.version + STORE_MICROBATCHES * self.microbatch
+
+    @property
+    def mb(self) -> int:
+        return -(-self.nbytes // MB)
+
+    def why(self) -> str:
+        return (
+            f"{self.nbytes:,} bytes ({self.mb:,} MB): {STORE_VERSIONS} weight versions of {self.version:,} bytes "
+            f"({self.params:,} parameters × {self.per_param} B) plus {STORE_MICROBATCHES} micro-batches of "
+            f"{self.microbatch:,} bytes (train.row_tokens × train.rows_per_microbatch × {MICROBATCH_BYTES_PER_POSITION} B)"
+        )
+
+
+def store_need(cfg: Config, model_dir: Path) -> StoreNeed | None:
+    """What a Ray run of the local backend puts in the object store at once (`StoreNeed`): a
+    version is the trainer's export, its master weights (fp32 unless model.dtype =
+    "bfloat16-pure"; with train.lora its adapters, counted as nothing beside the micro-batches).
+    None when the model's shape is unknown (no config.json: a GGUF file alone)."""
+    shape = model_shape(model_dir)
+    if shape is None:
+        return None
+    master, _ = precision_bytes(cfg.model.dtype, cuda_bf16=False)
+    params = 0 if cfg.train.lora is not None else shape.params
+    t = cfg.train
+    return StoreNeed(
+        params=params,
+        per_param=master,
+        version=params * master,
+        microbatch=t.row_tokens * t.rows_per_microbatch * MICROBATCH_BYTES_PER_POSITION,
+    )
+
+
+def object_store_mb(cfg: Config, need: StoreNeed | None) -> int:
+    """The object store size (MB) of the local cluster a run starts: ray.object_store_mb, or with
+    0 what `need` asks (at least DEFAULT_OBJECT_STORE_MB). A size set below `need` is refused
+    (ConfigError) naming the key and the bytes needed."""
+    mb = cfg.ray.object_store_mb
+    if mb == 0:
+        return max(DEFAULT_OBJECT_STORE_MB, need.mb if need is not None else 0)
+    if need is not None and mb * MB < need.nbytes:
+        raise ConfigError(
+            f"ray.object_store_mb = {mb} is too small: the Ray object store must hold {need.why()}; "
+            f"set ray.object_store_mb to at least {need.mb} (or 0: sized from the model)"
+        )
+    return mb
+
+
+def check_joined_store(need: StoreNeed | None, node_bytes: Sequence[float], address: str) -> None:
+    """A joined Ray cluster (ray.address): refused (ConfigError) when a node's object store
+    (`node_bytes`, each alive node's) cannot hold `need`."""
+    if need is None or not node_bytes or min(node_bytes) >= need.nbytes:
+        return
+    raise ConfigError(
+        f"ray.address = {address!r}: the Ray cluster's smallest object store is {int(min(node_bytes)):,} bytes, "
+        f"but it must hold {need.why()}; start its nodes with a larger --object-store-memory (ray.object_store_mb "
+        f"sizes only a cluster relayrl starts)"
+    )

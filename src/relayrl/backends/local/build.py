@@ -458,6 +458,10 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         rollout_device = greedy_device = resolve_device(cfg.rollout.device, "rollout.device")
         check_placement(cfg, train_device, rollout_device)
         precision = workers = resolve_model_precision(cfg.model.dtype, [train_device, rollout_device])
+    if cfg.ray.enabled and not cfg.ray.address:  # before anything loads: a Ray object store set too small exits 2
+        from relayrl.config.sizing import object_store_mb, store_need
+
+        object_store_mb(cfg, store_need(cfg, model_dir(cfg)))  # (sized there again when the cluster starts)
     # before anything loads too: a run whose GPU copies cannot fit exits 2 (config/sizing.py)
     gpu = gpu_preflight(cfg, train_device, rollout_device) if train_device is not None and rollout_device is not None else None
     # the driver's copy, in the master dtype: encoders, collator, prompt bound, greedy engine (a

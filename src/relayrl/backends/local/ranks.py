@@ -51,6 +51,7 @@ from relayrl.backends.local.shm import spill
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.lora import adapter_payload, peft_base
+from relayrl.models.sharing import retie
 from relayrl.types import TrainBatch, Weights
 
 #: In a checkpoint directory, beside the shards `torch.distributed.checkpoint` writes there (one
@@ -126,7 +127,8 @@ class ShardedCompute(TrainerCompute):
             adapters = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in adapter_payload(self.model).items()}
             return Weights(version=self.version, payload=adapters if self.rank == 0 else {})
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return Weights(version=self.version, payload=state if self.rank == 0 else {})
+        # gathered per name: a tied weight arrives twice, kept once (both names share it; the pipe keeps that)
+        return Weights(version=self.version, payload=retie(state, self.model) if self.rank == 0 else {})
 
     def train_step(self, tb: TrainBatch, abort: threading.Event | None = None) -> None:
         super().train_step(tb, abort)

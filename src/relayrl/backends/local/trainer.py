@@ -74,6 +74,7 @@ from relayrl.backends.protocols import Trainer
 from relayrl.errors import RunFailed
 from relayrl.models.loading import disable_dropout
 from relayrl.models.lora import adapter_payload, is_peft_model, load_adapter_payload, peft_base, restore_adapter_dropout
+from relayrl.models.sharing import clone_once
 from relayrl.threads import ThreadHost
 from relayrl.types import TrainBatch, Weights
 
@@ -518,8 +519,7 @@ class TrainerCompute:
         """The model's weights now, as the version it holds (with LoRA: its adapters only)."""
         if self._adapters:
             return Weights(version=self.version, payload=adapter_payload(self.model), ready=handoff(self.device))
-        with torch.no_grad():
-            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = clone_once(self.model.state_dict())  # a tied weight: one clone under both names
         return Weights(version=self.version, payload=state, ready=handoff(self.device))  # (CUDA: other threads wait for it)
 
 

@@ -47,6 +47,7 @@ from relayrl.backends.protocols import Sampler
 from relayrl.backends.ray.cluster import RayCluster, connect, say
 from relayrl.backends.registry import Compute
 from relayrl.config.schema import Config, ConfigError, is_cuda_spec
+from relayrl.config.sizing import StoreNeed, check_joined_store, object_store_mb, store_need
 
 READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster lacks) fail the build
 
@@ -158,15 +159,37 @@ def check_resources(
 def place_on_ray(cfg: Config, compute: Compute, evaluate: bool) -> Backend:
     """A `Backend` whose samplers and trainer are Ray actors built by `compute`'s factories;
     `evaluate`: build the greedy engine (in this process) for the held-out evaluation."""
-    cluster = connect(cfg.ray)
+    need = _store_need(cfg)
+    ray_cfg = cfg.ray
+    if not ray_cfg.address:  # a cluster this run starts: its object store sized, or a size too small refused
+        mb = object_store_mb(cfg, need)
+        if ray_cfg.object_store_mb == 0 and need is not None:
+            say(f"ray.object_store_mb = 0: an object store of {mb:,} MB, sized from the model (it must hold {need.why()})")
+        ray_cfg = ray_cfg.model_copy(update={"object_store_mb": mb})
+    cluster = connect(ray_cfg)
     actors: list[Any] = []
     cleanups: list[Callable[[], None]] = []  # before the cluster closes (the trainer's placement group)
     try:
+        if not cluster.owned:
+            import ray
+
+            stores = [float(n["Resources"].get("object_store_memory", 0.0)) for n in ray.nodes() if n.get("Alive")]
+            check_joined_store(need, stores, ray_cfg.address or cluster.address)
         return _place(cfg, compute, evaluate, cluster, actors, cleanups)
     except BaseException:
         _kill(actors)
         _close(cleanups, cluster)
         raise
+
+
+def _store_need(cfg: Config) -> StoreNeed | None:
+    """What the run puts in the object store at once (`relayrl.config.sizing.store_need`); None
+    for the sim (no model) or a model whose shape is unknown."""
+    if cfg.run.backend != "local":
+        return None
+    from relayrl.backends.local.build import model_dir
+
+    return store_need(cfg, model_dir(cfg))
 
 
 def _close(cleanups: list[Callable[[], None]], cluster: RayCluster) -> None:

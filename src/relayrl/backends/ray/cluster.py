@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relayrl.config.schema import RayConfig
+from relayrl.config.sizing import DEFAULT_OBJECT_STORE_MB
 from relayrl.exits import on_hard_exit
 
 # set before ray.init: no usage-stats reporting, no auth token written under the home directory
@@ -150,7 +151,7 @@ def connect(cfg: RayConfig) -> RayCluster:
         try:
             ray.init(
                 num_cpus=cfg.num_cpus or None,
-                object_store_memory=cfg.object_store_mb * 1024 * 1024,
+                object_store_memory=(cfg.object_store_mb or DEFAULT_OBJECT_STORE_MB) * 1024 * 1024,  # (0: place_on_ray sizes it)
                 include_dashboard=False,
                 namespace=cfg.namespace,
                 log_to_driver=False,
