@@ -6,7 +6,6 @@ naming the rank. One local cluster for the module."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
-from support.sharded import microbatch_steps, named, train_steps  # noqa: E402
+from support.sharded import assert_trained_alike, microbatch_steps, train_steps  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -68,9 +67,7 @@ def test_two_rank_actors_train_what_one_process_trains_and_a_dead_rank_is_named(
         for key in ("loss", "grad_norm", "tokens", "completion_tokens", "microbatches", "learning_rate"):
             assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (key, a, b)
     assert set(w2) == set(w1)
-    for name, value in w1.items():  # (a key bias: see tests/integration/test_sharded_trainer.py)
-        atol = 3 * 1e-3 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(w2[name], value, rtol=0, atol=atol, msg=functools.partial(named, name))
+    assert_trained_alike(w2, w1, lr=1e-3)
 
 
 def test_a_run_with_two_trainer_rank_actors_completes_and_passes_the_checker(cluster: RayCluster, tmp_path: Path) -> None:
