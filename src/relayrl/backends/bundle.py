@@ -38,6 +38,10 @@ class Backend:
     attach_tracer: Callable[[Tracer], None]
     host_work: HostWork | None = None  # the sim's simulated bookkeeping cost; None for real backends
     tokenizer: object | None = None  # the model's tokenizer, orchestrator-side (the agents' endpoint); None: sim
+    # the largest peak GPU memory (GiB) of the samplers in this process since the last call (each
+    # worker's `Sampler.gpu_mem_peak_gb`, asked by the host that built it: the orchestrator only
+    # awaits a worker's calls); None: none measured
+    sampler_gpu_peak: Callable[[], float | None] = lambda: None
 
     async def close(self) -> None:
         """Close every worker, even when some fail to close (a retired replica may be broken),

@@ -103,7 +103,8 @@ class Sampler(Protocol):
     def gpu_mem_peak_gb(self) -> float | None:
         """Peak allocated GPU memory (GiB) of this worker since the last call, the peak then reset;
         None where it is not measured (the CPU, a GPU the trainer's own counter covers, a remote
-        worker). Called once per step, on the event loop: it must not block. Default: None."""
+        worker). Asked once per step by the host that built the worker (`Backend.sampler_gpu_peak`),
+        on the event loop: it must not block. Default: None."""
         return None
 
 

@@ -21,9 +21,10 @@ A factory is called once, in the process that hosts its worker, before the run s
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from relayrl.backends.bundle import Backend
@@ -87,7 +88,15 @@ class Compute:
             startup=startup,
             cleanup=cleanup,
             attach_tracer=attach_tracer,
+            sampler_gpu_peak=functools.partial(largest_gpu_peak, list(samplers)),
         )
+
+
+def largest_gpu_peak(samplers: Sequence[Sampler]) -> float | None:
+    """The largest `gpu_mem_peak_gb` of `samplers` (each read and reset); None when none measures
+    one (the CPU, a GPU the trainer's counter covers, a remote worker)."""
+    peaks = [p for p in (s.gpu_mem_peak_gb() for s in samplers) if p is not None]
+    return max(peaks) if peaks else None
 
 
 # a host: (config, the kind's compute, whether the run evaluates) -> the backend, workers placed

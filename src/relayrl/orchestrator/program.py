@@ -291,11 +291,10 @@ class Program:
                 self.checkpointer.attach(jobs, seal=self.bookkeeper.seal_trajectories)
 
                 def commit_figures() -> CommitFigures:  # the train loop writes them into the step's record
-                    peaks = [p for p in (s.worker.gpu_mem_peak_gb() for s in self.replicas.slots) if p is not None]
                     return CommitFigures(
                         weight_sync_time=sync_times.drain(),
                         loop_lag_max_ms=lag.take_max_ms(),
-                        sampler_gpu_mem_peak_gb=max(peaks) if peaks else None,
+                        sampler_gpu_mem_peak_gb=backend.sampler_gpu_peak(),
                     )
 
                 def on_commit(record: StepRecord) -> None:
