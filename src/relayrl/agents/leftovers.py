@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.processes import alive
+
 __all__ = ["END_GRACE_S", "Leftovers"]
 
 #: how long processes left by agents get to end on SIGTERM before SIGKILL
@@ -71,16 +73,6 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie has ended: its parent just has not reaped it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return bool(fields) and fields[0] != "Z"
-
-
 @dataclass(slots=True)
 class Leftovers:
     """The threads and descendant processes there were before a run (see the module)."""
@@ -100,7 +92,7 @@ class Leftovers:
         deadline = time.monotonic() + SETTLE_S
         while processes and time.monotonic() < deadline:
             time.sleep(0.05)
-            processes = {pid: cmd for pid, cmd in processes.items() if _alive(pid)}
+            processes = {pid: cmd for pid, cmd in processes.items() if alive(pid)}
         return threads, processes
 
     def end(self, code: int | None) -> None:
@@ -113,9 +105,9 @@ class Leftovers:
         for pid in processes:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + END_GRACE_S
-        while time.monotonic() < deadline and any(_alive(pid) for pid in processes):
+        while time.monotonic() < deadline and any(alive(pid) for pid in processes):
             time.sleep(0.05)
-        killed = [pid for pid in processes if _alive(pid)]
+        killed = [pid for pid in processes if alive(pid)]
         for pid in killed:
             _signal(pid, signal.SIGKILL)
         parts = []

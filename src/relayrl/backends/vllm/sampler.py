@@ -60,6 +60,7 @@ from safetensors.torch import save_file
 from relayrl.abandoned import abandon
 from relayrl.backends.protocols import Sampler
 from relayrl.backends.vllm.engine import SHUTDOWN_TIMEOUT_S, EngineSettings, start_engine
+from relayrl.processes import alive
 from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
 
 __all__ = ["VllmSampler", "model_shapes", "remove_stale_weight_files", "request_seed", "weights_dir"]
@@ -104,16 +105,6 @@ def weights_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def remove_stale_weight_files(directories: Sequence[str] = (SHM, tempfile.gettempdir())) -> list[str]:
     """Remove the weight files (relayrl-vllm-*.safetensors) in `directories` whose owner process
     is gone (a run that crashed, or was killed, before removing its file) and that are older than
@@ -132,7 +123,7 @@ def remove_stale_weight_files(directories: Sequence[str] = (SHM, tempfile.gettem
             owner = _OWNED.match(name)
             try:
                 age = now - os.path.getmtime(path)
-                stale = (age > OWNED_STALE_AGE_S and not _alive(int(owner.group(1)))) if owner else age > OWNERLESS_AGE_S
+                stale = (age > OWNED_STALE_AGE_S and not alive(int(owner.group(1)))) if owner else age > OWNERLESS_AGE_S
                 if stale:
                     os.unlink(path)
                     removed.append(path)
