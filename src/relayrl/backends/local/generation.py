@@ -64,6 +64,7 @@ try:
 except ImportError:  # transformers < 4.56: no per-layer caches; DynamicCache is used as it is
     DynamicLayer = object  # type: ignore[misc,assignment]
 
+from relayrl.backends.local.attention import to_additive_mask
 from relayrl.backends.local.gate import WeightGate
 
 __all__ = [
@@ -300,8 +301,7 @@ def _step_mask(model: PreTrainedModel, attention: torch.Tensor, plain: bool) -> 
     keep = attention.bool()[:, None, None, :]
     if implementation == "sdpa":
         return keep
-    dtype = model.dtype
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+    return to_additive_mask(keep, model.dtype)
 
 
 def _check_finite(logprobs: Sequence[float], where: str) -> None:
