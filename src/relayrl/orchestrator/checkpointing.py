@@ -31,7 +31,6 @@ import asyncio
 import errno
 import os
 import shutil
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,7 +116,6 @@ class Checkpointer:
         tracer: Tracer,
         logged: LoggedSteps,
         state: RunState,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._run_dir = run_dir
         self._every = policy.every if run_dir is not None else 0
@@ -130,8 +128,9 @@ class Checkpointer:
         self._tracer = tracer
         self._logged = logged
         self._state = state
-        self._clock = clock
-        self._timed_from = clock()  # the run's start or its last time-based checkpoint's commit
+        # on the run's clock (RunState.elapsed: from the run's start, not counting model loading):
+        # its start, or the commit of its last time-based checkpoint
+        self._timed_from = state.elapsed_before_s
         self._timed: set[int] = set()  # steps due by orchestrator.checkpoint_every_s
         self._pending: dict[int, Callable[[], dict[str, object]]] = {}  # due, state taken, not yet written
         self._last: tuple[int, Callable[[], dict[str, object]]] | None = None  # the last commit: its step and state
@@ -195,7 +194,7 @@ class Checkpointer:
             return
         if self._on_stop is not None and self._stop_step is None:
             self._stop_step = step
-        now = self._clock()
+        now = self._state.elapsed()
         if self._every_s and now - self._timed_from >= self._every_s:
             self._timed.add(step)
             self._timed_from = now
