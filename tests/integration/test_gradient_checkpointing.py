@@ -1,7 +1,8 @@
 """train.gradient_checkpointing: off by default; on, the trainer's model recomputes its decoder
 layers' activations in the backward pass (each layer runs twice per micro-batch), and a step's
-loss and gradients equal the un-checkpointed step's (up to rounding), in one process and with
-LoRA; the sharded trainer's ranks enable it on their own copies."""
+loss and gradients equal the un-checkpointed step's (up to rounding), in one process, with LoRA
+and with bfloat16 compute on float32 masters; the sharded trainer's ranks enable it on their own
+copies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from relayrl.algorithms.losses import LossConfig
 from relayrl.backends.local import build
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
 from relayrl.bench.trainer import _steps
-from relayrl.config.schema import ConfigError, load_config
+from relayrl.config.schema import load_config
 from relayrl.models.checkpointing import enable_gradient_checkpointing, is_checkpointing
 from support.modelutil import random_qwen2
 from support.sharded import named
@@ -25,13 +26,13 @@ pytestmark = pytest.mark.torch
 VOCAB = 128
 
 
-def _step(model: Any) -> tuple[float, dict[str, torch.Tensor], int]:
-    """One micro-batch's forward and backward: (loss, gradients by name, decoder layer 0's
-    down_proj calls: inside the checkpointed forward)."""
+def _step(model: Any, precision: str = "float32") -> tuple[float, dict[str, torch.Tensor], int]:
+    """One micro-batch's forward and backward in `precision` (model.dtype): (loss, gradients by
+    name, decoder layer 0's down_proj calls: inside the checkpointed forward)."""
     calls = [0]
     net = model.base_model.model if hasattr(model, "peft_config") else model
     handle = net.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-    settings = TrainerSettings(learning_rate=1e-4, total_steps=2, loss=LossConfig(), torch_threads=1)
+    settings = TrainerSettings(learning_rate=1e-4, total_steps=2, loss=LossConfig(), torch_threads=1, precision=precision)
     compute = TrainerCompute(model, settings)
     tb = _steps(VOCAB, 1, 1, 128)[0][0]
     compute.train_step(tb)
@@ -49,14 +50,13 @@ def test_off_by_default_and_enabled_by_the_key() -> None:
     assert is_checkpointing(build.make_trainer(lora, random_qwen2(VOCAB), 1).model)  # type: ignore[union-attr]
 
 
-def test_one_process_with_bf16_compute_on_fp32_masters_is_refused_in_one_line() -> None:
-    """The one-process trainer casts its float32 masters to bfloat16 for the forward only: a layer
-    recomputed in the backward would compute in float32 (torch's checkpoint then fails at step 1),
-    so the combination is refused naming the keys; float32 and bfloat16-pure still checkpoint."""
+def test_bf16_compute_on_fp32_masters_checkpoints_in_one_process() -> None:
+    """The one-process trainer computes on bfloat16 casts of its float32 masters: the casts span
+    the micro-batch's forward and backward, so a layer recomputed in the backward pass recomputes
+    on them (it used to fail at step 1: torch's checkpoint found float32 recomputed values)."""
     cfg = load_config(None, ["run.backend=local", "train.gradient_checkpointing=true", "model.dtype=bfloat16"])
-    with pytest.raises(ConfigError, match=r"train.gradient_checkpointing = true with model.dtype = 'bfloat16'") as info:
-        build.make_trainer(cfg, random_qwen2(VOCAB), 1)
-    assert "\n" not in str(info.value)
+    trainer = build.make_trainer(cfg, random_qwen2(VOCAB), 1)
+    assert is_checkpointing(trainer.model)  # type: ignore[union-attr]
     pure = load_config(None, ["run.backend=local", "train.gradient_checkpointing=true", "model.dtype=bfloat16-pure"])
     model = random_qwen2(VOCAB)
     torch.nn.Module.to(model, torch.bfloat16)
@@ -96,6 +96,23 @@ def test_a_checkpointed_step_recomputes_and_matches_the_plain_step(lora: bool) -
     assert plain_calls == 1 and ckpt_calls == 2  # the checkpointed layer ran again in the backward pass
     assert ckpt_loss == pytest.approx(plain_loss, rel=1e-6, abs=1e-7) and plain_loss != 0.0
     assert set(plain) == set(ckpt) and plain
+    for name, g in plain.items():
+        torch.testing.assert_close(ckpt[name], g, rtol=1e-5, atol=1e-6, msg=functools.partial(named, name))
+
+
+def test_a_checkpointed_bf16_step_on_fp32_masters_matches_the_plain_bf16_step() -> None:
+    """model.dtype "bfloat16" in one process: the checkpointed layer recomputes on the same
+    bfloat16 casts the forward used (twice the calls, the plain step's loss and float32 master
+    gradients, which the old per-forward casts could not give: the recompute failed)."""
+    torch.set_num_threads(1)
+    models = [random_qwen2(VOCAB), random_qwen2(VOCAB)]
+    enable_gradient_checkpointing(models[1])
+    plain_loss, plain, plain_calls = _step(models[0], "bfloat16")
+    ckpt_loss, ckpt, ckpt_calls = _step(models[1], "bfloat16")
+    assert plain_calls == 1 and ckpt_calls == 2
+    assert ckpt_loss == pytest.approx(plain_loss, rel=1e-6, abs=1e-7) and plain_loss != 0.0
+    assert set(plain) == set(ckpt) and plain
+    assert {g.dtype for g in ckpt.values()} == {torch.float32}  # the masters' gradients
     for name, g in plain.items():
         torch.testing.assert_close(ckpt[name], g, rtol=1e-5, atol=1e-6, msg=functools.partial(named, name))
 

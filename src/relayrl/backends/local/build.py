@@ -48,7 +48,7 @@ from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
-from relayrl.config.schema import Config, ConfigError
+from relayrl.config.schema import Config
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
 
@@ -214,14 +214,6 @@ def make_trainer(
     is cuda:b; the reference model unsharded on every rank)."""
     a, t = cfg.algorithm, cfg.train
     precision = precision or resolve_model_precision(cfg.model.dtype, [device])
-    if t.gradient_checkpointing and t.world_size == 1 and precision.mixed:
-        # (the one-process trainer casts its float32 masters to bfloat16 for the forward only: a
-        # checkpointed layer recomputed in the backward would compute in float32; FSDP2 casts per layer)
-        raise ConfigError(
-            f"train.gradient_checkpointing = true with model.dtype = {cfg.model.dtype!r} (bfloat16 compute on float32 master "
-            "weights here) in one trainer process is not supported yet: use train.world_size > 1, model.dtype = 'float32' "
-            "or 'bfloat16-pure', or train.gradient_checkpointing = false"
-        )
     settings = trainer_settings(cfg, threads, precision)
     if t.world_size > 1:  # each rank loads its own copy (RankModel): `model` only sizes a version
         from relayrl.backends.local.sharded import ShardedTrainer

@@ -4,7 +4,8 @@ computes, resolved for the devices a process computes on.
 - "float32": everything in float32 (on CUDA, float32 matmuls use TF32: `cuda_precision_settings`).
 - "bfloat16": bfloat16 compute with float32 master weights. The trainer keeps its parameters,
   gradients and AdamW moments in float32 and computes forward and backward in bfloat16 on
-  bfloat16 casts of its parameters: `in_compute_dtype` in one process, FSDP2's
+  bfloat16 casts of its parameters: `in_compute_dtype` in one process (around a micro-batch's
+  forward and backward, so that activation checkpointing recomputes on the casts), FSDP2's
   `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` in the sharded trainer (the
   same computation). Its checkpoint holds float32, so a resume loses nothing. With LoRA only the
   adapters train: the frozen base is held in bfloat16. The samplers, the held-out engine and the

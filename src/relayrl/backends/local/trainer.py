@@ -64,7 +64,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedModel
 
-from relayrl.algorithms.losses import MAX_LOG_RATIO, LossConfig, deferred_policy_loss
+from relayrl.algorithms.losses import MAX_LOG_RATIO, DeferredLoss, LossConfig, deferred_policy_loss
 from relayrl.backends.local.collate import PackedBatch
 from relayrl.backends.local.gpumem import step_peak_gb
 from relayrl.backends.local.logprobs import token_logprobs
@@ -330,13 +330,10 @@ class TrainerCompute:
                 proximal, _ = self._logprobs(self._net, batch)
         self._kept.append(_Kept(tb, proximal.detach()))
 
-    def _logprobs(self, model: PreTrainedModel, batch: PackedBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, model: PreTrainedModel, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_logprobs` of `model` in the compute dtype ("bfloat16": on bfloat16 casts of the
-        float32 master parameters; the log-probs themselves are float32); the backward of a loss
-        on them runs in it too."""
+        float32 master parameters; the log-probs themselves are float32), for no backward pass."""
         t = self.settings.temperature
-        if entropy_grad:
-            return in_compute_dtype(model, self._cast_to, lambda m: token_logprobs(m, batch, t, entropy_grad=True))
         return in_compute_dtype(model, self._cast_to, lambda m: token_logprobs(m, batch, t))
 
     def _on_device(self, tb: TrainBatch) -> PackedBatch:
@@ -354,28 +351,35 @@ class TrainerCompute:
         proximal policy's log-probs when it is no longer the current one (an update after the
         step's first). Returns the current log-probs, detached, and the loss."""
         cfg = self.settings.loss
-        logp, entropy = self._logprobs(self._net, batch, entropy_grad=cfg.entropy_coef > 0)  # (a bonus: with its gradient)
-        ref = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref, _ = self._logprobs(self.ref_model, batch)
-        elif self._adapters and cfg.kl_beta > 0:  # the reference: the base model, adapters off
-            with torch.no_grad(), self.model.disable_adapter():
-                ref, _ = self._logprobs(self._net, batch)
-        deferred = deferred_policy_loss(
-            logp,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.loss_mask,
-            batch.seq_index,
-            cfg,
-            num_tokens_in_step=float(max(1, tb.step_completion_tokens)),
-            num_seqs_in_step=float(max(1, tb.step_sequences)),
-            ref_logprobs=ref,
-            entropy=entropy,
-            prox_logprobs=proximal,
-        )
-        deferred.loss.backward()
+
+        def forward_backward(net: torch.nn.Module) -> tuple[torch.Tensor, DeferredLoss]:
+            logp, entropy = token_logprobs(net, batch, self.settings.temperature, entropy_grad=cfg.entropy_coef > 0)
+            ref = None  # (entropy: a bonus, with its gradient)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = self._logprobs(self.ref_model, batch)
+            elif self._adapters and cfg.kl_beta > 0:  # the reference: the base model, adapters off
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref, _ = token_logprobs(net, batch, self.settings.temperature)
+            deferred = deferred_policy_loss(
+                logp,
+                batch.old_logprobs,
+                batch.advantages,
+                batch.loss_mask,
+                batch.seq_index,
+                cfg,
+                num_tokens_in_step=float(max(1, tb.step_completion_tokens)),
+                num_seqs_in_step=float(max(1, tb.step_sequences)),
+                ref_logprobs=ref,
+                entropy=entropy,
+                prox_logprobs=proximal,
+            )
+            deferred.loss.backward()
+            return logp, deferred
+
+        # Forward and backward under one set of compute-dtype casts: a layer that
+        # train.gradient_checkpointing recomputes in the backward pass recomputes on the casts too.
+        logp, deferred = in_compute_dtype(self._net, self._cast_to, forward_backward)
         out = deferred.fetch()  # the micro-batch's one host sync, after its backward pass is queued
         loss = out.loss_value
         st.loss += loss
