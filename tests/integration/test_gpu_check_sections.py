@@ -37,6 +37,13 @@ def test_random_qwen2_materialised_from_meta() -> None:
 def test_qwen2_section_on_cpu(tmp_path: Path) -> None:
     figures = section_qwen2(tmp_path, tiny=True)
     assert figures["train"]["tokens_per_s"] > 0 and figures["decode"]["tokens"] > 0
+    # float32, "bfloat16" on float32 masters, and that with activation checkpointing
+    assert [(figures[k]["dtype"], figures[k]["gradient_checkpointing"]) for k in ("train", "train_bf16", "train_bf16_checkpointing")] == [
+        ("float32", False),
+        ("bfloat16", False),
+        ("bfloat16", True),
+    ]
+    assert figures["train_bf16_checkpointing"]["tokens_per_s"] > 0
     export = figures["export"]
     # every parameter is exported (a tied head today as a copy of its own: issue 31's export bytes)
     assert export["param_bytes"] == figures["params"] * 4 and export["bytes"] >= export["param_bytes"] and export["ms"] >= 0

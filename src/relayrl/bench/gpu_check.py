@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -76,6 +77,13 @@ SECTIONS: tuple[Section, ...] = (
     Section("bench-trainer", 60, True, "relayrl bench trainer --device cuda"),
     Section("qwen2-0.5b", 90, True, "random Qwen2.5-0.5B-shaped model: trainer step, decode loop, weight export"),
     Section("vllm", 120, True, "the default recipe with rollout.engine=vllm (only where vllm imports)"),
+)
+
+#: The 0.5B section's trainer steps: (figures key, model.dtype, train.gradient_checkpointing)
+TRAIN_CASES: tuple[tuple[str, str, bool], ...] = (
+    ("train", "float32", False),
+    ("train_bf16", "bfloat16", False),
+    ("train_bf16_checkpointing", "bfloat16", True),
 )
 
 RECIPE_SETTINGS: dict[str, list[str]] = {
@@ -319,6 +327,7 @@ def section_qwen2(out_dir: Path, tiny: bool) -> dict[str, Any]:
     from relayrl.backends.local.generation import SamplingParams, sample
     from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
     from relayrl.bench.trainer import _steps
+    from relayrl.models.checkpointing import enable_gradient_checkpointing
 
     device = "cpu" if tiny else "cuda"
     dims = QWEN2_TINY if tiny else QWEN2_05B
@@ -329,31 +338,18 @@ def section_qwen2(out_dir: Path, tiny: bool) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     figures: dict[str, Any] = {"shape": "tiny (CPU test)" if tiny else "Qwen2.5-0.5B", "params": params}
     figures["build_s"] = time.perf_counter() - start
-    # the trainer step: relayrl's TrainerCompute (fp32 AdamW) on packed micro-batches
+    # the trainer step: relayrl's TrainerCompute (float32 AdamW) on packed micro-batches, in float32,
+    # in "bfloat16" (bfloat16 compute on float32 masters: what "auto" picks on a bf16 GPU) and in
+    # "bfloat16" with train.gradient_checkpointing (its peak memory against the plain one's)
     steps, microbatches, row_tokens = (2, 2, 64) if tiny else (3, 4, 2048)
     batches = _steps(dims["vocab_size"], steps, microbatches, row_tokens)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    compute = TrainerCompute(model, TrainerSettings(learning_rate=1e-5, total_steps=steps, loss=LossConfig()))
-    timed, tokens = 0.0, 0
-    for k, step in enumerate(batches):
-        _sync(device)
-        t0 = time.perf_counter()
-        for tb in step:
-            compute.train_step(tb)
-        compute.optim_step()  # (includes the snapshot `export` a step commits)
-        _sync(device)
-        if k > 0:  # the first step warms up
-            timed += time.perf_counter() - t0
-            tokens += sum(tb.num_tokens for tb in step)
-    figures["train"] = {
-        "tokens_per_s": tokens / timed if timed else None,
-        "steps_timed": steps - 1,
-        "microbatches": microbatches,
-        "row_tokens": row_tokens,
-        "dtype": "float32",
-        "peak_gpu_memory_bytes": _peak_gpu_bytes() if cuda else None,
-    }
+    for key, precision, checkpointing in TRAIN_CASES:
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        compute = TrainerCompute(model, TrainerSettings(learning_rate=1e-5, total_steps=steps, loss=LossConfig(), precision=precision))
+        figures[key] = {**_train_figures(compute, batches, device), "dtype": precision, "gradient_checkpointing": checkpointing}
+        figures[key].update(microbatches=microbatches, row_tokens=row_tokens)
+    # the weight export: what every committed version costs
     # the weight export: what every committed version costs
     _sync(device)
     t0 = time.perf_counter()
@@ -398,6 +394,34 @@ def section_qwen2(out_dir: Path, tiny: bool) -> dict[str, Any]:
         "peak_gpu_memory_bytes": _peak_gpu_bytes() if cuda else None,
     }
     return figures
+
+
+def _train_figures(compute: Any, batches: Sequence[Sequence[Any]], device: str) -> dict[str, Any]:
+    """Train `batches` (steps of micro-batches) on `compute`; the first step warms up. Tokens/s
+    over the others and the peak GPU memory of all of them."""
+    import torch
+
+    cuda = device == "cuda"
+    if cuda:
+        gc.collect()  # (the previous case's trainer and optimizer state)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    timed, tokens = 0.0, 0
+    for k, step in enumerate(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        for tb in step:
+            compute.train_step(tb)
+        compute.optim_step()  # (includes the snapshot `export` a step commits)
+        _sync(device)
+        if k > 0:
+            timed += time.perf_counter() - t0
+            tokens += sum(tb.num_tokens for tb in step)
+    return {
+        "tokens_per_s": tokens / timed if timed else None,
+        "steps_timed": len(batches) - 1,
+        "peak_gpu_memory_bytes": _peak_gpu_bytes() if cuda else None,
+    }
 
 
 class _Skip(Exception):
@@ -516,9 +540,15 @@ def _cell(figures: dict[str, Any], name: str) -> str:
     if name == "bench-trainer":
         return ", ".join(f"world {c['world_size']}: {c['tokens_per_s']:,.0f} tokens/s" for c in figures.get("configs", []))
     if name == "qwen2-0.5b":
-        t, d, e = figures.get("train") or {}, figures.get("decode") or {}, figures.get("export") or {}
+        d, e = figures.get("decode") or {}, figures.get("export") or {}
+        train = "; ".join(
+            f"{key.removeprefix('train').strip('_').replace('_', '+') or 'fp32'} {num(t.get('tokens_per_s'), ',.0f')} tokens/s "
+            f"(peak {mib(t.get('peak_gpu_memory_bytes'))})"
+            for key, *_ in TRAIN_CASES
+            if (t := figures.get(key))
+        )
         return (
-            f"{num(figures.get('params'), ',')} params; train {num(t.get('tokens_per_s'), ',.0f')} tokens/s, "
+            f"{num(figures.get('params'), ',')} params; train {train}, "
             f"decode {num(d.get('tokens_per_s'), ',.0f')} tokens/s ({d.get('dtype', 'n/a')}), "
             f"export {num(e.get('ms'), '.0f')} ms / {mib(e.get('bytes'))} (parameters {mib(e.get('param_bytes'))})"
         )
