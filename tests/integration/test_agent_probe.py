@@ -602,7 +602,7 @@ def test_an_absurd_agent_reward_fails_its_sample_and_counts_must_be_json_integer
     [
         ("async def agent():\n    return 1.0\n", "cannot be called with one argument, ctx"),
         ("async def agent(ctx, other):\n    return 1.0\n", "missing a required argument: 'other'"),
-        ("async def agent(ctx, *, key):\n    return 1.0\n", "missing a required argument: 'key'"),
+        ("async def agent(ctx, *, key):\n    return 1.0\n", "missing a required keyword-only argument: 'key'"),
         ("async def agent(ctx):\n    yield 1.0\n", "an async generator function"),
     ],
 )
@@ -610,8 +610,10 @@ def test_an_agent_that_cannot_be_called_with_ctx_is_refused_when_loaded(tmp_path
     """Such agents used to load, then fail every sample of the run with a TypeError."""
     path = tmp_path / "agent.py"
     path.write_text(source)
-    with pytest.raises(UserError, match=re.escape(message)) as info:
+    with pytest.raises(UserError) as info:
         load_agent(f"{path}:agent")
+    # (Python 3.11 says "required argument" where 3.12 says "required keyword-only argument")
+    assert message.replace("keyword-only ", "") in str(info.value).replace("keyword-only ", "")
     assert "task.agent" in str(info.value) and "\n" not in str(info.value)
 
 

@@ -137,7 +137,7 @@ def test_the_trainer_moves_its_model_and_each_micro_batch_to_its_device(monkeypa
     class Reached(Exception):
         pass
 
-    def spy(model: object, packed: object, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def spy(model: object, packed: object, temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append({t.device.type for t in _tensors(packed)})
         raise Reached
 

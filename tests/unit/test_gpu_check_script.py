@@ -209,12 +209,14 @@ def test_vllm_cuda_pins_consistent() -> None:
     assert "`pip install vllm`" not in docs and "constraints-vllm-cuda.txt" in docs
 
 
-def test_ci_checks_transformers_5_17_with_the_main_pins_otherwise() -> None:
-    """.ci/run builds .venv-tf517 from scripts/constraints.txt with only transformers moved to 5.17.0."""
+def test_ci_checks_the_gpu_machines_torch_and_transformers_with_the_main_pins_otherwise() -> None:
+    """.ci/run builds .venv-tf517 from scripts/constraints.txt with only torch moved to 2.11.0 and
+    transformers to 5.17.0 (the GPU machines' stack), and runs the torch-name check there."""
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "sed 's/^transformers==.*/transformers==5.17.0/' scripts/constraints.txt" in ci
-    assert "-c .venv-tf517/constraints.txt" in ci
-    assert "transformers" in _pins(ROOT / "scripts" / "constraints.txt")
+    assert "sed -e 's/^transformers==.*/transformers==5.17.0/' -e 's/^torch==.*/torch==2.11.0/' scripts/constraints.txt" in ci
+    assert ci.count("-c .venv-tf517/constraints.txt") == 2  # torch first, then relayrl[local], both under the pins
+    assert "tests/unit/test_torch_api_floor.py" in ci
+    assert {"transformers", "torch"} <= set(_pins(ROOT / "scripts" / "constraints.txt"))
 
 
 # -- gpu_wheels.sh and the offline install against a stand-in environment --------------------------

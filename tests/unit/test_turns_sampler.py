@@ -26,6 +26,7 @@ from relayrl.backends.local.generation import (
     SamplingParams,
     TurnInput,
     TurnStats,
+    _cache_kwarg,
     sample,
     sample_turns,
     supports_row_caches,
@@ -196,7 +197,7 @@ def test_a_groups_first_turn_is_prefilled_once_and_rows_stop_at_their_own_limit(
         assert output.cache is not None
         alone_cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(torch.tensor([output.cache.tokens]), cache=alone_cache, use_cache=True)
+            model(torch.tensor([output.cache.tokens]), use_cache=True, **{_cache_kwarg(model): alone_cache})  # (its name by version)
         for (keys, values), layer in zip(output.cache.layers, cast(list[Any], alone_cache.layers), strict=True):
             assert torch.allclose(keys, layer.keys[0], atol=1e-4) and torch.allclose(values, layer.values[0], atol=1e-4)
     # Per-row generators: a row samples the same alone as in the batch.

@@ -149,8 +149,10 @@ def test_a_share_that_does_not_fit_is_refused_in_one_line(monkeypatch: pytest.Mo
     assert "\n" not in message and "cuda:0" in message and "rollout.gpu_memory_utilization" in message and "trainer parameters" in message
 
 
-def test_on_the_cpu_the_engine_is_eager_and_seeds_each_request(recorder: _Recorder) -> None:
+def test_on_the_cpu_the_engine_is_eager_and_seeds_each_request(monkeypatch: pytest.MonkeyPatch, recorder: _Recorder) -> None:
     from relayrl.models.loading import shipped_model_dir
+
+    monkeypatch.setattr(torch.version, "cuda", None)  # (vLLM's CPU build runs on a CPU build of torch)
 
     cfg = load_config(None, ["run.backend=local", "rollout.engine=vllm"])
     settings = engine_settings(cfg, shipped_model_dir())
