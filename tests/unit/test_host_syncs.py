@@ -130,3 +130,27 @@ def test_preallocated_cache_writes_in_place() -> None:
     k = torch.randn((2, 2, 1, 16), generator=gen)
     keys, _ = cache.update(k, k, 0)
     assert torch.equal(keys[..., -1:, :], k) and keys.shape[-2] == 21
+
+
+def test_a_later_update_reads_each_micro_batch_once() -> None:
+    """With several updates per step (`train.ppo_epochs` = 2), the second pass trains the kept
+    micro-batches inside `optim_step`: one read per micro-batch (its loss, statistics and `ppo_kl`
+    together; `ppo_kl` used to be read by a `float()` of its own) and one per update (the gradient
+    norm). (AdamW's per-parameter `item` on the CPU is the optimizer's, not counted here.)"""
+    from relayrl.algorithms.losses import LossConfig
+    from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings
+    from relayrl.bench.trainer import _steps
+
+    model = random_qwen2(VOCAB, 0, pad_token_id=PAD)
+    compute = TrainerCompute(model, TrainerSettings(learning_rate=1e-4, total_steps=4, loss=LossConfig(), ppo_epochs=2))
+    steps = _steps(VOCAB, 2, 3, 96)
+    for tb in steps[0]:  # warm-up step
+        compute.train_step(tb)
+    compute.optim_step()
+    for tb in steps[1]:
+        compute.train_step(tb)
+    with HostSyncCounter() as counter:
+        assert compute.optim_step() == 2
+    reads = counter.counts["tolist"] + counter.counts["__float__"]
+    assert reads <= len(steps[1]) + 2, f"{reads} reads for {len(steps[1])} micro-batches and 2 updates: {dict(counter.counts)}"
+    assert compute.metrics()["ppo_kl"] >= 0.0

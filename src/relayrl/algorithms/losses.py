@@ -106,6 +106,7 @@ Aggregation (`LossConfig.aggregation`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -316,10 +317,18 @@ class DeferredLoss:
 
     def fetch(self) -> LossOutput:
         """The statistics as floats; the loss read is `loss` as it is now (what was backpropagated)."""
-        values = torch.cat([self.loss.detach().reshape(1).to(torch.float64), self.values]).tolist()
-        loss, n_tokens, fixed, rest = values[0], values[1], values[2:7], iter(values[7:])
+        return self.fetch_with(())[0]
+
+    def fetch_with(self, extra: Sequence[torch.Tensor]) -> tuple[LossOutput, list[float]]:
+        """`fetch()` and the caller's own scalar tensors `extra` (on the loss's device), read in the
+        same host sync."""
+        parts = [self.loss.detach().reshape(1).to(torch.float64), *(t.detach().reshape(1).to(torch.float64) for t in extra)]
+        values = torch.cat([*parts, self.values]).tolist()
+        k = 1 + len(extra)
+        own = values[k:]
+        loss, n_tokens, fixed, rest = values[0], own[0], own[1:6], iter(own[6:])
         opt = {name: next(rest) if here else None for name, here in zip(OPTIONAL_STATS, self.present, strict=True)}
-        return LossOutput(
+        out = LossOutput(
             loss=self.loss,
             num_tokens=int(n_tokens),
             loss_value=loss,
@@ -330,6 +339,7 @@ class DeferredLoss:
             ratio_max=fixed[4],
             **opt,
         )
+        return out, values[1:k]
 
 
 def deferred_policy_loss(

@@ -380,7 +380,12 @@ class TrainerCompute:
         # Forward and backward under one set of compute-dtype casts: a layer that
         # train.gradient_checkpointing recomputes in the backward pass recomputes on the casts too.
         logp, deferred = in_compute_dtype(self._net, self._cast_to, forward_backward)
-        out = deferred.fetch()  # the micro-batch's one host sync, after its backward pass is queued
+        extra: list[torch.Tensor] = []
+        if proximal is not None:  # k3 estimate of KL(π_prox ‖ π) at this update's start (its sum)
+            with torch.no_grad():
+                delta = (logp.detach() - proximal).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+                extra.append((torch.exp(delta) - delta - 1.0).sum())
+        out, extras = deferred.fetch_with(extra)  # the micro-batch's one host sync, after its backward pass is queued
         loss = out.loss_value
         st.loss += loss
         st.tokens += batch.num_real_tokens
@@ -388,10 +393,8 @@ class TrainerCompute:
         st.microbatches += 1
         n = out.num_tokens
         metrics = out.metrics()
-        if proximal is not None:  # k3 estimate of KL(π_prox ‖ π) at this update's start
-            with torch.no_grad():
-                delta = (logp.detach() - proximal).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-                metrics["ppo_kl"] = float((torch.exp(delta) - delta - 1.0).sum()) / max(1, n)
+        if extras:
+            metrics["ppo_kl"] = extras[0] / max(1, n)
         for key, value in metrics.items():
             if key in ("loss", "num_loss_tokens"):
                 continue
