@@ -87,6 +87,34 @@ def test_ranks_that_load_the_model_themselves_send_versions_through_disk(monkeyp
     assert roomy.spill_dir is None and roomy.free_bytes is None  # no /dev/shm: not judged
 
 
+def test_a_lora_version_is_sized_as_its_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With train.lora a version is the adapters (`adapter_payload`), not the model: a 64 MiB
+    /dev/shm holds two of them, so nothing spills to disk (it used to plan for two ~250 MiB
+    models and spill every version)."""
+    from relayrl.backends.local import build
+    from relayrl.config.sizing import lora_version_bytes
+    from relayrl.models.lora import adapter_payload, payload_bytes, wrap
+
+    tiny = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    cfg = load_config(None, ["run.backend=local", "train.lora.r=4"])
+    assert cfg.train.lora is not None
+    targets = list(cfg.train.lora.target_modules)
+    assert lora_version_bytes(Qwen2ForCausalLM(tiny), 4, targets) == payload_bytes(
+        adapter_payload(wrap(Qwen2ForCausalLM(tiny), cfg.train.lora, seed=0))
+    )
+    _shm_of(monkeypatch, 64 * MiB)
+    FakeProcess.started = []
+    monkeypatch.setattr(sharded.mp, "get_context", lambda method: FakeContext())
+    lora = load_config(None, ["run.backend=local", "train.world_size=2", "train.lora.r=8"])
+    trainer = build.make_trainer(lora, _big_model(), 1)
+    try:
+        assert isinstance(trainer, sharded.ShardedTrainer) and trainer.shm.spill_dir is None
+    finally:
+        trainer._shutdown()
+
+
 def test_a_rank_that_cannot_be_spawned_takes_the_started_ones_and_the_spill_directory_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
     _shm_of(monkeypatch, 64 * MiB)
     FakeProcess.started = []

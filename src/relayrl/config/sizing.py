@@ -448,6 +448,12 @@ def lora_shapes(model: object, targets: list[str]) -> list[tuple[str, int, int]]
     return out
 
 
+def lora_version_bytes(model: object, r: int, targets: list[str]) -> int:
+    """Bytes of one LoRA version (`relayrl.models.lora.adapter_payload`) of rank `r` on `model`:
+    per targeted layer its float32 A (r × in) and B (out × r) and its float32 scaling."""
+    return sum(4 * (r * (fin + fout) + 1) for _, fin, fout in lora_shapes(model, targets))
+
+
 def check_lora(cfg: Config, model: object, budget: tuple[int, str] | None = None) -> None:
     """train.lora on `model` (the loaded base model): the rank within the narrowest targeted
     layer's width, and the adapters' memory within the host budget (module docstring)."""

@@ -217,6 +217,7 @@ def make_trainer(
     settings = trainer_settings(cfg, threads, precision)
     if t.world_size > 1:  # each rank loads its own copy (RankModel): `model` only sizes a version
         from relayrl.backends.local.sharded import ShardedTrainer
+        from relayrl.config.sizing import lora_version_bytes
 
         return ShardedTrainer(
             model,
@@ -228,6 +229,7 @@ def make_trainer(
             gradient_checkpointing=t.gradient_checkpointing,
             source=RankModel(cfg, model.dtype),
             microbatch_bytes=microbatch_bytes(cfg),
+            version_bytes=None if t.lora is None else lora_version_bytes(model, t.lora.r, list(t.lora.target_modules)),
         )
     if t.lora is not None:
         model = lora_wrapped(cfg, model)  # (the reference: the model with its adapters off)

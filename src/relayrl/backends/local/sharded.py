@@ -276,19 +276,22 @@ class ShardedTrainer(RankedTrainer):
         gradient_checkpointing: bool = False,
         source: Callable[[], tuple[PreTrainedModel, PreTrainedModel | None]] | None = None,
         microbatch_bytes: int = 0,
+        version_bytes: int | None = None,
     ) -> None:
         """`device`: rank 0's (rank r computes on cuda:(b+r) for cuda:b, see the module);
         `startup_timeout_s` / `heartbeat_timeout_s`: the ranks' liveness bounds (0: none);
         `gradient_checkpointing`: each rank checkpoints its copy's activations; `source`: each
         rank loads (model, reference model) with it instead of receiving `model` and
         `ref_model` through shared memory (`model` then only sizes a version); `microbatch_bytes`:
-        about a micro-batch's size, for the shared-memory plan (`relayrl.backends.local.shm`)."""
+        about a micro-batch's size, and `version_bytes`, a version's (None: `model`'s parameters;
+        with LoRA its adapters'), for the shared-memory plan (`relayrl.backends.local.shm`)."""
         super().__init__(world_size)
         self.settings = settings
         devices = rank_devices(torch.device(device), world_size)
         weights = _bytes(model)
         handed = 0 if source is not None else weights + (_bytes(ref_model) if ref_model is not None else 0)
-        self.shm = plan_shm(weights, microbatch_bytes, world_size, handed_bytes=handed)
+        version = weights if version_bytes is None else version_bytes
+        self.shm = plan_shm(version, microbatch_bytes, world_size, handed_bytes=handed)
         options = RankOptions(
             beat_s=min(5.0, max(0.05, heartbeat_timeout_s / 4)) if heartbeat_timeout_s > 0 else 0.0,
             gradient_checkpointing=gradient_checkpointing,
