@@ -109,8 +109,9 @@ def test_a_lora_version_is_sized_as_its_adapters(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(sharded.mp, "get_context", lambda method: FakeContext())
     lora = load_config(None, ["run.backend=local", "train.world_size=2", "train.lora.r=8"])
     trainer = build.make_trainer(lora, _big_model(), 1)
+    assert isinstance(trainer, sharded.ShardedTrainer)
     try:
-        assert isinstance(trainer, sharded.ShardedTrainer) and trainer.shm.spill_dir is None
+        assert trainer.shm.spill_dir is None
     finally:
         trainer._shutdown()
 
