@@ -57,9 +57,9 @@ DEFAULT_BUNDLE: dict[str, float] = {"CPU": 1.0}  # a sharded trainer rank's bund
 # actor ran below the driver (the orchestrator) and Ray's own processes, where in one process the
 # trainer and sampler threads run at the orchestrator's priority: on 2 busy cores the trainer
 # actor then waited behind the driver's packing, bookkeeping and Ray replies (bench e2e --ray D/C
-# 0.66-0.73, the actor's train_step spans ~25% longer than with 0). Each actor asks for 0 (read
-# by the worker process at its start, as Ray's own job supervisor does): the raylet's priority,
-# i.e. the driver's on a cluster the run started.
+# 0.66-0.73; its train_step spans up to 1.8x as long as at 0 in the same run, on the same CPU
+# time). Each actor asks for 0 (read by the worker process at its start, as Ray's own job
+# supervisor does): the raylet's priority, i.e. the driver's on a cluster the run started.
 ACTOR_ENV: dict[str, str] = {"RAY_worker_niceness": "0"}
 
 
