@@ -53,12 +53,20 @@ READY_TIMEOUT_S = 300.0  # actors that cannot be placed (resources the cluster l
 
 
 DEFAULT_BUNDLE: dict[str, float] = {"CPU": 1.0}  # a sharded trainer rank's bundle when ray.trainer_resources is empty
+# Ray starts each worker process 15 nicer than its raylet (its worker_niceness), so the trainer
+# actor ran below the driver (the orchestrator) and Ray's own processes, where in one process the
+# trainer and sampler threads run at the orchestrator's priority: on 2 busy cores the trainer
+# actor then waited behind the driver's packing, bookkeeping and Ray replies (bench e2e --ray D/C
+# 0.66-0.73; its train_step spans up to 1.8x as long as at 0 in the same run, on the same CPU
+# time). Each actor asks for 0 (read by the worker process at its start, as Ray's own job
+# supervisor does): the raylet's priority, i.e. the driver's on a cluster the run started.
+ACTOR_ENV: dict[str, str] = {"RAY_worker_niceness": "0"}
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
     """`ray.remote` options for a `ray.*_resources` table: CPU → num_cpus, GPU → num_gpus, the
-    rest as custom resources."""
-    options: dict[str, Any] = {}
+    rest as custom resources; every actor runs at the driver's priority (`ACTOR_ENV`)."""
+    options: dict[str, Any] = {"runtime_env": {"env_vars": dict(ACTOR_ENV)}}
     custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
     if "CPU" in resources:
         options["num_cpus"] = resources["CPU"]
