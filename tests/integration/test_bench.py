@@ -79,3 +79,6 @@ def test_agent_bench_runs_the_agent_and_the_environment_path_on_the_same_task() 
     assert figures["ratio"] == agent["samples_per_s"] / env["samples_per_s"]
     ratio = figures["ratio"]
     assert isinstance(ratio, float) and figures["met"] == (ratio >= AGENT_TARGET)
+    endpoint = figures["endpoint"]
+    assert isinstance(endpoint, dict)
+    assert endpoint["cpu_ms_per_call"] > 0 and endpoint["wall_ms_per_call"] > 0 and endpoint["sampling_calls_per_round"] >= 2
