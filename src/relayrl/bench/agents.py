@@ -131,7 +131,7 @@ def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8) -> dict[s
     async def main() -> None:
         await rollout.endpoint.start()
         try:
-            for _ in range(rounds + 1):  # the first: the openai client's first-use imports, not counted
+            for _ in range(rounds + 1):  # the first (the endpoint's and the client's first use) is not counted
                 wall, cpu = time.perf_counter(), time.process_time()
                 await rollout(SamplerSlot(0, sampler), requests)
                 walls.append(time.perf_counter() - wall)

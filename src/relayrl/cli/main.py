@@ -536,7 +536,7 @@ def bench_agent(
     out.print(
         f"endpoint without the model (one step's 128 episodes, 256 calls, a sampler that answers at once): "
         f"{e['wall_ms_per_call']:.2f} ms wall, {e['cpu_ms_per_call']:.2f} ms CPU per call (openai client, HTTP, endpoint); "
-        f"{e['sampling_calls_per_round']:.1f} sampling calls per step; first step {e['first_round_s']:.2f} s (first use of the client)"
+        f"{e['sampling_calls_per_round']:.1f} sampling calls per step"
     )
 
 
