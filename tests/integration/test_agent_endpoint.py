@@ -5,7 +5,9 @@ deadlines, streaming, and agents that fail."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +316,40 @@ def test_the_endpoint_listens_on_loopback_with_a_random_token_per_run() -> None:
 
     url = asyncio.run(main())
     assert url.startswith("http://127.0.0.1:") and a.port > 0
+
+
+def test_concurrent_agent_calls_are_gathered_into_one_sampling_call_per_round() -> None:
+    """32 episodes of the two-call example: their first calls used to reach the replica one by one
+    as the HTTP requests landed (the first went alone into a sampling call, the rest into the next
+    ones); the batcher now waits for every live episode's call, so each round is one call."""
+    tok = tiny_tokenizer()
+    sampler = ScriptedSampler(tok, arithmetic)
+    prompts = [Prompt(f"q{i}", f"{10 + i}+{i}=", str(10 + 2 * i)) for i in range(16)]
+    rollout = make_rollout(tok, load_agent(f"{EXAMPLES}/completions_agent.py:agent"))
+    rollout._settings = dataclasses.replace(rollout._settings, gather_s=30.0)  # a loaded machine's HTTP is never this slow
+    groups = run(rollout, sampler, prompts, samples=2)
+    assert sum(len(g.trajectories) for g in groups) == 32
+    assert [len(c) for c in sampler.calls] == [32, 32]
+
+
+def test_a_slow_agent_holds_the_others_calls_at_most_the_gather_window() -> None:
+    tok = tiny_tokenizer()
+    sampler = ScriptedSampler(tok, arithmetic)
+    example = load_agent(f"{EXAMPLES}/completions_agent.py:agent")
+
+    async def agent(ctx: AgentContext) -> float:
+        if ctx.sample_index == 0 and ctx.prompt.prompt_id == "p0":
+            await asyncio.sleep(3.0)  # thinks long before its first call
+        reward = await example(ctx)
+        assert isinstance(reward, float)
+        return reward
+
+    rollout = make_rollout(tok, agent)
+    rollout._settings = dataclasses.replace(rollout._settings, gather_s=1.0)
+    started = time.monotonic()
+    groups = run(rollout, sampler)
+    assert sum(len(g.trajectories) for g in groups) == 4 and time.monotonic() - started < 20
+    # the three others' first calls went in one call, without waiting for the slow one's
+    assert len(sampler.calls[0]) == 3 and all(not r.episode.startswith("agent/0-0-") for r in sampler.calls[0])
+    # then the slow one's two calls, on their own
+    assert [[r.episode.startswith("agent/0-0-") for r in c] for c in sampler.calls[-2:]] == [[True], [True]]

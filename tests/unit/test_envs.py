@@ -17,6 +17,7 @@ from relayrl.envs import ENVIRONMENTS, EnvironmentSpecError, build_environment, 
 from relayrl.envs.arithmetic_feedback import ArithmeticFeedback, first_integer
 from relayrl.envs.base import Environment, EnvStep
 from relayrl.envs.calculator import CalcError, Calculator, evaluate, format_value
+from relayrl.envs.draft_answer import DraftAnswer
 from relayrl.tasks.arithmetic import ArithmeticTask
 from relayrl.tasks.synthetic import synthetic_stream
 from relayrl.types import Prompt
@@ -259,7 +260,7 @@ def test_calculator_max_calls_and_the_last_turn() -> None:
 
 
 def test_builtins_are_registered_and_get_max_turns() -> None:
-    assert set(ENVIRONMENTS) == {"arithmetic_feedback", "calculator"}
+    assert set(ENVIRONMENTS) == {"arithmetic_feedback", "calculator", "draft_answer"}
     env = build_environment("arithmetic_feedback", {"discount": 0.9}, max_turns=3)
     assert isinstance(env, ArithmeticFeedback) and env.max_turns == 3 and env.discount == 0.9
     calc = build_environment("calculator", {"max_calls": 1}, max_turns=6)
@@ -401,3 +402,19 @@ def test_pick_last_scores_a_chatty_models_final_number() -> None:
     assert calc.step("So 5 + 10 = 15").solved
     with pytest.raises(ValueError, match="pick must be 'first' or 'last'"):
         ArithmeticFeedback(max_turns=2, pick="middle")
+
+
+def test_draft_answer_scores_the_draft_and_the_answer_as_the_example_agent_does() -> None:
+    env = build_environment("draft_answer", {}, max_turns=2)
+    assert isinstance(env, DraftAnswer)
+    prompt = Prompt("p", "23+9=", "32")
+    right_then_right = env.start(prompt)
+    first = right_then_right.step("32")
+    assert isinstance(first, EnvStep) and first.observation == "\n23+9=" and first.reward == 0.5 and not first.solved
+    last = right_then_right.step(" 32 ")
+    assert isinstance(last, EnvStep) and last.observation is None and last.reward == 1.0 and last.solved
+    wrong_then_right = env.start(prompt)
+    steps = [wrong_then_right.step("31"), wrong_then_right.step("32")]
+    assert [s.reward for s in steps if isinstance(s, EnvStep)] == [0.0, 1.0]
+    with pytest.raises(EnvironmentSpecError, match="max_turns must be >= 2"):
+        build_environment("draft_answer", {}, max_turns=1)

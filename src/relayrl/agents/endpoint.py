@@ -497,15 +497,9 @@ class AgentEndpoint:
                 }
             )
         usage = _usage(start, answered)
-        if not body.stream:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.settings.model,
-                "choices": choices,
-                "usage": usage,
-            }
+        if not body.stream:  # plain JSON values: sent as they are (FastAPI's encoder would walk every value again)
+            head = {"id": rid, "object": "text_completion", "created": created, "model": self.settings.model}
+            return JSONResponse({**head, "choices": choices, "usage": usage})
         chunks: list[dict[str, object]] = []
         for c in choices:
             chunks.append({**c, "finish_reason": None})
@@ -565,15 +559,9 @@ class AgentEndpoint:
                 }
             )
         usage = _usage(start, answered)
-        if not body.stream:
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.settings.model,
-                "choices": choices,
-                "usage": usage,
-            }
+        if not body.stream:  # plain JSON values: sent as they are (FastAPI's encoder would walk every value again)
+            head = {"id": rid, "object": "chat.completion", "created": created, "model": self.settings.model}
+            return JSONResponse({**head, "choices": choices, "usage": usage})
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.settings.model}
         events: list[dict[str, object]] = []
         for c in choices:

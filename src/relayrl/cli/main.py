@@ -510,6 +510,36 @@ def bench_e2e(
         )
 
 
+@bench_app.command("agent")
+def bench_agent(
+    steps: int = typer.Option(8, help="Steps per run."),
+    repeats: int = typer.Option(1, help="Run agent, env round-robin this many times; print medians."),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for both runs.")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Agent mode (the example "draft, then answer" agent through the endpoint) beside the
+    multi-turn environment path (`draft_answer`) on the agent recipe's task: samples/s and ratio."""
+    from relayrl.bench.agents import run_agent
+
+    figures = _bench(lambda: run_agent(steps=steps, repeats=repeats, extra=list(set_ or [])), as_json)
+    for label in ("agent", "env"):
+        f = figures[label]
+        assert isinstance(f, dict)
+        out.print(
+            f"({label:<5}) {f['samples_per_s']:7.1f} samples/s   trainer busy {f['trainer_busy']:6.1%}   "
+            f"sampler busy {f['sampler_busy']:6.1%}   sampling calls/step {f['sampling_calls_per_step']:5.1f}   wall {f['wall_s']:.1f} s"
+        )
+    met = "met" if figures["met"] else "MISSED"
+    out.print(f"samples/s ratio agent/env: {figures['ratio']:.2f} (target >= {figures['target']})  {met}")
+    e = figures["endpoint"]
+    assert isinstance(e, dict)
+    out.print(
+        f"endpoint without the model (one step's 128 episodes, 256 calls, a sampler that answers at once): "
+        f"{e['wall_ms_per_call']:.2f} ms wall, {e['cpu_ms_per_call']:.2f} ms CPU per call (openai client, HTTP, endpoint); "
+        f"{e['sampling_calls_per_round']:.1f} sampling calls per step"
+    )
+
+
 @bench_app.command("collate")
 def bench_collate(
     repeats: int = typer.Option(5, help="Timed collations per case and path (after one warm-up); the median is printed."),

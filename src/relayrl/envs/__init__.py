@@ -2,7 +2,7 @@
 protocol is base.py; calling an environment's methods, bounded, is calls.py).
 
 A `task.environment` entry is one of
-- a built-in name: `ENVIRONMENTS` (`arithmetic_feedback`, `calculator`);
+- a built-in name: `ENVIRONMENTS` (`arithmetic_feedback`, `calculator`, `draft_answer`);
 - `package.module:Class`: a class (or any factory returning an environment) of an importable
   module;
 - `path/to/file.py:Class`: one defined in a Python file (config/schema.py anchors a relative path to the
@@ -27,6 +27,7 @@ from typing import cast
 from relayrl.envs.arithmetic_feedback import ArithmeticFeedback
 from relayrl.envs.base import Environment, EnvStep, Episode
 from relayrl.envs.calculator import Calculator
+from relayrl.envs.draft_answer import DraftAnswer
 from relayrl.errors import UserError
 from relayrl.rewards.registry import load_named, parse_spec
 
@@ -36,6 +37,7 @@ __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentSpecError", "Ep
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "arithmetic_feedback": ArithmeticFeedback,
     "calculator": Calculator,
+    "draft_answer": DraftAnswer,
 }
 
 

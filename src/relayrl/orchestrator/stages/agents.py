@@ -7,8 +7,12 @@ endpoint episode per sample, calls `agent(ctx)` for each, all at once, each boun
 `rollout.agent_timeout_s`, and routes every call of those episodes to that replica: a
 `TurnBatcher` gathers the calls that arrive while the replica is busy into one `generate_turns`
 call (each bounded by `rollout.generate_timeout_s`, traced on the replica's lane with the version
-that sampled it, and `versions` when a load landed during it). When every agent is done, the replica forgets the episodes' caches and each
-episode's transcript becomes its training samples (agents/transcript.py): one trajectory per leaf
+that sampled it, and `versions` when a load landed during it). Once the replica is free and a
+call is waiting, it waits for the rest of the batch's live episodes to call too, at most
+`GATHER_S` (a call's HTTP round trip lands its requests one by one on the loop: without the
+wait the first of them went alone into a call of its own and the rest into the next ones).
+When every agent is done, the replica forgets the episodes' caches and each episode's
+transcript becomes its training samples (agents/transcript.py): one trajectory per leaf
 (its `policy_version` the oldest token's, its `versions` the runs when several versions sampled it),
 all of the episode's reward: the agent's return value, or, when it returned None, the reward
 functions' score of the trajectory's last completion (`completion_text`).
@@ -45,7 +49,7 @@ import math
 import numbers
 import reprlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +69,7 @@ if TYPE_CHECKING:  # the endpoint's module imports FastAPI and uvicorn: only a t
 __all__ = [
     "AGENT_FAILURE",
     "BLOCKED_WARN_S",
+    "GATHER_S",
     "AgentBlockedWarning",
     "AgentError",
     "AgentFailedWarning",
@@ -93,6 +98,11 @@ class AgentError(RunFailed):
 BLOCKED_WARN_S = 1.0
 
 
+#: how long a free replica waits, once an agent call is waiting, for the batch's other live episodes
+#: to call too before it samples what it has (they are all waiting: at once)
+GATHER_S = 0.05
+
+
 class AgentBlockedWarning(RuntimeWarning):
     """The first agent of a run that held the event loop (BLOCKED_WARN_S or more without awaiting)."""
 
@@ -108,24 +118,45 @@ class AgentSettings:
     timeout_s: float = 0.0  # rollout.agent_timeout_s (0: none)
     strict: bool = False  # task.strict_agents
     generate_timeout_s: float = 0.0  # rollout.generate_timeout_s, on each batched sampling call
+    gather_s: float = GATHER_S  # a free replica's wait for the other live episodes' calls
 
 
 class TurnBatcher:
     """One replica's agent calls: those that arrive while it samples go in its next call (an
-    episode chain at most once per call: the sampler keys its cache by it)."""
+    episode chain at most once per call: the sampler keys its cache by it). Before a call it waits
+    at most `gather_s` for every live episode (`expect`, until `finished`) to have a call waiting."""
 
-    def __init__(self, slot: SamplerSlot, tracer: Tracer, timeout_s: float = 0.0) -> None:
+    def __init__(self, slot: SamplerSlot, tracer: Tracer, timeout_s: float = 0.0, gather_s: float = GATHER_S) -> None:
         self._slot = slot
         self._tracer = tracer
         self._timeout_s = timeout_s
-        self._pending: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
-        self._running: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+        self._gather_s = gather_s
+        self._pending: list[tuple[TurnRequest, asyncio.Future[TurnResult], str]] = []
+        self._running: list[tuple[TurnRequest, asyncio.Future[TurnResult], str]] = []
+        self._live: set[str] = set()  # episodes whose agent may still call
         self._wake = asyncio.Event()
 
-    async def sample(self, asks: list[TurnRequest]) -> list[TurnResult]:
+    def expect(self, owner: str) -> None:
+        """Episode `owner`'s agent runs: its calls are worth waiting for."""
+        self._live.add(owner)
+
+    def finished(self, owner: str) -> None:
+        """Episode `owner`'s agent is done: it makes no more calls."""
+        self._live.discard(owner)
+        self._wake.set()
+
+    def sampler_of(self, owner: str) -> Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]:
+        """The `sample` function of episode `owner` (agents/endpoint.py's SampleFn)."""
+
+        async def sample(asks: list[TurnRequest]) -> list[TurnResult]:
+            return await self.sample(asks, owner)
+
+        return sample
+
+    async def sample(self, asks: list[TurnRequest], owner: str = "") -> list[TurnResult]:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[TurnResult]] = [loop.create_future() for _ in asks]
-        self._pending.extend(zip(asks, futures, strict=True))
+        self._pending.extend((ask, future, owner) for ask, future in zip(asks, futures, strict=True))
         self._wake.set()
         return list(await asyncio.gather(*futures))
 
@@ -135,11 +166,27 @@ class TurnBatcher:
         try:
             await self._serve()
         finally:
-            for _, future in self._pending + self._running:
+            for _, future, _ in self._pending + self._running:
                 if not future.done():
                     future.set_exception(RuntimeError("the agents' rollout on this replica ended"))
                     future.exception()  # retrieved: its caller is an episode already over
             self._pending, self._running = [], []
+
+    def _all_waiting(self) -> bool:
+        waiting = {owner for _, future, owner in self._pending if not future.done()}
+        return self._live <= waiting
+
+    async def _gather(self) -> None:
+        """Wait (at most gather_s) until every live episode has a call pending."""
+        if self._gather_s <= 0:
+            return
+        try:
+            async with asyncio.timeout(self._gather_s):
+                while not self._all_waiting():
+                    self._wake.clear()
+                    await self._wake.wait()
+        except TimeoutError:
+            pass
 
     async def _serve(self) -> None:
         slot, lane = self._slot, f"sampler/{self._slot.replica}"
@@ -147,13 +194,14 @@ class TurnBatcher:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                batch: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
-                later: list[tuple[TurnRequest, asyncio.Future[TurnResult]]] = []
+                await self._gather()
+                batch: list[tuple[TurnRequest, asyncio.Future[TurnResult], str]] = []
+                later: list[tuple[TurnRequest, asyncio.Future[TurnResult], str]] = []
                 seen: set[str] = set()
-                for ask, future in self._pending:
+                for ask, future, owner in self._pending:
                     if future.done():  # its caller went away
                         continue
-                    (later if ask.episode in seen else batch).append((ask, future))
+                    (later if ask.episode in seen else batch).append((ask, future, owner))
                     seen.add(ask.episode)
                 self._pending = later
                 if not batch:
@@ -163,12 +211,12 @@ class TurnBatcher:
                 what = f"sampler replica {slot.replica}: generate_turns (agents)"
                 try:
                     results = await bounded(
-                        slot.worker.generate_turns([a for a, _ in batch]), self._timeout_s, what, "rollout.generate_timeout_s"
+                        slot.worker.generate_turns([a for a, _, _ in batch]), self._timeout_s, what, "rollout.generate_timeout_s"
                     )
                     if len(results) != len(batch):
                         raise RuntimeError(f"generate_turns returned {len(results)} results for {len(batch)} requests")
                 except Exception as exc:
-                    for _, future in batch:
+                    for _, future, _ in batch:
                         if not future.done():
                             future.set_exception(RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}"))
                             future.exception()  # retrieved: the caller may be gone
@@ -177,7 +225,7 @@ class TurnBatcher:
                 used = versions_used(results)
                 extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
                 self._tracer.complete(lane, "generate", start, self._tracer.now(), n=len(batch), version=version, agents=True, **extra)
-                for (_, future), result in zip(batch, results, strict=True):
+                for (_, future, _), result in zip(batch, results, strict=True):
                     if not future.done():
                         future.set_result(result)
                 self._running = []
@@ -204,8 +252,11 @@ class AgentRollout:
         self._warned_blocked = False
 
     async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
-        batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s)
+        batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s, self._settings.gather_s)
         keys: list[str] = []
+        for r in requests:
+            for i in range(r.num_samples):
+                batcher.expect(f"{r.group_id}/{i}")  # before any agent runs: the first call waits for the others
         try:
             async with asyncio.TaskGroup() as outer:
                 pump = outer.create_task(batcher.run(), name=f"agents/{slot.replica}/turns")
@@ -230,9 +281,8 @@ class AgentRollout:
 
     async def _episode(self, batcher: TurnBatcher, request: SampleRequest, index: int, keys: list[str]) -> _Outcome:
         s = self._settings
-        episode = self.endpoint.open(
-            f"{request.group_id}/{index}", request.prompt, batcher.sample, f"{request.seed_key}\x00{index}", s.timeout_s
-        )
+        owner = f"{request.group_id}/{index}"
+        episode = self.endpoint.open(owner, request.prompt, batcher.sampler_of(owner), f"{request.seed_key}\x00{index}", s.timeout_s)
         ctx = AgentContext(episode.base_url, episode.api_key, s.model, request.prompt, index)
         tasks = EpisodeTasks(f"agent/{request.group_id}/{index}/call")
         agent = tasks.start(_guarded(self._agent, ctx, lambda seconds: self._blocked(request, index, seconds)))
@@ -241,6 +291,7 @@ class AgentRollout:
             done, _ = await asyncio.wait({agent}, timeout=s.timeout_s if s.timeout_s > 0 else None)
             timed_out = not done
         finally:  # also when the rollout is cancelled: the episode and every task of its agent end here
+            batcher.finished(owner)
             try:
                 self.endpoint.close(episode)
                 keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
