@@ -71,11 +71,10 @@ def run_plan_bench(
             # the prediction): a trainer or sampler that ran faster or slower than when the source
             # was measured (a shared machine) moves samples/s without any fault in the model
             own = fit_model(target_run)
+            passes = source.cfg.rollout.max_new_tokens
             drift = {
                 "train": own.train_step.cost(2000) / model.train_step.cost(2000) if model.train_step.cost(2000) > 0 else None,
-                "generate": own.generate.cost(512 * own.tokens_per_sequence) / model.generate.cost(512 * model.tokens_per_sequence)
-                if model.generate.cost(512 * model.tokens_per_sequence) > 0
-                else None,
+                "generate": own.generate.cost(512, passes) / full if (full := model.generate.cost(512, passes)) > 0 else None,
             }
             rate, busy = errs["samples_per_s"]["error"], errs["trainer_busy_fraction"]["error"]
             ok = isinstance(rate, float) and isinstance(busy, float) and abs(rate) <= TARGETS["samples_per_s"]
