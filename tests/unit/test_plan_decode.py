@@ -17,6 +17,7 @@ from relayrl.analysis import timeline
 from relayrl.analysis.timeline import Span
 from relayrl.config.schema import load_config
 from relayrl.plan.fit import DecodeCost, LinearCost, PlanModel, _linear, fit_decode, fit_model
+from relayrl.plan.predict import ASSUMED_RAY_CALL_S, ray_costs
 from relayrl.plan.resources import Device
 from relayrl.plan.source import SourceRun
 from relayrl.plan.workers import PlanSampler, RayCosts, RayPlanTrainer
@@ -177,3 +178,13 @@ def test_a_planned_ray_sampler_call_returns_a_round_trip_after_its_work() -> Non
 
     assert asyncio.run(main()) >= 0.05  # the device work is recorded, not spent: the rest is the round trip
     assert device.work == [pytest.approx(0.01)]
+
+
+def test_ray_round_trips_come_from_a_ray_source_else_are_assumed_and_said_so() -> None:
+    ray_target = load_config(default_recipe(), ["ray.enabled=true"])
+    from_ray = PlanModel(ray={"trainer_call_s": 0.007, "sampler_call_s": 0.006})
+    assert ray_costs(ray_target, from_ray) == (RayCosts(0.007, 0.006), None)
+    costs, note = ray_costs(ray_target, PlanModel())
+    assert costs == RayCosts(ASSUMED_RAY_CALL_S, ASSUMED_RAY_CALL_S)
+    assert note is not None and "assumed" in note
+    assert ray_costs(load_config(default_recipe(), []), from_ray) == (None, None)  # a local target pays none
