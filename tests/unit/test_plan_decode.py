@@ -16,7 +16,7 @@ import pytest
 from relayrl.analysis import timeline
 from relayrl.analysis.timeline import Span
 from relayrl.config.schema import load_config
-from relayrl.plan.fit import DecodeCost, LinearCost, PlanModel, _linear, fit_decode, fit_model
+from relayrl.plan.fit import DecodeCost, LinearCost, PlanModel, _linear, call_errors, fit_decode, fit_model, scale
 from relayrl.plan.predict import ASSUMED_RAY_CALL_S, ray_costs
 from relayrl.plan.resources import Device
 from relayrl.plan.source import SourceRun
@@ -188,3 +188,12 @@ def test_ray_round_trips_come_from_a_ray_source_else_are_assumed_and_said_so() -
     assert costs == RayCosts(ASSUMED_RAY_CALL_S, ASSUMED_RAY_CALL_S)
     assert note is not None and "assumed" in note
     assert ray_costs(load_config(default_recipe(), []), from_ray) == (None, None)  # a local target pays none
+
+
+def test_call_errors_tell_a_wrong_generation_model_from_the_run_s_own_calls() -> None:
+    run = _source(ROWS, list(STEPS))
+    model = fit_model(run)
+    right = call_errors(model, run)
+    assert right["generate"] == pytest.approx(1.0, abs=0.05) and right["train_step"] == pytest.approx(1.0, abs=0.05)
+    wrong = call_errors(scale(model, "generate", 2.0), run)  # a model twice too slow for these batches
+    assert wrong["generate"] == pytest.approx(0.5, abs=0.03) and wrong["train_step"] == pytest.approx(1.0, abs=0.05)

@@ -40,7 +40,7 @@ import math
 import os
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,8 +380,19 @@ def _quartile(values: Sequence[float]) -> float:
     return statistics.quantiles(values, n=4)[0]
 
 
-def fit_model(run: SourceRun) -> PlanModel:
-    """Fit the cost model of `run` (see the module); UserError when the run has too little to fit."""
+@dataclass(slots=True)
+class _Measured:
+    """A run's generate and train_step calls with their sizes and loads (the first per worker in
+    `warm`), and where its workers' spans are."""
+
+    calls: list[_Call]
+    warm: list[_Call]
+    trainer_lane: str
+    sampler_lanes: dict[str, str]
+    load_on: Callable[[str, float, float], float]
+
+
+def _measure(run: SourceRun) -> _Measured:
     cfg, spans = run.cfg, run.spans
     trainer_lane, sampler_lanes = _lanes(spans)
     if not sampler_lanes:
@@ -396,13 +407,6 @@ def fit_model(run: SourceRun) -> PlanModel:
 
     def load_on(worker: str, start: float, end: float) -> float:
         return sum(overlap_load(iv, start, end) for other, iv in busy.items() if other != worker and devices[other] == devices[worker])
-
-    rows = [r for r in run.trajectories if r.get("status") in ("ok", "filtered", None)] or run.trajectories
-    completion = [len(t) for r in rows if isinstance(t := r.get("completion_tokens"), list)]
-    prompts = [len(t) for r in rows if isinstance(t := r.get("prompt_tokens"), list)]
-    if not completion:
-        raise UserError(f"{run.run_dir}: no trajectory log to measure completion lengths from (trajectories/)")
-    tokens_per_sequence = statistics.fmean(completion) + (statistics.fmean(prompts) if prompts else 0.0)
 
     first_gen = _first_per_lane(spans, set(sampler_lanes), "generate")
     first_train = _first_per_lane(spans, {trainer_lane}, "train_step")
@@ -428,6 +432,46 @@ def fit_model(run: SourceRun) -> PlanModel:
             (warm if i in first_train else calls).append(call)
     if not any(c.kind == "train_step" for c in calls) or not any(c.kind == "generate" for c in calls):
         raise UserError(f"{run.run_dir / 'trace.json'}: too few train_step / generate spans to fit (run more steps)")
+    return _Measured(calls, warm, trainer_lane, sampler_lanes, load_on)
+
+
+def call_errors(model: PlanModel, run: SourceRun) -> dict[str, float]:
+    """How far `model`'s costs are off on `run`'s own calls (the first per worker left out): per
+    kind ("train_step", "generate"), the median of measured ÷ modelled seconds, the contention
+    `run`'s calls met included. Both far from 1 by one factor: the machine ran at another speed;
+    one alone: that part of the model is wrong for `run`'s sizes."""
+    measured = _measure(run)
+    kappa = next(iter(model.contention.values()), 0.0)
+    out: dict[str, float] = {}
+    for kind in ("train_step", "generate"):
+        ratios = []
+        for k in measured.calls:
+            if k.kind != kind:
+                continue
+            alone = model.generate.cost(k.size, k.steps) if kind == "generate" else model.train_step.cost(k.size)
+            if alone > 0:
+                ratios.append(k.dur / (alone * (1 + kappa * k.load)))
+        out[kind] = _median(ratios)
+    return out
+
+
+def fit_model(run: SourceRun) -> PlanModel:
+    """Fit the cost model of `run` (see the module); UserError when the run has too little to fit."""
+    spans = run.spans
+    measured = _measure(run)
+    calls, warm, trainer_lane, sampler_lanes, load_on = (
+        measured.calls,
+        measured.warm,
+        measured.trainer_lane,
+        measured.sampler_lanes,
+        measured.load_on,
+    )
+    rows = [r for r in run.trajectories if r.get("status") in ("ok", "filtered", None)] or run.trajectories
+    completion = [len(t) for r in rows if isinstance(t := r.get("completion_tokens"), list)]
+    prompts = [len(t) for r in rows if isinstance(t := r.get("prompt_tokens"), list)]
+    if not completion:
+        raise UserError(f"{run.run_dir}: no trajectory log to measure completion lengths from (trajectories/)")
+    tokens_per_sequence = statistics.fmean(completion) + (statistics.fmean(prompts) if prompts else 0.0)
 
     decode = [k for k in calls if k.kind == "generate"]
     steps_of = [k for k in calls if k.kind == "train_step"]
@@ -474,7 +518,7 @@ def fit_model(run: SourceRun) -> PlanModel:
     return PlanModel(
         source=str(run.run_dir),
         cpu_count=os.cpu_count() or 1,
-        contention={"cpu" if devices["trainer"] == "cpu" else "cuda": kappa},
+        contention={"cpu" if device_name(run.cfg.train.device) == "cpu" else "cuda": kappa},
         generate=gen,
         tokens_per_sequence=tokens_per_sequence,
         train_step=train,
