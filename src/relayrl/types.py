@@ -120,6 +120,16 @@ class GenerateResult:
     replica: int
 
 
+def generate_sizes(results: Sequence[GenerateResult]) -> dict[str, int]:
+    """A generate call's sizes, as its trace span records them (relayrl.plan fits the decode cost
+    from them): `sequences`, the completions sampled (the decode batch's rows), and `steps`, the
+    longest completion's tokens (the decode passes the call took)."""
+    return {
+        "sequences": sum(len(r.completions) for r in results),
+        "steps": max((len(c.tokens) for r in results for c in r.completions), default=0),
+    }
+
+
 @dataclass(slots=True)
 class TurnRequest:
     """Ask a sampler for the next policy turn of one multi-turn episode.

@@ -53,8 +53,11 @@ def test_the_fitted_model_recovers_the_sim_runs_configured_costs(source: Path) -
     model = fit_model(run)
     assert model.contention["cpu"] < 0.05  # the sim's devices are sleeps: nobody slows anybody
     generations = run.cfg.rollout.num_generations
+    generated = [s for s in run.spans if s.name == "generate"]  # each call's decode rows and passes, as the fit reads them
+    assert generated and all(s.args["sequences"] == s.args["n"] * generations for s in generated)  # type: ignore[operator]
+    assert all(1 <= s.args["steps"] <= run.cfg.rollout.max_new_tokens for s in generated)  # type: ignore[operator]
     for n in (1, 2):  # a generate call of n groups
-        fitted = model.generate.cost(n * generations * model.tokens_per_sequence)
+        fitted = model.generate.cost(n * generations, run.cfg.rollout.max_new_tokens)
         configured = COSTS["generate_base"] + COSTS["generate_per_request"] * n
         assert abs(fitted / configured - 1) < 0.05, (n, fitted, configured)
     sizes = [int(s.args["tokens"]) for s in run.spans if s.name == "train_step"]  # type: ignore[call-overload]
@@ -125,7 +128,7 @@ def test_the_model_file_round_trips_and_scales(source: Path, tmp_path: Path) -> 
     faster = scale(scale(model, "train", 0.25), "generate", 0.5)
     assert faster.train_step.cost(1000) == pytest.approx(model.train_step.cost(1000) * 0.25)
     assert faster.optim_step_s == pytest.approx(model.optim_step_s * 0.25)
-    assert faster.generate.cost(500) == pytest.approx(model.generate.cost(500) * 0.5)
+    assert faster.generate.cost(500, 4) == pytest.approx(model.generate.cost(500, 4) * 0.5)
     assert faster.scaled == {"train": 0.25, "generate": 0.5}
     # through the command: an edited model read back with --model, scaled, written to --out
     out = tmp_path / "out"

@@ -68,6 +68,11 @@ def test_sim_run_on_ray_completes_balances_and_passes_the_checker(cluster: RayCl
     for replica in (0, 1):
         assert any(s.lane == f"actor:sampler/{replica}" and s.name == "generate" for s in all_spans)
         assert any(s.lane == f"actor:sampler/{replica}" and s.name == "load_weights" for s in all_spans)
+    # each generate span, the actor's and the driver's, records its decode rows and passes (relayrl.plan fits from them)
+    for lane in ("actor:sampler/0", "sampler/0"):
+        generated = [s for s in all_spans if s.lane == lane and s.name == "generate"]
+        assert all(s.args["sequences"] == s.args["n"] * cfg.rollout.num_generations for s in generated)  # type: ignore[operator]
+        assert all(1 <= s.args["steps"] <= cfg.rollout.max_new_tokens for s in generated)  # type: ignore[operator]
     # the trainer's busy fraction is read inside its actor: the calls' round trips count as idle
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["trainer_busy_fraction"] == pytest.approx(timeline.trainer_busy_fraction(all_spans))

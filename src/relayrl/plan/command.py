@@ -142,6 +142,8 @@ def plan_text(result: dict[str, object]) -> str:
         cell = f"{p['mean']:.1%} ± {p['std']:.1%}" if isinstance(p, dict) else "-"
         s = src.get(k)
         lines.append(f"{'  staleness ' + k + ' share':<24}{(f'{s:.1%}' if isinstance(s, float) else '-'):>12}   {cell}")
+    if predicted.get("assumed"):  # what the prediction took beyond the source's trace (Ray from a local run)
+        lines.append(f"assumed: {predicted['assumed']}")
     return "\n".join(lines) + "\n"
 
 

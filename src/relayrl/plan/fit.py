@@ -3,9 +3,14 @@ scalable (`scale`), read back (`load_model`).
 
 What is fitted, from the source run's trace (each call's span and its size), trajectories and
 metrics (docs/design.md, "Planning a run"):
-- generate: device-alone seconds = base_s + per_token_s × (sequences × tokens_per_sequence), where
-  a call of n groups samples n × rollout.num_generations sequences and tokens_per_sequence is the
-  measured mean of prompt + completion tokens;
+- generate (`DecodeCost`): device-alone seconds = base_s + steps × (per_step_s + per_row_step_s ×
+  rows ** row_exponent) + per_row_s × rows ** row_exponent, from each generate span's `sequences`
+  (the decode batch's rows) and `steps` (its longest completion: the decode passes): per call a
+  fixed cost and one per row, per decode pass a fixed cost and a cost that grows with the rows it
+  carries, as a power fitted from the calls of
+  different sizes the run holds (batched decoding is neither proportional to the rows nor, on a
+  CPU whose caches the batch outgrows, affine in them). A trace without those sizes (older runs)
+  counts n groups × rollout.num_generations rows and rollout.max_new_tokens passes;
 - train_step: base_s + per_token_s × the micro-batch's tokens (its `tokens` argument); when the
   measured micro-batches are all about one size (relative spread under 20%), the intercept cannot
   be told from the slope, and the cost is taken as proportional to the tokens (base_s = 0);
@@ -18,6 +23,10 @@ metrics (docs/design.md, "Planning a run"):
   for the trainer, what its outlying calls took beyond the model (torch's slow first steps);
 - fixed_s: the run's time outside training (start-up and held-out evaluation before the first
   generate call, the final evaluation after the last update);
+- on Ray (a source whose trace has actor lanes): the trainer's round trip, the median gap the
+  driver leaves in the trainer actor between a step's last train_step and its optim_step, and a
+  sampler's, the median of a generate call's window (`call_start`, `call_end`) less the actor's
+  span of it (the requests out, the results back); the weight transport is in the sync round;
 - completion lengths and per-prompt success rates as measured distributions (histograms): a
   group is filtered (algorithm.dynamic_sampling) when all its rewards tie, which the modelled
   sampler reproduces by drawing each prompt's success rate from the measured ones.
@@ -25,14 +34,18 @@ metrics (docs/design.md, "Planning a run"):
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from relayrl.analysis import timeline
 from relayrl.analysis.timeline import Span
@@ -41,8 +54,9 @@ from relayrl.plan.resources import device_name, fit_contention, overlap_load
 from relayrl.plan.source import SourceRun
 
 MODEL_FILE = "plan-model.json"
-FORMAT = 1
+FORMAT = 2  # 2: generate is a DecodeCost (rows and decode passes), no longer tokens per call
 NARROW = 0.2  # relative spread of sizes under which a slope is not fitted (proportional cost)
+EXPONENTS = tuple(round(0.5 + step / 20, 2) for step in range(31))  # row exponents tried: 0.5, 0.55, ..., 2
 
 
 @dataclass(slots=True)
@@ -59,14 +73,45 @@ class LinearCost:
 
 
 @dataclass(slots=True)
+class DecodeCost:
+    """Device-alone seconds of one generate call of `rows` sequences taking `steps` decode passes:
+    base_s + per_row_s × rows ** row_exponent + steps × (per_step_s + per_row_step_s × rows **
+    row_exponent): per call a fixed cost and a cost per row (the prefill, the results), per pass a
+    fixed cost (the model's Python, the kernels' launches) and a cost that grows with the rows the
+    pass carries; warmup_s added to a replica's first call."""
+
+    base_s: float = 0.0
+    per_row_s: float = 0.0
+    per_step_s: float = 0.0
+    per_row_step_s: float = 0.0
+    row_exponent: float = 1.0
+    warmup_s: float = 0.0
+
+    def cost(self, rows: float, steps: float) -> float:
+        batch = max(0.0, rows) ** self.row_exponent
+        return self.base_s + self.per_row_s * batch + steps * (self.per_step_s + self.per_row_step_s * batch)
+
+    def scaled(self, factor: float) -> DecodeCost:
+        """Every cost × `factor`, the exponent kept."""
+        return DecodeCost(
+            self.base_s * factor,
+            self.per_row_s * factor,
+            self.per_step_s * factor,
+            self.per_row_step_s * factor,
+            self.row_exponent,
+            self.warmup_s * factor,
+        )
+
+
+@dataclass(slots=True)
 class PlanModel:
     """A run's cost model (see the module); every field is in `plan-model.json`."""
 
     source: str = ""
     cpu_count: int = 0  # cores of the machine the source run was measured on
     contention: dict[str, float] = field(default_factory=lambda: {"cpu": 0.0, "cuda": 0.0})
-    generate: LinearCost = field(default_factory=LinearCost)
-    tokens_per_sequence: float = 1.0
+    generate: DecodeCost = field(default_factory=DecodeCost)
+    tokens_per_sequence: float = 1.0  # measured mean prompt + completion tokens (for the console)
     train_step: LinearCost = field(default_factory=LinearCost)
     optim_step_s: float = 0.0
     get_metrics_s: float = 0.0
@@ -79,6 +124,8 @@ class PlanModel:
     prompt_tokens: int = 1
     completion_lengths: dict[str, int] = field(default_factory=dict)  # tokens → trajectories
     success_rates: dict[str, int] = field(default_factory=dict)  # per-prompt success rate (2 decimals) → prompts
+    # a Ray source's round trips (trainer_call_s, sampler_call_s; relayrl.plan.workers.RayCosts); {} from a local one
+    ray: dict[str, float] = field(default_factory=dict)
     fit: dict[str, dict[str, float]] = field(default_factory=dict)  # diagnostics: spans used, median |error|
     scaled: dict[str, float] = field(default_factory=dict)  # --scale factors applied so far
 
@@ -114,7 +161,7 @@ def scale(model: PlanModel, work: str, factor: float) -> PlanModel:
         m.train_step = LinearCost(*(v * factor for v in asdict(model.train_step).values()))
         m.optim_step_s = model.optim_step_s * factor
     elif work == "generate":
-        m.generate = LinearCost(*(v * factor for v in asdict(model.generate).values()))
+        m.generate = model.generate.scaled(factor)
     elif work == "sync":
         m.load_s = model.load_s * factor
     elif work == "checkpoint":
@@ -158,9 +205,10 @@ def load_model(path: Path) -> PlanModel:
     if unknown:
         raise UserError(f"{path}: unknown field {sorted(unknown)[0]!r}")
     try:
-        for key in ("generate", "train_step"):
-            if key in raw:
-                raw[key] = LinearCost(**raw[key])
+        if "generate" in raw:
+            raw["generate"] = DecodeCost(**raw["generate"])
+        if "train_step" in raw:
+            raw["train_step"] = LinearCost(**raw["train_step"])
         model = PlanModel(**raw)
         _check_numbers(model)
     except (TypeError, ValueError) as exc:
@@ -218,12 +266,81 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return base, slope
 
 
+def _spread(values: Sequence[float]) -> float:
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values) / mean if mean > 0 else 0.0
+
+
+def _nonnegative_fit(columns: Sequence[np.ndarray], ys: np.ndarray) -> tuple[list[float], np.ndarray]:
+    """Least squares of ys on `columns` with every coefficient >= 0: the subset of columns whose
+    unconstrained fit is non-negative with the smallest squared error (at most 3 columns: every
+    subset is tried). Returns (one coefficient per column, 0 for those left out; residuals)."""
+    best: tuple[float, list[float], np.ndarray] | None = None
+    for k in range(len(columns), 0, -1):
+        for subset in itertools.combinations(range(len(columns)), k):
+            a = np.stack([columns[i] for i in subset], axis=1)
+            coef = np.linalg.lstsq(a, ys, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            residuals = ys - a @ coef
+            sse = float(residuals @ residuals)
+            if best is None or sse < best[0] - 1e-18:
+                full = [0.0] * len(columns)
+                for i, c in zip(subset, coef):
+                    full[i] = float(c)
+                best = (sse, full, residuals)
+    if best is None:
+        return [0.0] * len(columns), ys
+    return best[1], best[2]
+
+
+def fit_decode(rows: Sequence[float], steps: Sequence[float], seconds: Sequence[float]) -> DecodeCost:
+    """The `DecodeCost` of generate calls of `rows` sequences taking `steps` decode passes that
+    took `seconds` on their device alone. For each row exponent e (EXPONENTS, from 1 outwards):
+    non-negative least squares of seconds on [1, rows^e, steps, steps × rows^e], refitted without
+    the outliers (residuals beyond 3 median absolute residuals: a shared machine's stalls); an
+    exponent other than 1 is kept only where its fit has clearly less absolute log error over all
+    calls (1% less than the best so far). What the run cannot tell apart is not fitted: rows of
+    fewer than 3 sizes or all about one size (spread under NARROW) keep exponent 1, and with one
+    size the row costs go to the per-pass one; passes all about one count put the per-pass fixed
+    cost in base_s and the per-row cost in the per-pass one."""
+    r = np.asarray(rows, dtype=float)
+    n = np.asarray(steps, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    if len(y) == 0:
+        return DecodeCost()
+    vary_rows = len(y) >= 4 and _spread(list(r)) >= NARROW
+    vary_steps = len(y) >= 4 and _spread(list(n)) >= 0.05
+    exponents = sorted(EXPONENTS, key=lambda e: abs(e - 1)) if vary_rows and len(set(rows)) >= 3 else [1.0]
+    best: tuple[float, DecodeCost] | None = None
+    for exponent in exponents:
+        batch = r**exponent
+        named: dict[str, np.ndarray] = {"base": np.ones_like(y)} if vary_rows or vary_steps else {}
+        if vary_rows and vary_steps:
+            named["row"], named["step"] = batch, n
+        named["work"] = n * batch
+        coef, residuals = _nonnegative_fit(list(named.values()), y)
+        bound = 3 * float(np.median(np.abs(residuals)))
+        kept = np.abs(residuals) <= bound
+        if bound > 0 and 3 <= int(kept.sum()) < len(y):
+            coef, _ = _nonnegative_fit([c[kept] for c in named.values()], y[kept])
+        got = dict(zip(named, coef))
+        cost = DecodeCost(got.get("base", 0.0), got.get("row", 0.0), got.get("step", 0.0), got["work"], exponent)
+        predicted = [cost.cost(a, b) for a, b in zip(r, n)]
+        err = sum(abs(math.log(t) - math.log(p)) if t > 0 and p > 0 else 1e3 for t, p in zip(y, predicted))
+        if best is None or err < 0.99 * best[0]:
+            best = (err, cost)
+    assert best is not None
+    return best[1]
+
+
 @dataclass(slots=True)
 class _Call:
     kind: str  # "generate" | "train_step"
-    size: float  # tokens
+    size: float  # train_step: tokens; generate: rows (sequences)
     dur: float
     load: float  # other workers busy on its device, time-averaged
+    steps: float = 0.0  # generate: decode passes
 
 
 def _lanes(spans: list[Span]) -> tuple[str, dict[str, str]]:
@@ -263,8 +380,19 @@ def _quartile(values: Sequence[float]) -> float:
     return statistics.quantiles(values, n=4)[0]
 
 
-def fit_model(run: SourceRun) -> PlanModel:
-    """Fit the cost model of `run` (see the module); UserError when the run has too little to fit."""
+@dataclass(slots=True)
+class _Measured:
+    """A run's generate and train_step calls with their sizes and loads (the first per worker in
+    `warm`), and where its workers' spans are."""
+
+    calls: list[_Call]
+    warm: list[_Call]
+    trainer_lane: str
+    sampler_lanes: dict[str, str]
+    load_on: Callable[[str, float, float], float]
+
+
+def _measure(run: SourceRun) -> _Measured:
     cfg, spans = run.cfg, run.spans
     trainer_lane, sampler_lanes = _lanes(spans)
     if not sampler_lanes:
@@ -279,14 +407,6 @@ def fit_model(run: SourceRun) -> PlanModel:
 
     def load_on(worker: str, start: float, end: float) -> float:
         return sum(overlap_load(iv, start, end) for other, iv in busy.items() if other != worker and devices[other] == devices[worker])
-
-    rows = [r for r in run.trajectories if r.get("status") in ("ok", "filtered", None)] or run.trajectories
-    completion = [len(t) for r in rows if isinstance(t := r.get("completion_tokens"), list)]
-    prompts = [len(t) for r in rows if isinstance(t := r.get("prompt_tokens"), list)]
-    if not completion:
-        raise UserError(f"{run.run_dir}: no trajectory log to measure completion lengths from (trajectories/)")
-    tokens_per_sequence = statistics.fmean(completion) + (statistics.fmean(prompts) if prompts else 0.0)
-    groups = cfg.rollout.num_generations
 
     first_gen = _first_per_lane(spans, set(sampler_lanes), "generate")
     first_train = _first_per_lane(spans, {trainer_lane}, "train_step")
@@ -304,31 +424,77 @@ def fit_model(run: SourceRun) -> PlanModel:
         if not isinstance(size, int) or isinstance(size, bool):
             continue
         if s.lane in sampler_lanes and s.name == "generate":
-            call = _Call("generate", size * groups * tokens_per_sequence, s.dur, load_on(sampler_lanes[s.lane], s.start, s.end))
+            batch, passes = _decode_sizes(s, cfg.rollout.num_generations, cfg.rollout.max_new_tokens)
+            call = _Call("generate", batch, s.dur, load_on(sampler_lanes[s.lane], s.start, s.end), passes)
             (warm if i in first_gen else calls).append(call)
         elif s.lane == trainer_lane and s.name == "train_step" and not (s.args.get("ahead") and s.lane == "trainer"):
             call = _Call("train_step", float(size), s.dur, load_on("trainer", s.start, s.end))
             (warm if i in first_train else calls).append(call)
     if not any(c.kind == "train_step" for c in calls) or not any(c.kind == "generate" for c in calls):
         raise UserError(f"{run.run_dir / 'trace.json'}: too few train_step / generate spans to fit (run more steps)")
+    return _Measured(calls, warm, trainer_lane, sampler_lanes, load_on)
 
-    def fitted(c: float) -> dict[str, tuple[float, float]]:
-        out = {}
-        for kind in ("generate", "train_step"):
-            mine = [k for k in calls if k.kind == kind]
-            out[kind] = _linear([k.size for k in mine], [k.dur / (1 + c * k.load) for k in mine])
-        return out
+
+def call_errors(model: PlanModel, run: SourceRun) -> dict[str, float]:
+    """How far `model`'s costs are off on `run`'s own calls (the first per worker left out): per
+    kind ("train_step", "generate"), the median of measured ÷ modelled seconds, the contention
+    `run`'s calls met included. Both far from 1 by one factor: the machine ran at another speed;
+    one alone: that part of the model is wrong for `run`'s sizes."""
+    measured = _measure(run)
+    kappa = next(iter(model.contention.values()), 0.0)
+    out: dict[str, float] = {}
+    for kind in ("train_step", "generate"):
+        ratios = []
+        for k in measured.calls:
+            if k.kind != kind:
+                continue
+            alone = model.generate.cost(k.size, k.steps) if kind == "generate" else model.train_step.cost(k.size)
+            if alone > 0:
+                ratios.append(k.dur / (alone * (1 + kappa * k.load)))
+        out[kind] = _median(ratios)
+    return out
+
+
+def fit_model(run: SourceRun) -> PlanModel:
+    """Fit the cost model of `run` (see the module); UserError when the run has too little to fit."""
+    spans = run.spans
+    measured = _measure(run)
+    calls, warm, trainer_lane, sampler_lanes, load_on = (
+        measured.calls,
+        measured.warm,
+        measured.trainer_lane,
+        measured.sampler_lanes,
+        measured.load_on,
+    )
+    rows = [r for r in run.trajectories if r.get("status") in ("ok", "filtered", None)] or run.trajectories
+    completion = [len(t) for r in rows if isinstance(t := r.get("completion_tokens"), list)]
+    prompts = [len(t) for r in rows if isinstance(t := r.get("prompt_tokens"), list)]
+    if not completion:
+        raise UserError(f"{run.run_dir}: no trajectory log to measure completion lengths from (trajectories/)")
+    tokens_per_sequence = statistics.fmean(completion) + (statistics.fmean(prompts) if prompts else 0.0)
+
+    decode = [k for k in calls if k.kind == "generate"]
+    steps_of = [k for k in calls if k.kind == "train_step"]
+
+    def fitted(c: float) -> tuple[DecodeCost, LinearCost]:
+        gen = fit_decode([k.size for k in decode], [k.steps for k in decode], [k.dur / (1 + c * k.load) for k in decode])
+        return gen, LinearCost(*_linear([k.size for k in steps_of], [k.dur / (1 + c * k.load) for k in steps_of]))
+
+    def cost_of(k: _Call, gen: DecodeCost, train: LinearCost) -> float:
+        return gen.cost(k.size, k.steps) if k.kind == "generate" else train.cost(k.size)
 
     def costs(c: float) -> list[float]:
-        lines = fitted(c)
-        return [lines[k.kind][0] + lines[k.kind][1] * k.size for k in calls]
+        gen, train = fitted(c)
+        return [cost_of(k, gen, train) for k in calls]
 
     kappa = fit_contention([(k.dur, k.load) for k in calls], costs)
-    lines = fitted(kappa)
-    gen, train = LinearCost(*lines["generate"]), LinearCost(*lines["train_step"])
+    gen, train = fitted(kappa)
     for call in warm:
-        cost = gen if call.kind == "generate" else train
-        cost.warmup_s = max(cost.warmup_s, call.dur / (1 + kappa * call.load) - cost.cost(call.size))
+        excess = call.dur / (1 + kappa * call.load) - cost_of(call, gen, train)
+        if call.kind == "generate":
+            gen.warmup_s = max(gen.warmup_s, excess)
+        else:
+            train.warmup_s = max(train.warmup_s, excess)
     train.warmup_s += _stalls([k for k in calls if k.kind == "train_step"], train, kappa)
 
     def alone(name: str, worker: str = "trainer") -> float:
@@ -340,9 +506,9 @@ def fit_model(run: SourceRun) -> PlanModel:
         return _quartile([s.dur for s in spans if s.name == name])
 
     diag: dict[str, dict[str, float]] = {}
-    for kind, cost in (("generate", gen), ("train_step", train)):
+    for kind in ("generate", "train_step"):
         mine = [k for k in calls if k.kind == kind]
-        errors = [abs(cost.cost(k.size) * (1 + kappa * k.load) / k.dur - 1) for k in mine if k.dur > 0]
+        errors = [abs(cost_of(k, gen, train) * (1 + kappa * k.load) / k.dur - 1) for k in mine if k.dur > 0]
         diag[kind] = {"spans": float(len(mine)), "median_abs_error": _median(errors), "mean_load": statistics.fmean(k.load for k in mine)}
     first_generate = min((s.start for s in spans if s.lane in sampler_lanes and s.name == "generate"), default=0.0)
     trainer_end = max(s.end for s in spans if s.lane == trainer_lane and s.name in ("train_step", "optim_step"))
@@ -352,7 +518,7 @@ def fit_model(run: SourceRun) -> PlanModel:
     return PlanModel(
         source=str(run.run_dir),
         cpu_count=os.cpu_count() or 1,
-        contention={"cpu" if devices["trainer"] == "cpu" else "cuda": kappa},
+        contention={"cpu" if device_name(run.cfg.train.device) == "cpu" else "cuda": kappa},
         generate=gen,
         tokens_per_sequence=tokens_per_sequence,
         train_step=train,
@@ -367,8 +533,39 @@ def fit_model(run: SourceRun) -> PlanModel:
         prompt_tokens=max(1, round(statistics.fmean(prompts))) if prompts else 1,
         completion_lengths=_histogram(completion),
         success_rates=_histogram(successes, 2),
+        ray=_ray_costs(spans),
         fit=diag,
     )
+
+
+def _ray_costs(spans: list[Span]) -> dict[str, float]:
+    """A Ray source's round trips (see the module); {} when the trace has no trainer actor lane."""
+    work = [s for s in spans if s.lane == timeline.ACTOR_TRAINER and s.name in ("train_step", "optim_step")]
+    if not work:
+        return {}
+    gaps = [b.start - a.end for a, b in zip(work, work[1:]) if a.name == "train_step" and b.name == "optim_step" and b.start >= a.end]
+    windows = [
+        float(end) - float(start) - s.dur
+        for s in spans
+        if s.lane.startswith("actor:sampler/")
+        and s.name == "generate"
+        and isinstance(start := s.args.get("call_start"), int | float)
+        and isinstance(end := s.args.get("call_end"), int | float)
+    ]
+    return {"trainer_call_s": _median(gaps), "sampler_call_s": max(0.0, _median(windows))}
+
+
+def _decode_sizes(span: Span, generations: int, max_new_tokens: int) -> tuple[float, float]:
+    """A generate span's decode rows and passes: its `sequences` and `steps` where the trace has
+    them, else n groups × `generations` rows and `max_new_tokens` passes (traces before they were
+    recorded)."""
+    rows, steps = span.args.get("sequences"), span.args.get("steps")
+    n = span.args.get("n")
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        rows = n * generations if isinstance(n, int) else 0
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        steps = max_new_tokens
+    return float(rows), float(max(1, steps))
 
 
 def _stalls(calls: Sequence[_Call], cost: LinearCost, kappa: float) -> float:
@@ -402,7 +599,9 @@ def model_summary(m: PlanModel) -> dict[str, Any]:
     return {
         "contention": m.contention,
         "generate_base_ms": m.generate.base_s * 1e3,
-        "generate_per_sequence_ms": m.generate.per_token_s * m.tokens_per_sequence * 1e3,
+        "generate_per_pass_ms": m.generate.per_step_s * 1e3,
+        "generate_per_row_pass_us": m.generate.per_row_step_s * 1e6,
+        "generate_row_exponent": m.generate.row_exponent,
         "train_step_base_ms": m.train_step.base_s * 1e3,
         "train_step_per_1k_tokens_ms": m.train_step.per_token_s * 1e6,
         "optim_step_ms": m.optim_step_s * 1e3,

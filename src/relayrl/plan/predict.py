@@ -23,7 +23,7 @@ from relayrl.plan.check import FIGURES
 from relayrl.plan.fit import PlanModel
 from relayrl.plan.resources import devices_for
 from relayrl.plan.source import SourceRun, measured_figures, read_source
-from relayrl.plan.workers import PlanSampler, PlanTrainer
+from relayrl.plan.workers import PlanSampler, PlanTrainer, RayCosts, RayPlanTrainer
 
 
 def target_config(source_dir: Path, sets: Sequence[str]) -> Config:
@@ -50,22 +50,46 @@ def _sim_config(target: Config, model: PlanModel, seed: int, out_dir: Path, step
     return cfg
 
 
-def _run_once(cfg: Config, model: PlanModel) -> Path:
+# predicting a Ray run from a local one: one actor call's round trip as measured on this kind of
+# machine (shared/FACTS.md, Ray 2.60: 0.7-0.8 ms), for the trainer's and the samplers' calls alike
+ASSUMED_RAY_CALL_S = 0.00075
+
+
+def ray_costs(target: Config, model: PlanModel) -> tuple[RayCosts | None, str | None]:
+    """The round trips a planned run on Ray pays: the source's when it ran on Ray, else assumed
+    (ASSUMED_RAY_CALL_S; the second value says so); (None, None) when the target is not on Ray."""
+    if not target.ray.enabled:
+        return None, None
+    if model.ray:
+        return RayCosts(model.ray.get("trainer_call_s", 0.0), model.ray.get("sampler_call_s", 0.0)), None
+    note = (
+        f"ray: the source ran without Ray; each actor call's round trip is assumed {ASSUMED_RAY_CALL_S * 1e3:.2f} ms"
+        " and the weight transport the source's sync round"
+    )
+    return RayCosts(ASSUMED_RAY_CALL_S, ASSUMED_RAY_CALL_S), note
+
+
+def _run_once(cfg: Config, model: PlanModel, ray: RayCosts | None, queue_ahead: bool) -> Path:
     from relayrl.backends.sim.build import compute
     from relayrl.orchestrator.build import build_program
 
     devices = devices_for(cfg, model.contention)
     parts = compute(cfg, threading.Event())
+    trainer = (
+        RayPlanTrainer(model, devices["trainer"], ray, queue_ahead, ppo_epochs=cfg.train.ppo_epochs)
+        if ray is not None
+        else PlanTrainer(model, devices["trainer"], ppo_epochs=cfg.train.ppo_epochs)
+    )
     backend = parts.backend(
-        trainer=PlanTrainer(model, devices["trainer"], ppo_epochs=cfg.train.ppo_epochs),
+        trainer=trainer,
         samplers=[
-            PlanSampler(model, devices[f"sampler/{i}"], cfg.rollout.max_new_tokens, cfg.run.seed, i)
+            PlanSampler(model, devices[f"sampler/{i}"], cfg.rollout.max_new_tokens, cfg.run.seed, i, ray)
             for i in range(cfg.rollout.num_samplers)
         ],
         greedy=None,
         startup={},
         cleanup=lambda: None,
-        attach_tracer=lambda _tracer: None,
+        attach_tracer=trainer.attach if isinstance(trainer, RayPlanTrainer) else lambda _tracer: None,
     )
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     asyncio.run(build_program(cfg, run_dir=run_dir, backend=backend).run())
@@ -77,6 +101,7 @@ class Prediction:
     """Per seed figures and their spread."""
 
     per_seed: list[dict[str, object]]
+    assumed: str | None = None  # what the prediction assumed beyond the source's trace
 
     def figure(self, name: str) -> dict[str, float] | None:
         values = [float(v) for f in self.per_seed if isinstance(v := f.get(name), int | float)]
@@ -102,6 +127,8 @@ class Prediction:
         out: dict[str, object] = {name: self.figure(name) for name in FIGURES}
         out["staleness"] = self.staleness()
         out["seeds"] = len(self.per_seed)
+        if self.assumed:
+            out["assumed"] = self.assumed
         return out
 
 
@@ -131,11 +158,12 @@ def predict(target: Config, model: PlanModel, seeds: int = 3, steps: int | None 
     if target.task.environment is not None or target.task.agent is not None:
         raise UserError("plan: multi-turn and agent runs are not modelled yet (task.environment / task.agent set)")
     per_seed = []
+    ray, assumed = ray_costs(target, model)
     with tempfile.TemporaryDirectory(prefix="relayrl-plan-") as tmp:
         for i in range(seeds):
             cfg = _sim_config(target, model, target.run.seed + i, Path(tmp), steps)
-            per_seed.append(_figures(_run_once(cfg, model), model))
-    return Prediction(per_seed)
+            per_seed.append(_figures(_run_once(cfg, model, ray, target.ray.queue_ahead), model))
+    return Prediction(per_seed, assumed)
 
 
 def source_figures(run: SourceRun) -> dict[str, object]:

@@ -65,7 +65,7 @@ from relayrl.backends.protocols import PendingExport, Sampler, Trainer
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import decode, encode
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import GenerateResult, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
+from relayrl.types import GenerateResult, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights, generate_sizes
 
 
 @dataclass(slots=True, frozen=True)
@@ -310,6 +310,8 @@ class RaySampler(Sampler):
             raise
         if method == "load_weights":
             span_args = {**span_args, "version": timed.value}  # the version loaded (an export's own)
+        elif method == "generate":
+            span_args = {**span_args, **generate_sizes(timed.value)}  # the decode batch's rows and passes (relayrl.plan)
         self.spans.record(method, start, timed, **span_args)
         return timed.value
 

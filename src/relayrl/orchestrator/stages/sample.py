@@ -29,7 +29,7 @@ from relayrl.orchestrator.stages.agents import AgentError
 from relayrl.orchestrator.stages.collect import to_group
 from relayrl.orchestrator.stages.episodes import EnvironmentStepError, EpisodePromptTooLong, EpisodeRunner
 from relayrl.telemetry.tracer import Tracer
-from relayrl.types import Group, SampleRequest, TurnRequest, TurnResult
+from relayrl.types import Group, SampleRequest, TurnRequest, TurnResult, generate_sizes
 
 
 class Rollout(Protocol):
@@ -53,6 +53,7 @@ class SingleTurn:
         version = min((r.policy_version for r in results), default=slot.version)
         used = sorted({v for r in results for c in r.completions if c.versions for _, v in c.versions})
         extra: dict[str, object] = {"versions": used} if len(used) > 1 else {}  # rollout.interruptible: a load landed meanwhile
+        extra.update(generate_sizes(results))  # the decode batch's rows and passes (relayrl.plan's cost model)
         self._tracer.complete(f"sampler/{slot.replica}", "generate", start, self._tracer.now(), n=len(requests), version=version, **extra)
         return [to_group(r) for r in results]
 
