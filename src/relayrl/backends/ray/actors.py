@@ -64,7 +64,8 @@ import ray
 from relayrl.backends.protocols import PendingExport, Sampler, Trainer
 from relayrl.backends.ray.collective import Broadcast, Member, Received, backend_for, free_port, layout_of
 from relayrl.backends.ray.spans import ActorSpans, Timed
-from relayrl.backends.ray.transport import decode, encode
+from relayrl.backends.ray.transport import ArrayState, decode, encode
+from relayrl.backends.transports import STAGED
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights
 
@@ -330,7 +331,10 @@ class _TrainerActor:
             ready = weights.ready  # (CUDA) recorded on the trainer's stream after the snapshot's copies were queued
             if ready is not None:  # this thread's stream would copy them out before they are written
                 await asyncio.to_thread(ready.synchronize)  # type: ignore[attr-defined]
-            exported = Weights(version=weights.version, payload=ray.put(encode(weights.payload)))
+            encoded = encode(weights.payload)
+            if isinstance(encoded, ArrayState):  # one copy into the object store (host memory)
+                STAGED.add(sum(a.nbytes for a in encoded.arrays.values() if a is not None))
+            exported = Weights(version=weights.version, payload=ray.put(encoded))
             self._exported = exported  # the previous version's object is freed once no sampler holds it
         return exported
 
