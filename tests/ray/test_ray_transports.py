@@ -112,3 +112,18 @@ def test_object_store_run_passes_check_trace(cluster: RayCluster, tmp_path: Path
     (state, version), (trainer_state, trainer_version) = seen
     assert version == trainer_version == 2
     assert all(torch.equal(state[n], t) for n, t in trainer_state.items())
+
+
+@pytest.mark.slow
+def test_bench_weights_measures_both_ray_transports_on_the_tiny_model(cluster: RayCluster) -> None:
+    from relayrl.bench.weights import run_weights
+
+    figures = run_weights(["tiny"], replicas=2, versions=1, ray_address="auto")
+    tiny = figures["models"]["tiny"]  # type: ignore[index]
+    assert set(tiny["transports"]) == {"direct", "file", "object_store", "collective"}
+    for name in ("object_store", "collective"):
+        t = tiny["transports"][name]
+        assert {"seconds_per_version", "gb_per_s", "host_copies"} <= set(t) and t["seconds_per_version"] > 0
+    assert tiny["transports"]["object_store"]["host_copies"] == pytest.approx(1.0)  # the one ray.put
+    # the trainer's bucket, and each receiver's (gloo on the CPU stages in host memory)
+    assert tiny["transports"]["collective"]["host_copies"] == pytest.approx(3.0)

@@ -17,7 +17,7 @@ from support.cli import relayrl
         (["run.backend=local"], "direct", ("direct",)),
         (["run.backend=sim"], "direct", ("direct",)),
         (["run.backend=local", "rollout.engine=vllm"], "file", ("file",)),
-        (["run.backend=local", "ray.enabled=true"], "collective", ("collective", "object_store")),
+        (["run.backend=local", "ray.enabled=true"], "object_store", ("collective", "object_store")),
         (["run.backend=sim", "ray.enabled=true"], "object_store", ("object_store",)),
         (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "object_store", ("object_store",)),
     ],
@@ -25,7 +25,8 @@ from support.cli import relayrl
 def test_auto_picks_the_fastest_transport_that_applies(sets: list[str], auto: str, fits: tuple[str, ...]) -> None:
     cfg = load_config(None, sets)
     assert applicable(cfg) == fits
-    assert resolve(cfg) == auto
+    assert resolve(cfg) == auto  # a trainer on the CPU
+    assert resolve(cfg, trainer_on_cuda=True) == fits[0]  # on a GPU: the collective (NCCL) where it applies
     for transport in fits:  # each that applies is accepted and runs as set
         assert resolve(load_config(None, [*sets, f"rollout.weight_transport={transport}"])) == transport
 

@@ -277,7 +277,7 @@ def _place(
     ray_samplers = [RaySampler(a, i, interruptible=cfg.rollout.interrupts) for i, a in enumerate(sampler_actors)]
     samplers: list[Sampler] = list(ray_samplers)
     broadcast = None
-    if resolve(cfg) == "collective":
+    if resolve(cfg, trainer_on_cuda="GPU" in trainer_res) == "collective":
         from relayrl.backends.ray.collective import join
 
         started = time.perf_counter()
