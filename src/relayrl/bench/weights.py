@@ -23,7 +23,9 @@ version's bytes: a transport that stages nothing counts 0).
 
 Target (issue 31): on the 0.5B-shaped model across 2 Ray sampler actors, the collective
 transport's seconds per version at most half the object store's (printed met / MISSED).
-Memory: one model's actors at a time; at bfloat16 (the default) the 0.5B shape is ~1 GB a copy.
+Every process computes on one thread (`torch.set_num_threads(1)`: the in-process transports and
+each actor alike; on a loaded 2-core machine two threads per copy made the in-process copies 10x
+slower). Memory: one model's actors at a time; at bfloat16 (the default) the 0.5B shape is ~1 GB a copy.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class BenchTrainer:
     """A trainer stand-in: each export is a new commit's snapshot of its model (`clone_once`)."""
 
     def __init__(self, model: str, dtype: str) -> None:
+        import torch
+
+        torch.set_num_threads(1)
         self.model = build_model(model, dtype)
         self.version = 0
 
@@ -91,6 +96,9 @@ class BenchSampler:
     """A sampler stand-in: loads a version into its model as `LocalSampler.load_weights` does."""
 
     def __init__(self, model: str, dtype: str, seed: int) -> None:
+        import torch
+
+        torch.set_num_threads(1)
         self.model = build_model(model, dtype, seed=seed)
         self.version = 0
 
@@ -152,10 +160,15 @@ def _in_process(model: str, dtype: str, replicas: int, versions: int) -> dict[st
         return time.perf_counter() - start
 
     out: dict[str, dict[str, float]] = {}
-    for name, run in (("direct", direct), ("file", file)):
-        before = STAGED.read()
-        seconds = _median_s(run, versions)
-        out[name] = _figures(nbytes, seconds, (STAGED.read() - before) / (versions + 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, run in (("direct", direct), ("file", file)):
+            before = STAGED.read()
+            seconds = _median_s(run, versions)
+            out[name] = _figures(nbytes, seconds, (STAGED.read() - before) / (versions + 1))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -179,6 +192,15 @@ def _staged(actor: Any) -> int:
 
     staged: int = ray.get(actor.__ray_call__.remote(read))
     return staged
+
+
+async def _forget_export(actor: Any) -> None:
+    """Drop the trainer actor's reference to its last object-store version (its memory freed)."""
+
+    def forget(self: Any) -> None:
+        self._exported = None
+
+    await actor.__ray_call__.remote(forget)
 
 
 async def _timed_versions(one: Callable[[], Awaitable[None]], versions: int) -> float:
@@ -216,6 +238,7 @@ def _on_ray(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -
         seconds = await _timed_versions(object_store, versions)
         out["object_store"] = _figures(nbytes, seconds, (sum(_staged(a) for a in actors) - before) / (versions + 1))
 
+        await _forget_export(trainer_actor)  # (the last version in the object store: freed before the next phase)
         broadcast = await asyncio.to_thread(join, trainer, samplers, 0.0)
 
         async def collective() -> None:

@@ -595,7 +595,10 @@ def bench_weights(
     if dtype not in ("bfloat16", "float32"):
         _fail(f"--dtype {dtype!r}: bfloat16 or float32")
     figures = _bench(lambda: run_weights(names, replicas=replicas, versions=versions, dtype=dtype, ray=ray), as_json)
-    out.print(f"one version = export + {replicas} replicas loaded, {dtype}; median of {versions} versions (after one warm-up)")
+    out.print(
+        f"one version = export + {replicas} replicas loaded, {dtype}, one compute thread per process; "
+        f"median of {versions} versions (after one warm-up)"
+    )
     for name, f in cast(dict[str, dict[str, Any]], figures["models"]).items():
         out.print(f"{name}: export {f['export_bytes'] / 2**20:,.1f} MiB (unique parameters {f['unique_param_bytes'] / 2**20:,.1f} MiB)")
         for transport, t in cast(dict[str, dict[str, float]], f["transports"]).items():
