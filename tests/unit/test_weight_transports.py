@@ -101,3 +101,41 @@ def test_bench_weights_json_has_each_transports_figures_per_model() -> None:
     assert tiny["transports"]["direct"]["host_copies"] == 0.0
     assert tiny["transports"]["file"]["host_copies"] == pytest.approx(2 * figures["replicas"])  # written and read per replica
     assert "met" not in figures["target"]  # (not measured without Ray)
+
+
+@pytest.mark.torch
+def test_the_collective_group_delivers_bit_identical_weights_and_a_dead_member_fails_the_others_fast() -> None:
+    """Three processes in one gloo group (no Ray): a round arrives bit for bit with its dtypes and
+    tied names; once a receiver died, the trainer's next broadcast and the other receiver's pending
+    receive both fail in seconds, not at the group's 60 s timeout (each then falls back, see
+    relayrl.backends.ray.collective)."""
+    import multiprocessing
+    import queue as queues
+
+    from relayrl.backends.ray.collective import free_port
+    from support.collective import member
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=member, args=(rank, port, q)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    got: dict[tuple[int, str], float] = {}
+    try:
+        deadline = 50.0
+        while len(got) < 5 and deadline > 0:
+            try:
+                rank, what, *rest = q.get(timeout=1.0)
+            except queues.Empty:
+                deadline -= 1.0
+                continue
+            got[(rank, what)] = rest[0] if rest else 0.0
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    assert (0, "sent") in got and (1, "identical") in got and (2, "identical") in got, got
+    assert (0, "round 2 failed") in got and (1, "round 2 failed") in got, got
+    assert got[(0, "round 2 failed")] < 10 and got[(1, "round 2 failed")] < 10, got

@@ -18,7 +18,8 @@ so the bytes a worker loads are bit-identical to the trainer's snapshot. Buckets
 (a uint8 view), so every dtype (bfloat16 included) goes over gloo and NCCL alike.
 
 Failure: a collective that raises (a member died, a timeout) breaks the group for good on that
-member (`Member.broken`). A trainer whose broadcast failed reports it (`Broadcast.error`); a
+member (`Member.broken`), which leaves the group at once, so that its peers' pending collectives
+fail then too (their sockets to it close) rather than at their timeout. A trainer whose broadcast failed reports it (`Broadcast.error`); a
 receiver whose receive failed fetches the trainer's version from the object store instead
 (the trainer actor's `export_weights`), so its load still lands; either way the driver
 (`RayBroadcast`) broadcasts no more and the weight publisher uses the object store from then on.
@@ -190,7 +191,7 @@ class Member:
                     STAGED.add(flat.numel() * flat.element_size())
                 dist.broadcast(flat.view(torch.uint8), src=0)
         except Exception as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
+            self._abort(exc)
             raise
 
     def receive(self, round_: int) -> tuple[int, dict[str, torch.Tensor]]:
@@ -213,9 +214,21 @@ class Member:
                 if bucket.device.type == "cpu":
                     STAGED.add(bucket.numel() * bucket.element_size())
         except Exception as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
+            self._abort(exc)
             raise
         return version, dict(self._views)
+
+    def _abort(self, exc: BaseException) -> None:
+        """The group is broken: leave it at once, so that the peers' pending collectives fail now
+        (their sockets to this member close) instead of at their timeout."""
+        import torch.distributed as dist
+
+        self.broken = f"{type(exc).__name__}: {exc}"
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
 
     def _usable(self) -> None:
         if self.broken is not None:
