@@ -20,6 +20,7 @@ from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
+from support.simutil import event_args  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -127,3 +128,63 @@ def test_bench_weights_measures_both_ray_transports_on_the_tiny_model(cluster: R
     assert tiny["transports"]["object_store"]["host_copies"] == pytest.approx(1.0)  # the one ray.put
     # the trainer's bucket, and each receiver's (gloo on the CPU stages in host memory)
     assert tiny["transports"]["collective"]["host_copies"] == pytest.approx(3.0)
+
+
+@pytest.mark.slow
+def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_completes(cluster: RayCluster, tmp_path: Path) -> None:
+    """Replica 1's actor process is killed once version 1 reached both replicas: the next round's
+    broadcast fails (the group is broken for good), the surviving replica loads that version from
+    the object store instead, the killed one's load fails (it stays in service: its restarted
+    process loads from the object store), later rounds use the object store, and the run
+    completes, its trace checked."""
+    import warnings
+
+    from relayrl.backends.ray.collective import RayBroadcast
+    from relayrl.orchestrator.replicas import SamplerRestartedWarning
+
+    sets = [
+        "run.backend=local",
+        "run.steps=4",
+        "eval.enabled=false",
+        "rollout.groups_per_step=2",
+        "rollout.num_generations=2",
+        "rollout.num_samplers=2",
+        "rollout.weight_transport=collective",
+        "orchestrator.release_memory=false",
+        "ray.enabled=true",
+        "ray.address=auto",
+    ]
+    program = build_program(load_config(None, sets), run_dir=tmp_path / "run")
+    broadcast = program.backend.broadcast
+    assert isinstance(broadcast, RayBroadcast)
+    victim = program.backend.samplers[1]
+    assert isinstance(victim, RaySampler)
+
+    async def kill_after_first_sync() -> None:
+        while program.replicas is None or min(s.version for s in program.replicas.slots) < 1:
+            await asyncio.sleep(0.05)
+        ray.kill(victim.actor, no_restart=False)  # Ray restarts its process
+
+    async def go() -> None:
+        killer = asyncio.create_task(kill_after_first_sync())
+        try:
+            await program.run()
+        finally:
+            killer.cancel()
+            await asyncio.gather(killer, return_exceptions=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SamplerRestartedWarning)
+        asyncio.run(asyncio.wait_for(go(), 240))
+    report = check_run_dir(tmp_path / "run")
+    assert report.ok, report.violations
+    assert report.completed
+    assert len(program.replicas.slots) == 2  # neither replica retired
+    assert broadcast.broken is not None and not victim.collective_member
+    events = [e for e in program.tracer.events if e.get("name") in ("broadcast_weights", "load_weights", "load_weights_failed")]
+    names = [e["name"] for e in events]
+    assert names.count("broadcast_weights") == 2  # version 1's, and the one that failed
+    after = events[names.index("broadcast_weights", names.index("broadcast_weights") + 1) + 1 :]
+    loads = [e for e in after if e["name"] == "load_weights"]
+    assert loads and all(event_args(e).get("transport") in (None, "object_store") for e in loads)  # the object store from then on
+    assert any(e["name"] == "load_weights_failed" for e in after)  # the killed replica's load

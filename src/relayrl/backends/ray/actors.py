@@ -200,9 +200,9 @@ class _SamplerActor:
         """Load broadcast round `round_` (`relayrl.backends.ray.collective`); when the receive
         fails, the trainer's version from the object store instead."""
         member = self._collective
+        if member is None:  # a restarted actor (a new process joined no group): restarted, it loads from the object store
+            raise SamplerNeedsWeightsError("this sampler actor was restarted: it is no member of the collective weight group")
         try:
-            if member is None:
-                raise RuntimeError("this sampler actor is no member of the collective weight group")
             version, payload = await asyncio.to_thread(member.receive, round_)
         except Exception:
             if self._trainer is None:
@@ -440,6 +440,7 @@ class RaySampler(Sampler):
         try:
             await self._call("load_weights", weights, group="load" if self.interruptible else None, version=weights.version)
         except ACTOR_GONE:
+            self.collective_member = False  # (its process died: a new one joined no group)
             if restarts == self._restarts:  # not already made good by a restart (and the load after it)
                 self._stale = True
             raise
