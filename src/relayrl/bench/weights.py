@@ -50,7 +50,7 @@ def build_model(name: str, dtype: str, seed: int = 0) -> Any:
     """The benchmark's model `name` on the CPU in `dtype` (random weights but the tiny one's)."""
     import torch
 
-    from relayrl.bench.gpu_check import QWEN2_05B, build_random_qwen2
+    from relayrl.bench.qwen2 import QWEN2_05B, build_random_qwen2
 
     torch_dtype = getattr(torch, dtype)
     if name == "tiny":
