@@ -122,3 +122,17 @@ def test_a_vllm_run_with_interruptible_loads_passes_the_checker(tmp_path: Path) 
         if s.name == "generate" and s.lane.startswith("sampler/") and "versions" in s.args:
             versions = s.args["versions"]
             assert isinstance(versions, list) and s.args["version"] == min(versions)
+
+
+def test_a_run_with_the_file_transport_passes_the_checker_and_stages_its_files(tmp_path: Path) -> None:
+    """rollout.weight_transport = "file" (issue 31 §1), set explicitly: each version reaches the
+    engine through its safetensors file (counted as bytes staged in host memory: written and read
+    back), and the run's trace passes check-trace."""
+    from relayrl.backends.transports import STAGED
+
+    sets = [s for s in SETS if not s.startswith(("run.steps=", "orchestrator.checkpoint_every="))]
+    sets += ["run.steps=2", "rollout.weight_transport=file"]
+    before = STAGED.read()
+    result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=tmp_path / "run"), timeout=600)
+    assert result.ledger.as_dict()["groups_trained"] == 2 * 8
+    assert STAGED.read() > before  # the files written (the worker's reads count in its own process)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relayrl.backends.protocols import Collator, GreedyEngine, HostWork, PromptEncoder, Sampler, TextDecoder, TextEncoder, Trainer
+from relayrl.backends.transports import WeightBroadcast
 from relayrl.telemetry.tracer import Tracer
 
 
@@ -42,6 +43,9 @@ class Backend:
     # worker's `Sampler.gpu_mem_peak_gb`, asked by the host that built it: the orchestrator only
     # awaits a worker's calls); None: none measured
     sampler_gpu_peak: Callable[[], float | None] = lambda: None
+    # rollout.weight_transport = "collective": the broadcast the weight publisher uses for the rounds
+    # it covers (None: every version moves by the trainer's export)
+    broadcast: WeightBroadcast | None = None
 
     async def close(self) -> None:
         """Close every worker, even when some fail to close (a retired replica may be broken),

@@ -604,6 +604,48 @@ def bench_engines(
             out.print(f"  vllm/hf tokens/s: {f['vllm']['tokens_per_s'] / f['hf']['tokens_per_s']:.2f}")
 
 
+@bench_app.command("weights")
+def bench_weights(
+    models: str = typer.Option("tiny,qwen2-52m,qwen2-0.5b", help="Comma-separated models: tiny, qwen2-52m, qwen2-0.5b."),
+    replicas: int = typer.Option(2, min=1, help="Sampler replicas each version is loaded into (Ray: sampler actors)."),
+    versions: int = typer.Option(3, min=1, help="Timed versions per model and transport (after one warm-up); the median is printed."),
+    dtype: str = typer.Option("bfloat16", help="The models' dtype: bfloat16 or float32."),
+    ray: bool = typer.Option(True, "--ray/--no-ray", help="Include the Ray transports (object_store, collective) on a local cluster."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Every weight transport (rollout.weight_transport) side by side: one version = the trainer's
+    commit snapshot loaded into every replica; bytes, seconds and GB/s per version and host copies
+    (bytes staged in host memory per version's bytes), on the tiny model, a random 52M Qwen2 and a
+    random Qwen2.5-0.5B-shaped Qwen2 (nothing downloaded)."""
+    from relayrl.bench.weights import WEIGHT_MODELS, run_weights
+
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names or any(m not in WEIGHT_MODELS for m in names):
+        _fail(f"--models {models!r}: give models among {', '.join(WEIGHT_MODELS)}, separated by commas")
+    if dtype not in ("bfloat16", "float32"):
+        _fail(f"--dtype {dtype!r}: bfloat16 or float32")
+    figures = _bench(lambda: run_weights(names, replicas=replicas, versions=versions, dtype=dtype, ray=ray), as_json)
+    out.print(
+        f"one version = export + {replicas} replicas loaded, {dtype}, one compute thread per process; "
+        f"median of {versions} versions (after one warm-up)"
+    )
+    for name, f in cast(dict[str, dict[str, Any]], figures["models"]).items():
+        out.print(f"{name}: export {f['export_bytes'] / 2**20:,.1f} MiB (unique parameters {f['unique_param_bytes'] / 2**20:,.1f} MiB)")
+        for transport, t in cast(dict[str, dict[str, float]], f["transports"]).items():
+            out.print(
+                f"  {transport:<12} {t['bytes_per_version'] / 2**20:9,.1f} MiB/version  {t['seconds_per_version']:8.3f} s/version  "
+                f"{t['gb_per_s']:7.3f} GB/s  host copies {t['host_copies']:.1f}"
+            )
+    target = cast(dict[str, Any], figures["target"])
+    if "met" in target:
+        out.print(
+            f"{target['model']}, {target['replicas']} Ray sampler actors: collective {target['speedup']:.2f}x the object store "
+            f"(target >= {target['collective_over_object_store']:.0f}x)  {'met' if target['met'] else 'MISSED'}"
+        )
+    else:
+        out.print(f"target (collective >= 2x object_store on {target['model']}, 2 Ray sampler actors): not measured in this run")
+
+
 @bench_app.command("trainer")
 def bench_trainer(
     world_size: str = typer.Option("1,2", "--world-size", help="Comma-separated rank counts (train.world_size)."),

@@ -339,6 +339,18 @@ class RolloutConfig(_Section):
     `bash scripts/setup.sh --vllm`; top_p must be 1).
     Held-out evaluation runs on the hf engine either way; sampler_threads and sampler_nice apply
     to the hf engine only."""
+    weight_transport: Literal["auto", "object_store", "file", "collective", "direct"] = "auto"
+    """How a committed version's bytes reach the sampler replicas (relayrl.backends.transports):
+    "direct", in one process with the hf engine (or the sim), each sampler copies the trainer's
+    committed snapshot device to device; "file", in one process with engine = "vllm", each replica
+    writes it to a safetensors file (/dev/shm) its engine reads back; "object_store", on Ray, the
+    trainer actor puts each version once into Ray's object store; "collective", on Ray with
+    run.backend = "local" and train.world_size = 1, a torch.distributed broadcast from the trainer
+    actor to the sampler actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; a round
+    that does not load every sampler actor, a restart or the evaluation uses the object store).
+    "auto": the fastest that applies: direct or file in one process; on Ray, collective when the
+    trainer actor computes on a GPU (NCCL), else object_store (faster on one CPU node, measured by
+    `relayrl bench weights`). One that does not apply to the hosting, kind and engine is refused."""
     sampler_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Each sampler's intra-op threads; 0 = auto (see train.torch_threads)."""
     sampler_nice: int = Field(0, ge=0, le=19, json_schema_extra=RESUMABLE)
@@ -980,6 +992,10 @@ class Config(_Section):
                 f"rollout.replica_devices names {len(self.rollout.replica_devices)} devices for rollout.num_samplers ="
                 f" {self.rollout.num_samplers} replicas: give one per replica (or none)"
             )
+        from relayrl.backends.transports import refusal
+
+        if (refused := refusal(self)) is not None:
+            raise ValueError(refused)
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p = {self.rollout.top_p} is not supported with rollout.engine = 'vllm' (its log-probs renormalise"

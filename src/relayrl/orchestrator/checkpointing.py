@@ -347,4 +347,4 @@ async def restore(point: ResumePoint, *, trainer: Trainer, publisher: WeightPubl
         raise CheckpointError(f"{point.directory}: cannot restore the trainer state ({type(exc).__name__}: {exc})") from exc
     if version != point.step:
         raise CheckpointError(f"{point.directory}: trainer state is version {version}, the checkpoint says {point.step}")
-    return await publisher.publish_newest()
+    return await publisher.publish_newest(loadable=True)  # (the owed evaluation loads them)

@@ -221,7 +221,9 @@ class Program:
         start = self.start_step
         self.replicas = ReplicaPool.of(backend.samplers, cfg.rollout.sampler_failover, version=start)
         # every way weights reach the samplers (sync rounds, restarts, the resume) goes through it
-        publisher = WeightPublisher(self.trainer, self.replicas, self.tracer, load_timeout_s=cfg.rollout.weight_load_timeout_s)
+        publisher = WeightPublisher(
+            self.trainer, self.replicas, self.tracer, load_timeout_s=cfg.rollout.weight_load_timeout_s, broadcast=backend.broadcast
+        )
         window = DispatchWindow(cfg.rollout.groups_per_step, cfg.rollout.max_staleness, cfg.run.steps, start)
         committed = VersionSignal(start)
         sync_times = SyncTimes()

@@ -22,11 +22,15 @@ pushes); a replica's `SamplerSlot.version` changes only when a load of that vers
 returned; a replica being restarted is skipped by rounds and loads `pool.target` or newer before
 it samples again; at most one export per round, none for a restart while a version is held.
 
-Where a GPU transport plugs in: a transport (NCCL broadcast from the trainer's ranks to the
-samplers', CUDA IPC handles on one node) replaces `_export` (the trainer announces a version
-instead of returning its tensors) and `_load` (each replica receives that version by broadcast or
-maps the trainer's memory instead of copying a payload); the rest of this class — which replicas
-load, the bounds, failover, restarts, tracing — and every caller stay as they are.
+Weight transports (`rollout.weight_transport`, `relayrl.backends.transports`): the trainer's
+export and each replica's load move the bytes as the backend's transport does (direct, file, object
+store); the collective one (`broadcast`, a `WeightBroadcast`) replaces a round's export and loads
+when the round loads every replica it `covers`: the trainer broadcasts the version and each
+replica receives it in its `load_weights` (the payload it is handed names the broadcast). A round
+it does not cover, a restart and the evaluation go through the trainer's export instead. A
+broadcast version is not kept as `_newest` (it holds no tensors): a restart exports again. The
+rest of this class — which replicas load, the bounds, failover, restarts, tracing — and every
+caller stay as they are.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 
-from relayrl.backends.protocols import Trainer
+from relayrl.backends.protocols import PendingExport, Trainer
+from relayrl.backends.transports import WeightBroadcast
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import ReplicaPool, SamplerSlot
 from relayrl.telemetry.tracer import Tracer
@@ -46,21 +51,25 @@ LOAD_KEY = "rollout.weight_load_timeout_s"
 class WeightPublisher:
     """Publishes the trainer's versions to the replicas of `pool` (see module)."""
 
-    def __init__(self, trainer: Trainer, pool: ReplicaPool, tracer: Tracer, *, load_timeout_s: float) -> None:
+    def __init__(
+        self, trainer: Trainer, pool: ReplicaPool, tracer: Tracer, *, load_timeout_s: float, broadcast: WeightBroadcast | None = None
+    ) -> None:
         self._trainer = trainer  # bounded by train.call_timeout_s (the program's BoundedTrainer)
         self.pool = pool
         self._tracer = tracer
         self._load_timeout_s = load_timeout_s  # 0: no bound
         self._newest: Weights | None = None  # the newest export: what a restarted replica loads
+        self._broadcast = broadcast  # the collective transport (None: the trainer's export moves every version)
 
     async def _export(self) -> Weights:
         """The trainer's newest weights, kept as the version replicas must hold from now on."""
         return self._keep(await self._trainer.export_weights())
 
-    def _keep(self, weights: Weights) -> Weights:
-        """Keep exported `weights` as the version replicas must hold from now on."""
+    def _keep(self, weights: Weights, loadable: bool = True) -> Weights:
+        """Keep exported `weights` as the version replicas must hold from now on (`loadable`
+        False: a broadcast's, which a restarted replica cannot load: it exports again)."""
         if self._newest is None or weights.version >= self._newest.version:
-            self._newest = weights
+            self._newest = weights if loadable else None
         self.pool.target = max(self.pool.target, weights.version)  # a replica restarting now loads this or newer
         return weights
 
@@ -72,18 +81,32 @@ class WeightPublisher:
     async def _bounded(self, slot: SamplerSlot, load: Awaitable[None]) -> None:
         await bounded(load, self._load_timeout_s, f"sampler replica {slot.replica}: load_weights", LOAD_KEY)
 
-    async def publish_newest(self) -> Weights:
+    async def publish_newest(self, *, loadable: bool = False) -> Weights:
         """Export the trainer's newest version and load it into every replica in service but those
-        being restarted; fail over each replica whose load fails (see module). Returns the weights."""
+        being restarted; fail over each replica whose load fails (see module). Returns the weights
+        (`loadable`: weights another engine can load, exported again after a broadcast)."""
+        weights = await self._publish_newest()
+        if loadable and self._newest is not weights:
+            weights = await self._export()
+        return weights
+
+    async def _publish_newest(self) -> Weights:
         start = self._tracer.now()
-        pending = await self._trainer.export_ahead()
+        broadcast = self._broadcast
+        covered = self._loading()
+        pending: PendingExport | None
+        if broadcast is not None and broadcast.covers([s.replica for s in covered]):
+            pending = await broadcast.export_ahead()  # every covered replica loads it (below), even one restarting meanwhile
+        else:
+            broadcast = None
+            pending = await self._trainer.export_ahead()
         outcomes: Sequence[object]
         if pending is None:
             weights = await self._export()
             slots = self._loading()
             outcomes = await asyncio.gather(*(self._load(s, weights) for s in slots), return_exceptions=True)
         else:  # the loads start now and wait for the export where they run, each bounded from its end
-            slots = self._loading()
+            slots = covered if broadcast is not None else self._loading()
             loads = [asyncio.ensure_future(s.worker.load_weights(pending.weights)) for s in slots]
             try:
                 weights = await pending.done
@@ -96,9 +119,11 @@ class WeightPublisher:
                     load.cancel()
                 await asyncio.gather(*loads, return_exceptions=True)
                 raise
-            self._keep(weights)
+            self._keep(weights, loadable=broadcast is None)
             # a replica whose restart ended during the export holds an older version: it loads this one too
             late = [s for s in self._loading() if s not in slots and s.version < weights.version]
+            if late and broadcast is not None:  # (it was no member of the broadcast: the trainer's export)
+                weights = await self._export()
             outcomes = await asyncio.gather(
                 *(self._bounded(s, load) for s, load in zip(slots, loads, strict=True)),
                 *(self._load(s, weights) for s in late),

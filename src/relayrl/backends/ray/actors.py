@@ -57,13 +57,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 
 from relayrl.backends.protocols import PendingExport, Sampler, Trainer
+from relayrl.backends.ray.collective import Broadcast, Member, Received, backend_for, free_port, layout_of
 from relayrl.backends.ray.spans import ActorSpans, Timed
-from relayrl.backends.ray.transport import decode, encode
+from relayrl.backends.ray.transport import ArrayState, decode, encode
+from relayrl.backends.transports import STAGED
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import GenerateResult, SampleRequest, TrainBatch, TurnRequest, TurnResult, Weights, generate_sizes
 
@@ -140,6 +142,7 @@ TRAINER_CALLS: dict[str, str] = {
     "load_state": "train",
     "get_metrics": "io",
     "export_weights": "io",
+    "broadcast_weights": "io",
     "save_state": "io",
     "close": "io",
 }
@@ -154,6 +157,8 @@ class _SamplerActor:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._worker = factory()  # on a restart, Ray runs this again: a fresh worker
         self._loaded: int | None = None
+        self._collective: Member | None = None  # rollout.weight_transport = "collective" (never after a restart)
+        self._trainer: Any = None  # the trainer actor, whose object store export a failed receive falls back to
         self._restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
     async def ready(self) -> bool:
@@ -175,14 +180,50 @@ class _SamplerActor:
             raise SamplerNeedsWeightsError("this sampler actor was restarted and has not loaded the current weights")
         if method == "load_weights":
             return await _timed(self._load_weights(*args))
+        if method == "close":
+            await self._leave()
         return await _timed(getattr(self._worker, method)(*args))
 
-    async def _load_weights(self, weights: Weights) -> int:
-        """Load `weights`; returns the version loaded (an export's own: see `Exporting`)."""
+    async def _load_weights(self, weights: Weights) -> int | Received:
+        """Load `weights`; returns the version loaded (an export's own: see `Exporting`), as a
+        `Received` in a broadcast round."""
+        if isinstance(weights.payload, Broadcast):
+            received = await self._receive(weights.payload.round)
+            self._loaded = received.version
+            return received
         resolved = await resolve(weights)
         await self._worker.load_weights(resolved)
         self._loaded = resolved.version
         return resolved.version
+
+    async def _receive(self, round_: int) -> Received:
+        """Load broadcast round `round_` (`relayrl.backends.ray.collective`); when the receive
+        fails, the trainer's version from the object store instead."""
+        member = self._collective
+        if member is None:  # a restarted actor (a new process joined no group): restarted, it loads from the object store
+            raise SamplerNeedsWeightsError("this sampler actor was restarted: it is no member of the collective weight group")
+        try:
+            version, payload = await asyncio.to_thread(member.receive, round_)
+        except Exception:
+            if self._trainer is None:
+                raise
+            timed: Timed = await trainer_call(self._trainer, "export_weights")
+            resolved = await resolve(timed.value)
+            await self._worker.load_weights(resolved)
+            return Received(resolved.version, fell_back=True)
+        await self._worker.load_weights(Weights(version=version, payload=payload))
+        return Received(version, fell_back=False)
+
+    async def join_collective(self, address: str, rank: int, world: int, backend: str, timeout_s: float, trainer: Any) -> bool:
+        """Join the collective weight group as `rank` (see `relayrl.backends.ray.collective.join`)."""
+        self._trainer = trainer
+        self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, None)
+        return True
+
+    async def _leave(self) -> None:
+        member, self._collective = self._collective, None
+        if member is not None:
+            await asyncio.to_thread(member.close)
 
     async def loaded_version(self) -> int | None:
         """The version of the last weights this actor loaded (None: none yet)."""
@@ -193,6 +234,7 @@ class _TrainerActor:
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._worker = factory()
         self._exported: Weights | None = None  # the last version put into the object store
+        self._collective: Member | None = None  # rollout.weight_transport = "collective": rank 0
         self._turn = asyncio.Condition()  # training calls run in the driver's numbering (`turn`)
         self._next = 0
 
@@ -218,6 +260,11 @@ class _TrainerActor:
             work = functools.partial(self._worker.train_step, batch)
         elif method == "export_weights":
             work = self._export
+        elif method == "broadcast_weights":
+            work = functools.partial(self._broadcast, *args)
+        elif method == "close":
+            await self._leave()
+            work = self._worker.close
         else:
             work = functools.partial(getattr(self._worker, method), *args)
         if TRAINER_CALLS[method] == "train":
@@ -237,6 +284,46 @@ class _TrainerActor:
                 self._next += 1
                 self._turn.notify_all()
 
+    async def _committed(self) -> Weights:  # (its payload: a state dict of tensors)
+        """The worker's committed snapshot, its copies done (CUDA: they were queued on the trainer's stream)."""
+        weights: Weights = await self._worker.export_weights()
+        ready = weights.ready
+        if ready is not None:
+            await asyncio.to_thread(ready.synchronize)  # type: ignore[attr-defined]
+        return weights
+
+    @ray.method(concurrency_group="io")
+    async def collective_address(self) -> tuple[str, int, str]:
+        """Where the collective weight group meets (this node, a free port) and its backend."""
+        weights = await self._committed()
+        return ray.util.get_node_ip_address(), free_port(), backend_for(cast(dict[str, Any], weights.payload))
+
+    @ray.method(concurrency_group="io")
+    async def join_collective(self, address: str, rank: int, world: int, backend: str, timeout_s: float, _trainer: Any) -> bool:
+        """Join the collective weight group as rank 0, giving it the exported weights' layout."""
+        layout = layout_of(cast(dict[str, Any], (await self._committed()).payload))
+        self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, layout)
+        return True
+
+    async def _broadcast(self, round_: int) -> Weights:
+        """Broadcast the committed version as round `round_`; its `Weights` (payload a `Broadcast`,
+        whose `error` says why it failed: the receivers then load from the object store)."""
+        weights = await self._committed()
+        member = self._collective
+        error = None
+        try:
+            if member is None:
+                raise RuntimeError("the trainer actor is no member of a collective weight group")
+            await asyncio.to_thread(member.send, round_, weights.version, cast(dict[str, Any], weights.payload))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        return Weights(version=weights.version, payload=Broadcast(round_, error))
+
+    async def _leave(self) -> None:
+        member, self._collective = self._collective, None
+        if member is not None:
+            await asyncio.to_thread(member.close)
+
     async def _export(self) -> Weights:
         weights: Weights = await self._worker.export_weights()
         exported = self._exported
@@ -244,7 +331,10 @@ class _TrainerActor:
             ready = weights.ready  # (CUDA) recorded on the trainer's stream after the snapshot's copies were queued
             if ready is not None:  # this thread's stream would copy them out before they are written
                 await asyncio.to_thread(ready.synchronize)  # type: ignore[attr-defined]
-            exported = Weights(version=weights.version, payload=ray.put(encode(weights.payload)))
+            encoded = encode(weights.payload)
+            if isinstance(encoded, ArrayState):  # one copy into the object store (host memory)
+                STAGED.add(sum(a.nbytes for a in encoded.arrays.values() if a is not None))
+            exported = Weights(version=weights.version, payload=ray.put(encoded))
             self._exported = exported  # the previous version's object is freed once no sampler holds it
         return exported
 
@@ -290,6 +380,9 @@ class RaySampler(Sampler):
         self._stale = False  # a weight load was lost with the actor's process: sample only after a restart and a load
         self._restarts = 0  # a load that fails after a restart completed was lost with the old process
         self._closed = False
+        # its actor is a member of the collective weight group (`relayrl.backends.ray.collective`):
+        # no longer once a receive failed or the actor was restarted (a new process)
+        self.collective_member = False
 
     def _check(self) -> None:
         if self._stale:
@@ -308,12 +401,17 @@ class RaySampler(Sampler):
             if method == "load_weights":  # a load waiting for an export that failed: it must not hold the actor
                 ray.cancel(ref)
             raise
+        value = timed.value
         if method == "load_weights":
-            span_args = {**span_args, "version": timed.value}  # the version loaded (an export's own)
+            if isinstance(value, Received):  # a broadcast round's
+                self.collective_member = self.collective_member and not value.fell_back
+                span_args = {**span_args, "transport": "object_store" if value.fell_back else "collective"}
+                value = value.version
+            span_args = {**span_args, "version": value}  # the version loaded (an export's own)
         elif method == "generate":
             span_args = {**span_args, **generate_sizes(timed.value)}  # the decode batch's rows and passes (relayrl.plan)
         self.spans.record(method, start, timed, **span_args)
-        return timed.value
+        return value
 
     async def generate(self, requests: Sequence[SampleRequest]) -> list[GenerateResult]:
         batch = list(requests)
@@ -344,6 +442,7 @@ class RaySampler(Sampler):
         try:
             await self._call("load_weights", weights, group="load" if self.interruptible else None, version=weights.version)
         except ACTOR_GONE:
+            self.collective_member = False  # (its process died: a new one joined no group)
             if restarts == self._restarts:  # not already made good by a restart (and the load after it)
                 self._stale = True
             raise
@@ -378,6 +477,7 @@ class RaySampler(Sampler):
                     ) from exc
                 await asyncio.sleep(0.5)
         self.spans.unsync()  # a new process, perhaps on another node
+        self.collective_member = False  # (a new process joined no group)
         self._restarts += 1  # a load sent to the old process and failing from now on changes nothing
 
     async def loaded_version(self) -> int | None:
@@ -549,6 +649,12 @@ class RayTrainer(Trainer):
         processes (`Exporting`, `resolve`), so none waits for the driver to see it end."""
         sent = await self._send_io("export_weights")
         return PendingExport(Weights(self._version, Exporting(sent.ref)), self._result(sent))
+
+    async def broadcast_ahead(self, round_: int) -> PendingExport:
+        """Send the collective broadcast of the committed version as round `round_` and return at
+        once: each sampler actor receives it where it loads (`relayrl.backends.ray.collective`)."""
+        sent = await self._send_io("broadcast_weights", round_)
+        return PendingExport(Weights(self._version, Broadcast(round_)), self._result(sent))
 
     async def save_state(self, directory: Path) -> None:
         await self._call("save_state", directory)

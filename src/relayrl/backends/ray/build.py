@@ -46,6 +46,7 @@ from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Sampler
 from relayrl.backends.ray.cluster import RayCluster, connect, say
 from relayrl.backends.registry import Compute
+from relayrl.backends.transports import resolve
 from relayrl.config.schema import Config, ConfigError, is_cuda_spec
 from relayrl.config.sizing import StoreNeed, check_joined_store, object_store_mb, store_need
 
@@ -283,7 +284,15 @@ def _place(
     trainer = RayTrainer(trainer_actor, queue_ahead=cfg.ray.queue_ahead, ranks=ranks)
     ray_samplers = [RaySampler(a, i, interruptible=cfg.rollout.interrupts) for i, a in enumerate(sampler_actors)]
     samplers: list[Sampler] = list(ray_samplers)
-    return compute.backend(
+    broadcast = None
+    if resolve(cfg, trainer_on_cuda="GPU" in trainer_res) == "collective":
+        from relayrl.backends.ray.collective import join
+
+        started = time.perf_counter()
+        broadcast = join(trainer, ray_samplers, cfg.rollout.weight_load_timeout_s)
+        took = time.perf_counter() - started
+        say(f"rollout.weight_transport = collective: the trainer and {replicas} sampler actors joined one process group ({took:.1f}s)")
+    backend = compute.backend(
         trainer=trainer,
         samplers=samplers,
         greedy=greedy,
@@ -291,6 +300,8 @@ def _place(
         cleanup=functools.partial(_close, cleanups, cluster),
         attach_tracer=functools.partial(attach_tracer, [trainer, *ray_samplers]),
     )
+    backend.broadcast = broadcast
+    return backend
 
 
 def _await_ready(actors: Sequence[Any], names: Sequence[str], asks: Sequence[Mapping[str, float]], started: float) -> None:

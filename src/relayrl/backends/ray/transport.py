@@ -8,7 +8,8 @@ Invariant: `decode(encode(x))` equals `x` for a dict of tensors (weights), a dat
 fields are tensors and plain values (a collated batch), and passes anything else through
 unchanged. bfloat16 travels as an int16 view (numpy has no bfloat16). Names that share one tensor
 (a tied weight) travel as one array and share one tensor again after `decode`, so a version's
-bytes over the wire are its unique parameter bytes.
+bytes over the wire are its unique parameter bytes. A tensor brought to the CPU here (`.cpu()` of
+a device tensor) counts as bytes staged in host memory (`relayrl.backends.transports.STAGED`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def _arrays(tensors: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...], d
             arrays[name] = None  # (keeps the names' order; filled by `decode`)
             continue
         first[view] = name
+        if tensor.device.type != "cpu":
+            from relayrl.backends.transports import STAGED
+
+            STAGED.add(tensor.numel() * tensor.element_size())
         t = tensor.detach().cpu()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)

@@ -59,6 +59,7 @@ from safetensors.torch import save_file
 
 from relayrl.abandoned import abandon
 from relayrl.backends.protocols import Sampler
+from relayrl.backends.transports import STAGED
 from relayrl.backends.vllm.engine import SHUTDOWN_TIMEOUT_S, EngineSettings, start_engine
 from relayrl.processes import alive
 from relayrl.types import Completion, GenerateResult, SampleRequest, TurnRequest, TurnResult, Weights
@@ -135,6 +136,8 @@ def remove_stale_weight_files(directories: Sequence[str] = (SHM, tempfile.gettem
 def _write_weights(state: dict[str, torch.Tensor], replica: int) -> str:
     """`state` saved to a new safetensors file (see the module); its path."""
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    # staged in host memory: the file (and, for device tensors, the copy to the CPU it is written from)
+    STAGED.add(nbytes + sum(t.numel() * t.element_size() for t in state.values() if t.device.type != "cpu"))
     fd, path = tempfile.mkstemp(prefix=f"{FILE_PREFIX}p{os.getpid()}-{replica}-", suffix=".safetensors", dir=weights_dir(nbytes))
     os.close(fd)
     try:

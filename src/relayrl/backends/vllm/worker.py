@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from relayrl.backends.transports import STAGED
 from relayrl.backends.vllm.engine import quiet_shutdown
 
 __all__ = ["WeightSync", "refresh_tied_lm_head"]
@@ -70,6 +71,7 @@ class WeightSync:
 
         start = time.perf_counter()
         state = load_file(path)
+        STAGED.add(sum(t.numel() * t.element_size() for t in state.values()))  # read into host memory
         model = self.model_runner.model
         expected = _ExpectedMisses({"RotaryEmbedding", *(["ParallelLMHead"] if _tied(model) else [])})
         logger = logging.getLogger(_RELOAD_LOGGER)

@@ -1,0 +1,141 @@
+"""rollout.weight_transport (issue 31 §1): which transport applies where, "auto"'s choice, a
+transport that does not apply refused in one line naming the key (exit 2 from the CLI), and the
+collective transport's bucket layout (tied names sent once, one dtype per bucket, bounded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from relayrl.backends.transports import applicable, resolve
+from relayrl.config.schema import ConfigError, load_config
+from support.cli import relayrl
+
+
+@pytest.mark.parametrize(
+    ("sets", "auto", "fits"),
+    [
+        (["run.backend=local"], "direct", ("direct",)),
+        (["run.backend=sim"], "direct", ("direct",)),
+        (["run.backend=local", "rollout.engine=vllm"], "file", ("file",)),
+        (["run.backend=local", "ray.enabled=true"], "object_store", ("collective", "object_store")),
+        (["run.backend=sim", "ray.enabled=true"], "object_store", ("object_store",)),
+        (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "object_store", ("object_store",)),
+    ],
+)
+def test_auto_picks_the_fastest_transport_that_applies(sets: list[str], auto: str, fits: tuple[str, ...]) -> None:
+    cfg = load_config(None, sets)
+    assert applicable(cfg) == fits
+    assert resolve(cfg) == auto  # a trainer on the CPU
+    assert resolve(cfg, trainer_on_cuda=True) == fits[0]  # on a GPU: the collective (NCCL) where it applies
+    for transport in fits:  # each that applies is accepted and runs as set
+        assert resolve(load_config(None, [*sets, f"rollout.weight_transport={transport}"])) == transport
+
+
+@pytest.mark.parametrize(
+    ("sets", "transport"),
+    [
+        (["run.backend=local"], "collective"),
+        (["run.backend=local"], "object_store"),
+        (["run.backend=local"], "file"),
+        (["run.backend=local", "rollout.engine=vllm"], "direct"),
+        (["run.backend=local", "ray.enabled=true"], "direct"),
+        (["run.backend=sim", "ray.enabled=true"], "collective"),
+        (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "collective"),
+    ],
+)
+def test_a_transport_that_does_not_apply_is_refused_in_one_line_naming_the_key(sets: list[str], transport: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*sets, f"rollout.weight_transport={transport}"])
+    message = str(err.value)
+    assert "rollout.weight_transport" in message and repr(transport) in message and "does not apply" in message
+    assert "\n" not in message
+
+
+def test_the_cli_refuses_an_inapplicable_transport_with_exit_2() -> None:
+    res = relayrl("train", "--set", "run.backend=local", "--set", "rollout.weight_transport=collective", timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if "rollout.weight_transport" in line]
+    assert len(lines) == 1 and "does not apply" in lines[0], res.stderr
+
+
+@pytest.mark.torch
+def test_the_collective_layout_sends_a_tied_weight_once_in_bounded_buckets_of_one_dtype() -> None:
+    import torch
+
+    from relayrl.backends.ray.collective import layout_of
+
+    embed = torch.randn(10, 4)
+    payload = {
+        "embed.weight": embed,
+        "a": torch.randn(3, 4),
+        "norm": torch.ones(4, dtype=torch.bfloat16),
+        "b": torch.randn(5),
+        "lm_head.weight": embed,  # tied
+    }
+    layout = layout_of(payload, bucket_bytes=60 * 4)
+    assert layout.aliases == {"lm_head.weight": "embed.weight"}
+    assert layout.names == tuple(payload)
+    assert [e.name for e in layout.entries] == ["embed.weight", "a", "b", "norm"]  # grouped by dtype, in order
+    for dtype, numel in layout.buckets:
+        assert numel * torch.empty((), dtype=dtype).element_size() <= 60 * 4
+    assert {layout.buckets[e.bucket][0] for e in layout.entries if e.name != "norm"} == {torch.float32}
+    assert layout.buckets[next(e.bucket for e in layout.entries if e.name == "norm")][0] == torch.bfloat16
+    assert layout.nbytes == (40 + 12 + 5) * 4 + 4 * 2  # the unique bytes: the tied tensor once
+
+
+KEYS = {"seconds_per_version", "gb_per_s", "host_copies", "bytes_per_version"}
+
+
+@pytest.mark.torch
+def test_bench_weights_json_has_each_transports_figures_per_model() -> None:
+    import json
+
+    res = relayrl("bench", "weights", "--models", "tiny", "--versions", "1", "--no-ray", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    figures = json.loads(res.stdout)
+    tiny = figures["models"]["tiny"]
+    assert tiny["export_bytes"] == tiny["unique_param_bytes"] > 0
+    assert set(tiny["transports"]) == {"direct", "file"}  # in one process (--no-ray)
+    for t in tiny["transports"].values():
+        assert set(t) == KEYS and t["seconds_per_version"] > 0 and t["gb_per_s"] > 0
+    assert tiny["transports"]["direct"]["host_copies"] == 0.0
+    assert tiny["transports"]["file"]["host_copies"] == pytest.approx(2 * figures["replicas"])  # written and read per replica
+    assert "met" not in figures["target"]  # (not measured without Ray)
+
+
+@pytest.mark.torch
+def test_the_collective_group_delivers_bit_identical_weights_and_a_dead_member_fails_the_others_fast() -> None:
+    """Three processes in one gloo group (no Ray): a round arrives bit for bit with its dtypes and
+    tied names; once a receiver died, the trainer's next broadcast and the other receiver's pending
+    receive both fail in seconds, not at the group's 60 s timeout (each then falls back, see
+    relayrl.backends.ray.collective)."""
+    import multiprocessing
+    import queue as queues
+
+    from relayrl.backends.ray.collective import free_port
+    from support.collective import member
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=member, args=(rank, port, q)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    got: dict[tuple[int, str], float] = {}
+    try:
+        deadline = 50.0
+        while len(got) < 5 and deadline > 0:
+            try:
+                rank, what, *rest = q.get(timeout=1.0)
+            except queues.Empty:
+                deadline -= 1.0
+                continue
+            got[(rank, what)] = rest[0] if rest else 0.0
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    assert (0, "sent") in got and (1, "identical") in got and (2, "identical") in got, got
+    assert (0, "round 2 failed") in got and (1, "round 2 failed") in got, got
+    assert got[(0, "round 2 failed")] < 10 and got[(1, "round 2 failed")] < 10, got
