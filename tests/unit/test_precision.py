@@ -152,7 +152,7 @@ def test_parameter_casts_keep_gradients_on_the_fp32_masters() -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_tf32_and_fused_adamw_on_cuda_only() -> None:
+def test_tf32_on_cuda_only_and_fused_adamw_on_cuda_and_cpu() -> None:
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -163,7 +163,29 @@ def test_tf32_and_fused_adamw_on_cuda_only() -> None:
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
     assert optimizer_options(torch.device("cuda", 0)) == {"fused": True}
-    assert optimizer_options(torch.device("cpu")) == {}
+    assert optimizer_options(torch.device("cpu")) == {"fused": True}
+    assert optimizer_options(torch.device("cpu"), fused_cpu=False) == {}  # a sharded compute's DTensors
+    assert optimizer_options(torch.device("cuda", 0), fused_cpu=False) == {"fused": True}
+
+
+def test_the_cpu_trainer_steps_with_fused_adamw_and_the_sharded_one_does_not() -> None:
+    """On the CPU the one-process trainer's AdamW is the fused kernel (one pass per parameter),
+    and its update is the default implementation's up to float rounding."""
+    from relayrl.backends.local.ranks import ShardedCompute
+
+    model = random_qwen2(VOCAB)
+    reference = copy.deepcopy(model)
+    compute = TrainerCompute(model, TrainerSettings(learning_rate=1e-2, total_steps=1, loss=LossConfig()))
+    assert compute._optimizer.defaults["fused"] is True
+    assert ShardedCompute.fused_cpu_optimizer is False
+    plain = torch.optim.AdamW(list(reference.parameters()), lr=1e-2, weight_decay=0.0)
+    for params in (list(model.parameters()), list(reference.parameters())):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 0.01 * (i + 1))
+    compute._optimizer.step()
+    plain.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_the_trainer_asks_for_fused_adamw_and_tf32_on_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,7 +194,7 @@ def test_the_trainer_asks_for_fused_adamw_and_tf32_on_its_device(monkeypatch: py
     seen: list[torch.device] = []
     import relayrl.backends.local.trainer as trainer_module
 
-    def options(device: torch.device) -> dict[str, bool]:
+    def options(device: torch.device, fused_cpu: bool = True) -> dict[str, bool]:
         seen.append(device)
         return {"foreach": False}
 

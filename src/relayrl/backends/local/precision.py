@@ -157,9 +157,12 @@ def cuda_precision_settings(device: torch.device) -> bool:
     return True
 
 
-def optimizer_options(device: torch.device) -> dict[str, bool]:
-    """AdamW's keyword options for parameters on `device`: the fused kernel on CUDA."""
-    return {"fused": True} if device.type == "cuda" else {}
+def optimizer_options(device: torch.device, fused_cpu: bool = True) -> dict[str, bool]:
+    """AdamW's keyword options for parameters on `device`: the fused kernel on CUDA, and on the
+    CPU unless `fused_cpu` is False (a sharded trainer's DTensor parameters). On the CPU the fused
+    kernel is one pass over each parameter instead of ~10 (measured on SmolLM2-135M, one thread:
+    0.50 s a step instead of 1.10 s); its update equals the default one up to float rounding."""
+    return {"fused": True} if device.type == "cuda" or (device.type == "cpu" and fused_cpu) else {}
 
 
 class Fp32Linear(torch.nn.Linear):

@@ -70,6 +70,7 @@ class ShardedCompute(TrainerCompute):
     thread-safe is a collective: all ranks call it, in the same order."""
 
     casts_params = False  # mixed precision by FSDP2's MixedPrecisionPolicy (wrap_model)
+    fused_cpu_optimizer = False  # its parameters are DTensors: AdamW's default implementation on the CPU
 
     def __init__(
         self,

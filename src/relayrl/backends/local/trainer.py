@@ -27,7 +27,7 @@ Precision (`TrainerSettings.precision`, model.dtype resolved; backends/local/pre
 "bfloat16" keeps float32 master parameters, gradients and AdamW moments (and checkpoints them)
 and runs every forward (and so its backward) on bfloat16 casts of them (`_logprobs`); a frozen
 LoRA base and the KL reference are held in bfloat16. "bfloat16-pure" casts everything to
-bfloat16. On CUDA AdamW is fused and float32 matmuls use TF32.
+bfloat16. AdamW is fused (on the CPU too, but for a sharded compute); on CUDA float32 matmuls use TF32.
 
 Devices: the policy (and reference) model live on the trainer's device (`device`; default: where
 the model already is); a micro-batch, collated on the CPU, is moved there once, whole, at the start
@@ -227,7 +227,7 @@ class TrainerCompute:
             lr=settings.learning_rate,
             weight_decay=settings.weight_decay,
             betas=settings.betas,
-            **optimizer_options(self.device),  # (fused on CUDA)
+            **optimizer_options(self.device, fused_cpu=self.fused_cpu_optimizer),
         )
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda s: lr_multiplier(s, settings))
         self._stats = _StepStats()  # the step's first pass (today's figures)
@@ -241,6 +241,7 @@ class TrainerCompute:
     # -- hooks a sharded compute (backends/local/ranks.py) overrides --------------------------
     world_size = 1  # processes that train a step together (each a part of its micro-batches)
     casts_params = True  # mixed precision ("bfloat16") by in_compute_dtype; False: wrap_model's (FSDP2)
+    fused_cpu_optimizer = True  # AdamW's fused kernel on the CPU too (False: a sharded compute's DTensor parameters)
 
     def wrap_model(self, model: PreTrainedModel) -> None:
         """Wrap the policy in place before the optimizer is made. Default: nothing (one process)."""
