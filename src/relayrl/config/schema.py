@@ -198,6 +198,13 @@ class TaskConfig(_Section):
     whatever this is: that is a bug, not a reward to clip.)"""
     prompt_template: str = "{text}"
     """What the policy sees; {text} is the task's prompt text."""
+    few_shot: list[list[str]] = Field(default_factory=list)
+    """Worked examples shown before every prompt (training and held-out alike), each a [question,
+    answer] pair: an earlier user turn (the question through prompt_template) and the assistant's
+    reply, in the chat template (needs model.chat_template = true). A small chat model copies
+    their form: recipes/smollm2.toml's bare numbers, the form the task's scorer gives full
+    credit. Use questions that are not the task's own (they are not removed from the held-out
+    set). Empty = none."""
     environment: str | None = None
     """Multi-turn episodes (envs/): a built-in environment name (envs/__init__.py), or
     "package.module:Class" / "path/to/file.py:Class" (anchored as reward files are), built with
@@ -268,6 +275,14 @@ class TaskConfig(_Section):
         if bad:
             raise ValueError(f"option(s) {', '.join(bad)}: values must be strings, finite numbers, booleans, lists or tables")
         return options
+
+    @field_validator("few_shot")
+    @classmethod
+    def _question_answer_pairs(cls, examples: list[list[str]]) -> list[list[str]]:
+        for i, example in enumerate(examples):
+            if len(example) != 2:
+                raise ValueError(f"example {i} has {len(example)} entries: each is a [question, answer] pair")
+        return examples
 
     @field_validator("prompt_template")
     @classmethod
@@ -968,6 +983,8 @@ class Config(_Section):
                 f"train.minibatches_per_step = {self.train.minibatches_per_step} exceeds rollout.groups_per_step = "
                 f"{self.rollout.groups_per_step}: a minibatch holds whole groups, so one would be empty"
             )
+        if self.task.few_shot and not self.model.chat_template:
+            raise ValueError("task.few_shot needs model.chat_template = true (the examples are earlier turns of the chat)")
         if self.task.kind == "jsonl" and not self.task.path:
             raise ValueError("task.path must name a JSONL file when task.kind = 'jsonl'")
         if self.task.environment is not None and "reward_functions" not in self.task.model_fields_set:

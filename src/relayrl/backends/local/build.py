@@ -77,19 +77,30 @@ class _Tokenize:
     """Prompt text → token ids (a `PromptEncoder`): the task's template, then optionally the chat
     template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "{text}", chat: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str = "{text}",
+        chat: bool = False,
+        few_shot: Sequence[Sequence[str]] = (),
+    ) -> None:
         self._tok = tokenizer
         # relayrl bounds prompts itself (the dispatch stage's max_prompt_tokens, check_prompts_fit): a
         # long one is no reason for transformers' "Token indices sequence length" console line
         tokenizer.model_max_length = 2**62
         self._template = template
         self._chat = chat
+        # task.few_shot: earlier turns of every chat, the questions through the template
+        self._examples: list[dict[str, str]] = []
+        for question, answer in few_shot:
+            self._examples += [{"role": "user", "content": template.format(text=question)}, {"role": "assistant", "content": answer}]
 
     def __call__(self, text: str) -> list[int]:
         content = self._template.format(text=text)
         ids: object
         if self._chat:
-            enc = self._tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
+            turns = [*self._examples, {"role": "user", "content": content}]
+            enc = self._tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
             ids = enc["input_ids"] if isinstance(enc, Mapping) else enc
         else:
             ids = self._tok(content, add_special_tokens=False)["input_ids"]
@@ -317,7 +328,7 @@ def trainer_settings(cfg: Config, threads: int, precision: Precision | None = No
 
 
 def make_tokenize(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> _Tokenize:
-    return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template)
+    return _Tokenize(copy.deepcopy(tokenizer), cfg.task.prompt_template, cfg.model.chat_template, cfg.task.few_shot)
 
 
 def make_greedy_engine(
