@@ -515,16 +515,21 @@ class RelayrlReward:
 
 
 def trl_prompts(shared: Shared, tokenizer: PreTrainedTokenizerBase) -> list[object]:
-    """TRL's `prompt` column: the recipe's text as one user message (TRL applies the chat template
-    as relayrl does), or the raw text. Stops if TRL would tokenize any prompt differently."""
+    """TRL's `prompt` column: the recipe's text as a user message after the recipe's worked
+    examples (`task.few_shot`; TRL applies the chat template as relayrl does), or the raw text.
+    Stops if TRL would tokenize any prompt differently."""
     from relayrl.backends.local.build import make_tokenize
 
     encode = make_tokenize(shared.cfg, tokenizer)
+    template = shared.cfg.task.prompt_template
+    examples: list[dict[str, str]] = []  # task.few_shot: earlier turns of every chat, as relayrl's prompt encoder puts them
+    for question, answer in shared.cfg.task.few_shot:
+        examples += [{"role": "user", "content": template.format(text=question)}, {"role": "assistant", "content": answer}]
     out: list[object] = []
     for p in shared.train:
         content = shared.content(p)
         if shared.chat:
-            messages = [{"role": "user", "content": content}]
+            messages = [*examples, {"role": "user", "content": content}]
             enc = tokenizer.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True, return_dict=True)
             theirs = list(enc["input_ids"][0])
             out.append(messages)
