@@ -132,11 +132,12 @@ def test_bench_weights_measures_both_ray_transports_on_the_tiny_model(cluster: R
 
 @pytest.mark.slow
 def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_completes(cluster: RayCluster, tmp_path: Path) -> None:
-    """Replica 1's actor process is killed once version 1 reached both replicas: the next round's
-    broadcast fails (the group is broken for good), the surviving replica loads that version from
-    the object store instead, the killed one's load fails (it stays in service: its restarted
-    process loads from the object store), later rounds use the object store, and the run
-    completes, its trace checked."""
+    """Replica 1's actor process is killed once version 1 reached both replicas: either the next
+    round's broadcast fails (the group is broken for good; the surviving replica loads that
+    version from the object store instead and the killed one's load fails) or a sampling call sees
+    the death first (the replica restarts and is no member: no round is broadcast again); either
+    way it stays in service, its restarted process loads from the object store, later rounds use
+    the object store, and the run completes, its trace checked."""
     import warnings
 
     from relayrl.backends.ray.collective import RayBroadcast
@@ -180,11 +181,15 @@ def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_com
     assert report.ok, report.violations
     assert report.completed
     assert len(program.replicas.slots) == 2  # neither replica retired
-    assert broadcast.broken is not None and not victim.collective_member
+    assert not victim.collective_member  # its process died: the restarted one joined no group
     events = [e for e in program.tracer.events if e.get("name") in ("broadcast_weights", "load_weights", "load_weights_failed")]
     names = [e["name"] for e in events]
-    assert names.count("broadcast_weights") == 2  # version 1's, and the one that failed
-    after = events[names.index("broadcast_weights", names.index("broadcast_weights") + 1) + 1 :]
+    assert names.count("broadcast_weights") >= 1  # version 1's at least
+    after = events[len(names) - names[::-1].index("broadcast_weights") :]  # after the last broadcast
     loads = [e for e in after if e["name"] == "load_weights"]
     assert loads and all(event_args(e).get("transport") in (None, "object_store") for e in loads)  # the object store from then on
-    assert any(e["name"] == "load_weights_failed" for e in after)  # the killed replica's load
+    # Two orders are right, by when the death is seen: a broadcast finds the member gone (the group
+    # breaks for good and the killed replica's load fails), or a sampling call does first (the
+    # replica restarts, no longer a member, and no round is broadcast again).
+    if broadcast.broken is not None:
+        assert any(e["name"] == "load_weights_failed" for e in after)  # the killed replica's load
