@@ -40,7 +40,10 @@ def agent_config(agent: str, *extra: str) -> list[str]:
     return [*QUICK, f"task.agent={json.dumps(agent)}", *extra]
 
 
-def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("processes", [0, 2], ids=["on-the-loop", "agent-processes"])
+def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int
+) -> None:
     sampled: list[Sampled] = []
     trained: list[Trajectory] = []
     generate_turns, collate = LocalSampler.generate_turns, TorchCollator.collate
@@ -56,7 +59,7 @@ def test_the_recipe_trains_the_completions_example_on_exactly_the_sampled_tokens
 
     monkeypatch.setattr(LocalSampler, "generate_turns", recording_turns)
     monkeypatch.setattr(TorchCollator, "collate", recording_collate)
-    cfg = load_config(shipped_recipe("agent"), QUICK)
+    cfg = load_config(shipped_recipe("agent"), [*QUICK, f"rollout.agent_processes={processes}"])
     assert cfg.task.agent == f"{EXAMPLE}:agent"  # anchored to the recipe's directory
     result = run_checked(build_program(cfg, run_dir=tmp_path / "run"), timeout=240)
     assert result is not None

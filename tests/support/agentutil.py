@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from relayrl.agents.context import AgentFn
 from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings, Tokenizer
+from relayrl.agents.processes import AgentProcesses
 from relayrl.backends.protocols import Sampler
 from relayrl.models.loading import shipped_model_dir
 from relayrl.orchestrator.replicas import SamplerSlot
@@ -100,11 +101,12 @@ def make_rollout(
     strict: bool = False,
     max_new_tokens: int = 32,
     max_total_tokens: int = 512,
+    processes: AgentProcesses | None = None,
 ) -> AgentRollout:
     settings = EndpointSettings(model="tiny", max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens)
     endpoint = AgentEndpoint(settings, tokenizer)
     return AgentRollout(
-        agent, endpoint, AgentSettings(name="test_agent", model="tiny", timeout_s=timeout_s, strict=strict), Tracer(None, {})
+        agent, endpoint, AgentSettings(name="test_agent", model="tiny", timeout_s=timeout_s, strict=strict), Tracer(None, {}), processes
     )
 
 
@@ -116,12 +118,13 @@ def requests_for(tokenizer: Any, prompts: Sequence[Prompt], num_samples: int = 2
 
 
 async def run_rollout(rollout: AgentRollout, sampler: Sampler, requests: list[SampleRequest]) -> list[Group]:
-    """The rollout of `requests` on a replica of `sampler`, its endpoint listening meanwhile."""
-    await rollout.endpoint.start()
+    """The rollout of `requests` on a replica of `sampler`, its endpoint listening (and its agent
+    processes running) meanwhile."""
+    await rollout.start()
     try:
         return await rollout(SamplerSlot(0, sampler), requests)
     finally:
-        await rollout.endpoint.stop()
+        await rollout.stop()
 
 
 def tokenizer_of(tok: PreTrainedTokenizerBase) -> Tokenizer:

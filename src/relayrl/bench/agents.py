@@ -129,7 +129,7 @@ def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8) -> dict[s
     cpus: list[float] = []
 
     async def main() -> None:
-        await rollout.endpoint.start()
+        await rollout.start()
         try:
             for _ in range(rounds + 1):  # the first (the endpoint's and the client's first use) is not counted
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -137,7 +137,7 @@ def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8) -> dict[s
                 walls.append(time.perf_counter() - wall)
                 cpus.append(time.process_time() - cpu)
         finally:
-            await rollout.endpoint.stop()
+            await rollout.stop()
 
     asyncio.run(main())
     calls = 2 * prompts * samples

@@ -415,6 +415,11 @@ resume needs."""
     run's token anyway)."""
     agent_port: int = Field(0, ge=0, le=65535)
     """Agents: the endpoint's port (0 = a free port chosen when the run starts)."""
+    agent_processes: int = Field(0, ge=0, le=32, json_schema_extra=RESUMABLE)
+    """Agents: run the agents' calls in this many processes of their own (each imports task.agent;
+    a call goes to the least busy), off the run's event loop, so that the agents' own CPU (their
+    HTTP client's) runs beside the endpoint, the trainer and the samplers; 0 = on the run's event
+    loop. An agent process that dies fails the samples it was running and is started again."""
 
     gpu_memory_utilization: float = Field(0.0, ge=0.0, lt=1.0)
     """rollout.engine = "vllm" on a CUDA device: the fraction of the GPU's memory each vLLM

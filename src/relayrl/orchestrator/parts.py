@@ -108,7 +108,12 @@ def agent_rollout(cfg: Config, backend: Backend, agent: AgentFn, tracer: Tracer)
         strict=cfg.task.strict_agents,
         generate_timeout_s=r.generate_timeout_s,
     )
-    return AgentRollout(agent, endpoint, names, tracer)
+    processes = None
+    if r.agent_processes > 0 and cfg.task.agent is not None:
+        from relayrl.agents.processes import AgentProcesses
+
+        processes = AgentProcesses(cfg.task.agent, r.agent_processes)
+    return AgentRollout(agent, endpoint, names, tracer, processes)
 
 
 def assemble(

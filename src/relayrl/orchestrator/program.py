@@ -231,7 +231,7 @@ class Program:
         watchdog = StallWatchdog(cfg.orchestrator.stall_timeout_s, self.run_dir, cfg.orchestrator.stop_grace_s)
         try:
             if self.agents is not None:
-                await self.agents.endpoint.start()
+                await self.agents.start()
             if self.state.point is not None:
                 weights = await restore(self.state.point, trainer=self.trainer, publisher=publisher)
                 await self.eval_schedule.owed_on_resume(self.state.point.step, weights)
@@ -356,7 +356,7 @@ class Program:
         finally:
             try:
                 if self.agents is not None:
-                    await self.agents.endpoint.stop()
+                    await self.agents.stop()
             finally:
                 await self.backend.close()
 

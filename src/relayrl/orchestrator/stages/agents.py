@@ -29,10 +29,12 @@ Invariants:
   `task.strict_agents` it fails the run (`AgentError`, one line), the task's error: no replica is
   retired for it. An agent that raises KeyboardInterrupt fails the run so (asyncio would let it
   break the event loop);
-- each agent call runs in its own task (agents/tasks.py): when its episode ends (it returned,
-  failed, timed out, or the rollout is cancelled) that task and every task it started are
-  cancelled and waited for at most `CANCEL_GRACE_S`; one that ignores cancelling is left running
-  (its sample failed as a timeout) rather than hang the rollout;
+- each agent call runs in its own task (agents/calls.py, agents/tasks.py), on this event loop or,
+  with `rollout.agent_processes`, in an agent process (agents/processes.py): when its episode
+  ends (it returned, failed, timed out, or the rollout is cancelled) that task and every task it
+  started are cancelled and waited for at most `CANCEL_GRACE_S`; one that ignores cancelling is
+  left running (its sample failed as a timeout) rather than hang the rollout; an agent process
+  that dies fails the samples it was running (`raised`) and is started again;
 - a sampling call that raises or exceeds its bound fails the replica as a `generate` would (the
   sampler stage retires or restarts it and re-queues the requests); its agents are cancelled;
 - the episodes are closed before their transcripts are read: nothing is recorded afterwards;
@@ -44,27 +46,23 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import inspect
-import math
-import numbers
-import reprlib
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from relayrl.agents.calls import call_agent
 from relayrl.agents.context import AgentContext, AgentFn, redact
-from relayrl.agents.tasks import Clocked, EpisodeTasks
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
 from relayrl.orchestrator.replicas import SamplerSlot, forget_episodes
-from relayrl.rewards.registry import MAX_ABS_REWARD, OUT_OF_RANGE
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Group, SampleRequest, Trajectory, TrajectoryStatus, TurnRequest, TurnResult, versions_used
 
 if TYPE_CHECKING:  # the endpoint's module imports FastAPI and uvicorn: only a task.agent run loads it
     from relayrl.agents.endpoint import AgentEndpoint
+    from relayrl.agents.processes import AgentProcesses
 
 __all__ = [
     "AGENT_FAILURE",
@@ -241,15 +239,33 @@ class _Outcome:
 
 
 class AgentRollout:
-    """The rollout of `task.agent` runs (see the module); `endpoint` is started and stopped by the program."""
+    """The rollout of `task.agent` runs (see the module); the program calls `start` before the
+    first rollout and `stop` at the end. With `processes` (rollout.agent_processes) the agents run
+    there (agents/processes.py), else on this event loop."""
 
-    def __init__(self, agent: AgentFn, endpoint: AgentEndpoint, settings: AgentSettings, tracer: Tracer) -> None:
+    def __init__(
+        self, agent: AgentFn, endpoint: AgentEndpoint, settings: AgentSettings, tracer: Tracer, processes: AgentProcesses | None = None
+    ) -> None:
         self.endpoint = endpoint
         self._agent = agent
         self._settings = settings
         self._tracer = tracer
+        self._processes = processes
         self._warned = False
         self._warned_blocked = False
+
+    async def start(self) -> None:
+        """The endpoint listens, and the agent processes run."""
+        await self.endpoint.start()
+        if self._processes is not None:
+            await self._processes.start()
+
+    async def stop(self) -> None:
+        try:
+            if self._processes is not None:
+                await self._processes.stop()
+        finally:
+            await self.endpoint.stop()
 
     async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
         batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s, self._settings.gather_s)
@@ -284,50 +300,42 @@ class AgentRollout:
         owner = f"{request.group_id}/{index}"
         episode = self.endpoint.open(owner, request.prompt, batcher.sampler_of(owner), f"{request.seed_key}\x00{index}", s.timeout_s)
         ctx = AgentContext(episode.base_url, episode.api_key, s.model, request.prompt, index)
-        tasks = EpisodeTasks(f"agent/{request.group_id}/{index}/call")
-        agent = tasks.start(_guarded(self._agent, ctx, lambda seconds: self._blocked(request, index, seconds)))
-        timed_out = False
-        try:
-            done, _ = await asyncio.wait({agent}, timeout=s.timeout_s if s.timeout_s > 0 else None)
-            timed_out = not done
-        finally:  # also when the rollout is cancelled: the episode and every task of its agent end here
+
+        def closing() -> None:  # nothing of the episode is recorded after this
             batcher.finished(owner)
-            try:
-                self.endpoint.close(episode)
-                keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
-            finally:
-                await tasks.end()
-        failure: tuple[str, str] | None = None
-        reward: float | None = None
-        if timed_out:
-            failure = ("timeout", f"no return within rollout.agent_timeout_s = {s.timeout_s:g} s")
-            if not agent.done():
-                failure = (failure[0], f"{failure[1]}; it ignored cancelling and was left running")
-        elif agent.cancelled():  # nobody cancelled it: the agent raised CancelledError itself
-            failure = ("raised", "CancelledError (raised by the agent, not a cancellation)")
+            self.endpoint.close(episode)
+            keys.extend(episode.sampler_key(c) for c in episode.transcript.chains)
+
+        if self._processes is None:
+            name = f"agent/{request.group_id}/{index}/call"
+            outcome = await call_agent(self._agent, ctx, s.timeout_s, name, closing, (self.endpoint.token,))
         else:
-            value, error = agent.result()
-            if isinstance(error, KeyboardInterrupt):  # asyncio would let it break the loop: the run stops, in one line
-                raise AgentError(f"{self._where(request, index)}: raised KeyboardInterrupt: the run stops")
-            if error is not None:
-                failure = ("raised", _one_line(error, (ctx.api_key, self.endpoint.token)))
-            else:
-                reward, failure = _reward(value)
+            try:
+                outcome = await self._processes.call(ctx, s.timeout_s)
+            finally:
+                closing()
+        if outcome.interrupted:  # asyncio would let it break the loop: the run stops, in one line
+            raise AgentError(f"{self._where(request, index)}: raised KeyboardInterrupt: the run stops")
+        self._blocked(request, index, outcome.longest_step_s)
+        failure = outcome.failure
+        if failure is not None:  # (an agent process knows the episode's key, not the run's secret)
+            failure = (failure[0], redact(failure[1], (ctx.api_key, self.endpoint.token)))
         leaves = episode.transcript.leaves
         if failure is None and not leaves:
             failure = ("no_calls", "the agent made no call through ctx.base_url")
         if failure is not None:
             self._fail(request, index, *failure)
-        return _Outcome(request, index, leaves, reward, failure)
+        return _Outcome(request, index, leaves, outcome.reward, failure)
 
     def _blocked(self, request: SampleRequest, index: int, seconds: float) -> None:
         """The agent's longest step held the event loop `seconds`: said once a run past BLOCKED_WARN_S."""
         if seconds < BLOCKED_WARN_S or self._warned_blocked:
             return
         self._warned_blocked = True
+        stopped = "every other agent of its process" if self._processes is not None else "the endpoint, every other agent and the run"
         warnings.warn(
             f"{self._where(request, index)} held the event loop for {seconds:.1f} s without awaiting (time.sleep, blocking "
-            "I/O or CPU work in async code): the endpoint, every other agent and the run stop meanwhile, and other agents' "
+            f"I/O or CPU work in async code): {stopped} stop meanwhile, and other agents' "
             "rollout.agent_timeout_s fire late; use await asyncio.sleep / asyncio.to_thread (said once)",
             AgentBlockedWarning,
             stacklevel=2,
@@ -391,54 +399,3 @@ class AgentRollout:
                 )
             )
         return out
-
-
-async def _guarded(agent: AgentFn, ctx: AgentContext, report: Callable[[float], None]) -> tuple[object, BaseException | None]:
-    """(what the agent returned, None) or (None, what it raised): whatever its code raises,
-    SystemExit and KeyboardInterrupt included, ends its task normally (asyncio lets those two
-    break the loop); a CancelledError ends it cancelled. `report` gets its longest step."""
-    try:
-        call = agent(ctx)
-        return (await Clocked(call, report) if inspect.iscoroutine(call) else await call), None
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # the agent's own code
-        return None, exc
-
-
-def _reward(value: object) -> tuple[float | None, tuple[str, str] | None]:
-    """(reward, failure) of what an agent returned: None, or a real number within ±MAX_ABS_REWARD."""
-    if value is None:
-        return None, None
-    if inspect.iscoroutine(value):
-        value.close()  # never awaited: closed here rather than warned about when collected
-        return None, ("raised", "returned a coroutine (an un-awaited call?), not a number or None")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None, ("raised", f"returned a {type(value).__name__}, not a number or None")
-    try:
-        reward = float(value)
-    except OverflowError:
-        reward = math.inf
-    if not math.isfinite(reward):
-        return None, ("non_finite", f"returned {_short(value)}")
-    if abs(reward) > MAX_ABS_REWARD:  # a count, 2**70: a bug, not a signal (as for reward functions)
-        return None, ("non_finite", f"returned {_short(value)}: {OUT_OF_RANGE}")
-    return reward, None
-
-
-def _short(value: object) -> str:
-    """`repr(value)`, at most ~100 characters (a huge int's digits are elided)."""
-    short = reprlib.Repr()
-    short.maxlong = short.maxother = 100
-    return short.repr(value)
-
-
-def _one_line(exc: BaseException, keys: tuple[str, ...] = ()) -> str:
-    """`Type: message` on one line, at most ~300 characters, `keys` redacted (before it is cut, so
-    no part of one is left); an exception whose str() fails too."""
-    try:
-        text = " ".join(redact(str(exc), keys).split())
-    except Exception:  # its __str__ raises: the type says enough
-        text = "(its message could not be read)"
-    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return line if len(line) <= 300 else line[:297] + "..."
