@@ -72,13 +72,15 @@ def test_agent_bench_runs_the_agent_and_the_environment_path_on_the_same_task() 
     from relayrl.bench.agents import AGENT_TARGET, run_agent
 
     figures = run_agent(steps=1)
-    agent, env = figures["agent"], figures["env"]
-    assert isinstance(agent, dict) and isinstance(env, dict)
-    assert agent["samples_per_s"] > 0 and env["samples_per_s"] > 0
-    assert agent["sampling_calls_per_step"] >= 1 and env["sampling_calls_per_step"] >= 1
+    agent, loop, env = figures["agent"], figures["loop"], figures["env"]
+    assert isinstance(agent, dict) and isinstance(loop, dict) and isinstance(env, dict)
+    assert agent["samples_per_s"] > 0 and loop["samples_per_s"] > 0 and env["samples_per_s"] > 0
+    assert agent["sampling_calls_per_step"] >= 1 and loop["sampling_calls_per_step"] >= 1 and env["sampling_calls_per_step"] >= 1
     assert figures["ratio"] == agent["samples_per_s"] / env["samples_per_s"]
+    assert figures["loop_ratio"] == loop["samples_per_s"] / env["samples_per_s"]
     ratio = figures["ratio"]
     assert isinstance(ratio, float) and figures["met"] == (ratio >= AGENT_TARGET)
-    endpoint = figures["endpoint"]
-    assert isinstance(endpoint, dict)
-    assert endpoint["cpu_ms_per_call"] > 0 and endpoint["wall_ms_per_call"] > 0 and endpoint["sampling_calls_per_round"] >= 2
+    for key in ("endpoint", "endpoint_processes"):
+        endpoint = figures[key]
+        assert isinstance(endpoint, dict)
+        assert endpoint["cpu_ms_per_call"] > 0 and endpoint["wall_ms_per_call"] > 0 and endpoint["sampling_calls_per_round"] >= 2

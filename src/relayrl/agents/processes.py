@@ -200,6 +200,7 @@ class AgentProcesses:
                 str(from_child),
                 stdin=subprocess.DEVNULL,
                 pass_fds=(to_child, from_child),
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},  # relayrl importable as here
             )
         except BaseException:
             for fd in (to_child, from_run, to_run, from_child):

@@ -1,9 +1,11 @@
 """`relayrl bench agent`: agent mode beside the multi-turn environment path on the same task.
 
-Both runs are the agent recipe (recipes/agent.toml: the tiny model, 2-digit arithmetic, G = 8,
+Every run is the agent recipe (recipes/agent.toml: the tiny model, 2-digit arithmetic, G = 8,
 16 prompts a step), shortened and without evaluation. (agent) trains the example agent
 examples/agents/completions_agent.py: "draft, then answer", two /v1/completions calls per episode
-through the `openai` client and the endpoint. (env) trains the built-in environment `draft_answer`
+through the `openai` client and the endpoint, as the recipe runs it (its agents in
+`rollout.agent_processes` processes of their own); (loop) the same with the agents on the run's
+event loop (`rollout.agent_processes = 0`). (env) trains the built-in environment `draft_answer`
 (envs/draft_answer.py): the same two turns and the same reward, sampled by the episode runner with
 no HTTP. What differs: the second turn's context. The agent sends its draft's text stripped and a
 newline, re-tokenized by the endpoint; the runner keeps the draft's sampled tokens (its
@@ -11,12 +13,14 @@ end-of-sequence token included) and appends the newline and the question. Both
 train one sequence per episode.
 
 Figures per run (medians over the repeats, run round-robin): samples/s (the run's summary),
-trainer busy, sampler busy, sampling calls per step (from the trace), and their ratio agent/env
-against the target AGENT_TARGET (agent mode within 2x of the environment path). Then where an
-agent call's time goes without the model: `endpoint`, one step's episodes (16 prompts x 8) of the
-example agent through the endpoint on a sampler that answers at once (`_Instant`), its wall and
-CPU time per call (the `openai` client, HTTP, the endpoint's parsing, tokenizing and recording:
-everything agent mode adds to a sampled turn).
+trainer busy, sampler busy, sampling calls per step (from the trace), and the ratio agent/env
+against the target AGENT_TARGET (agent mode within 2x of the environment path; loop/env beside
+it). Then where an agent call's time goes without the model: `endpoint` (agents on the loop) and
+`endpoint_processes` (in 2 agent processes), one step's episodes (16 prompts x 8) of the example
+agent through the endpoint on a sampler that answers at once (`_Instant`): wall time per call,
+and the CPU time per call of the run's process (with the agents on the loop: the `openai`
+client, HTTP, the endpoint's parsing, tokenizing and recording, everything agent mode adds to a
+sampled turn; with agent processes: what stays in the run's process, the endpoint's side).
 
 Invariant: nothing here asserts a time; both configurations run one after the other in this
 process on the same workload (machines are noisy: the ratio is the figure).
@@ -51,6 +55,7 @@ AGENT_TARGET = 0.5
 _COMMON = ["eval.enabled=false", "orchestrator.checkpoint_every=0"]
 AGENT_CONFIGS: dict[str, list[str]] = {
     "agent": [],
+    "loop": ["rollout.agent_processes=0"],
     "env": [  # on the agent recipe's other values (task.agent dropped)
         'task.environment="draft_answer"',
         'task.observation_template="{observation}"',
@@ -73,9 +78,9 @@ def _recipe_overrides(path: Path, drop: set[str]) -> list[str]:
 
 def _config(label: str, steps: int, extra: list[str]) -> Config:
     overrides = [f"run.steps={steps}", *_COMMON, *AGENT_CONFIGS[label], *extra]
-    if label == "agent":
+    if label != "env":
         return load_config(shipped_recipe("agent"), overrides)
-    return load_config(None, [*_recipe_overrides(shipped_recipe("agent"), {"task.agent"}), *overrides])
+    return load_config(None, [*_recipe_overrides(shipped_recipe("agent"), {"task.agent", "rollout.agent_processes"}), *overrides])
 
 
 class _Instant(Sampler):
@@ -99,13 +104,15 @@ class _Instant(Sampler):
         return None
 
 
-def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8) -> dict[str, float]:
-    """`rounds` rollouts of `prompts` x `samples` episodes of the example agent on `_Instant`: the
-    median wall and CPU seconds per agent call (two calls an episode), and sampling calls per round."""
+def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8, processes: int = 0) -> dict[str, float]:
+    """`rounds` rollouts of `prompts` x `samples` episodes of the example agent on `_Instant`, its
+    agents in `processes` agent processes (0: on the loop): the median wall seconds per agent call
+    (two calls an episode), the CPU seconds per call of this process, and sampling calls per round."""
     from transformers import AutoTokenizer
 
     from relayrl.agents.context import load_agent
     from relayrl.agents.endpoint import AgentEndpoint, EndpointSettings, Tokenizer
+    from relayrl.agents.processes import AgentProcesses
     from relayrl.models.loading import shipped_model_dir
     from relayrl.orchestrator.replicas import SamplerSlot
     from relayrl.orchestrator.stages.agents import AgentRollout, AgentSettings
@@ -116,7 +123,8 @@ def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8) -> dict[s
     tok = cast(Tokenizer, AutoTokenizer.from_pretrained(shipped_model_dir()))
     agent = load_agent(cfg.task.agent)
     settings = EndpointSettings(model="policy", max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
-    rollout = AgentRollout(agent, AgentEndpoint(settings, tok), AgentSettings(name="bench", model="policy"), Tracer(None, {}))
+    pool = AgentProcesses(cfg.task.agent, processes) if processes > 0 else None
+    rollout = AgentRollout(agent, AgentEndpoint(settings, tok), AgentSettings(name="bench", model="policy"), Tracer(None, {}), pool)
     sampler = _Instant([int(i) for i in tok("12", add_special_tokens=False)["input_ids"]])
     rng = random.Random(0)
     requests = []
@@ -177,11 +185,14 @@ def run_agent(steps: int = 8, repeats: int = 1, extra: list[str] | None = None) 
                 result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
                 runs[label].append(_figures(result, steps))
     figures: dict[str, object] = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for label, rs in runs.items()}
-    agent, env = figures["agent"], figures["env"]
-    assert isinstance(agent, dict) and isinstance(env, dict)
+    agent, loop, env = figures["agent"], figures["loop"], figures["env"]
+    assert isinstance(agent, dict) and isinstance(loop, dict) and isinstance(env, dict)
     ratio = agent["samples_per_s"] / env["samples_per_s"]
     figures["ratio"] = ratio
+    figures["loop_ratio"] = loop["samples_per_s"] / env["samples_per_s"]
+    figures["agent_processes"] = _config("agent", steps, extra or []).rollout.agent_processes
     figures["target"] = AGENT_TARGET
     figures["met"] = bool(ratio >= AGENT_TARGET)
     figures["endpoint"] = run_endpoint()
+    figures["endpoint_processes"] = run_endpoint(processes=2)
     return figures

@@ -522,22 +522,27 @@ def bench_agent(
     from relayrl.bench.agents import run_agent
 
     figures = _bench(lambda: run_agent(steps=steps, repeats=repeats, extra=list(set_ or [])), as_json)
-    for label in ("agent", "env"):
+    names = {"agent": f"agent processes {figures['agent_processes']}", "loop": "on the run's loop", "env": "draft_answer"}
+    for label in ("agent", "loop", "env"):
         f = figures[label]
         assert isinstance(f, dict)
         out.print(
             f"({label:<5}) {f['samples_per_s']:7.1f} samples/s   trainer busy {f['trainer_busy']:6.1%}   "
-            f"sampler busy {f['sampler_busy']:6.1%}   sampling calls/step {f['sampling_calls_per_step']:5.1f}   wall {f['wall_s']:.1f} s"
+            f"sampler busy {f['sampler_busy']:6.1%}   sampling calls/step {f['sampling_calls_per_step']:5.1f}   "
+            f"wall {f['wall_s']:.1f} s   ({names[label]})"
         )
     met = "met" if figures["met"] else "MISSED"
-    out.print(f"samples/s ratio agent/env: {figures['ratio']:.2f} (target >= {figures['target']})  {met}")
-    e = figures["endpoint"]
-    assert isinstance(e, dict)
     out.print(
-        f"endpoint without the model (one step's 128 episodes, 256 calls, a sampler that answers at once): "
-        f"{e['wall_ms_per_call']:.2f} ms wall, {e['cpu_ms_per_call']:.2f} ms CPU per call (openai client, HTTP, endpoint); "
-        f"{e['sampling_calls_per_round']:.1f} sampling calls per step"
+        f"samples/s ratio agent/env: {figures['ratio']:.2f} (target >= {figures['target']})  {met}   (loop/env {figures['loop_ratio']:.2f})"
     )
+    for key, where in (("endpoint", "agents on the run's loop"), ("endpoint_processes", "agents in 2 processes")):
+        e = figures[key]
+        assert isinstance(e, dict)
+        out.print(
+            f"endpoint without the model, {where} (one step's 128 episodes, 256 calls, a sampler that answers at once): "
+            f"{e['wall_ms_per_call']:.2f} ms wall, {e['cpu_ms_per_call']:.2f} ms CPU of the run's process per call; "
+            f"{e['sampling_calls_per_round']:.1f} sampling calls per step"
+        )
 
 
 @bench_app.command("collate")
