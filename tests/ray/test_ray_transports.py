@@ -19,6 +19,7 @@ from relayrl.backends.ray.actors import RaySampler, RayTrainer  # noqa: E402
 from relayrl.backends.ray.cluster import RayCluster  # noqa: E402
 from relayrl.config.schema import load_config  # noqa: E402
 from relayrl.orchestrator.build import build_program  # noqa: E402
+from relayrl.types import Weights  # noqa: E402
 from support.rayutil import local_cluster  # noqa: E402
 from support.simutil import event_args  # noqa: E402
 
@@ -161,22 +162,23 @@ def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_com
     victim = program.backend.samplers[1]
     assert isinstance(victim, RaySampler)
 
-    async def kill_after_first_sync() -> None:
-        while program.replicas is None or min(s.version for s in program.replicas.slots) < 1:
-            await asyncio.sleep(0.05)
-        ray.kill(victim.actor, no_restart=False)  # Ray restarts its process
+    load, killed = victim.load_weights, []
 
-    async def go() -> None:
-        killer = asyncio.create_task(kill_after_first_sync())
-        try:
-            await program.run()
-        finally:
-            killer.cancel()
-            await asyncio.gather(killer, return_exceptions=True)
+    async def load_then_kill(weights: Weights) -> None:
+        """Version 1's load, then the kill, before the run goes on: later rounds and sampling
+        calls follow it, so the death is seen while the run lasts (a kill from a task of its
+        own could land after the last round under load: then nothing sees it)."""
+        await load(weights)
+        if weights.version >= 1 and not killed:
+            killed.append(weights.version)
+            ray.kill(victim.actor, no_restart=False)  # Ray restarts its process
+            await asyncio.sleep(1.0)  # dead by now
 
+    victim.load_weights = load_then_kill  # type: ignore[method-assign]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SamplerRestartedWarning)
-        asyncio.run(asyncio.wait_for(go(), 240))
+        asyncio.run(asyncio.wait_for(program.run(), 240))
+    assert killed
     report = check_run_dir(tmp_path / "run")
     assert report.ok, report.violations
     assert report.completed
