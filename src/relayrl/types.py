@@ -329,6 +329,7 @@ class TrainBatch:
     step_completion_tokens: int  # the policy's completion tokens over the whole step (its minibatch): the loss normaliser for accumulation
     step_sequences: int  # trajectories of the step (its minibatch) with at least one policy token
     minibatch: int = 0
+    padded_tokens: int = 0  # the positions the trainer computes: rows × the length they are padded to
 
 
 @dataclass(slots=True)
@@ -365,6 +366,7 @@ class MicroBatch:
             step_completion_tokens=self.step_completion_tokens,
             step_sequences=self.step_sequences,
             minibatch=self.minibatch,
+            padded_tokens=self.padding.padded_tokens,
         )
 
 

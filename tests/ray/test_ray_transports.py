@@ -162,7 +162,8 @@ def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_com
     victim = program.backend.samplers[1]
     assert isinstance(victim, RaySampler)
 
-    load, killed = victim.load_weights, []
+    load = victim.load_weights
+    killed: list[int] = []
 
     async def load_then_kill(weights: Weights) -> None:
         """Version 1's load, then the kill, before the run goes on: later rounds and sampling

@@ -11,9 +11,14 @@ metrics (docs/design.md, "Planning a run"):
   different sizes the run holds (batched decoding is neither proportional to the rows nor, on a
   CPU whose caches the batch outgrows, affine in them). A trace without those sizes (older runs)
   counts n groups × rollout.num_generations rows and rollout.max_new_tokens passes;
-- train_step: base_s + per_token_s × the micro-batch's tokens (its `tokens` argument); when the
-  measured micro-batches are all about one size (relative spread under 20%), the intercept cannot
-  be told from the slope, and the cost is taken as proportional to the tokens (base_s = 0);
+- train_step: base_s + per_token_s × the positions the trainer computes for the micro-batch: its
+  rows × the length they are padded to (the span's `padded` argument; a trace without it, its
+  `tokens`, the laid-out tokens). Real tokens are not the size: a workload whose rows fill worse
+  (e.g. fewer completions a group, so a shared prompt's group leaves more of its row empty) costs
+  more per real token (measured: 0.94 → 0.68 of the positions real, 1.44× the seconds per real
+  token, 1.05× per position). When the measured micro-batches are all about one size (relative
+  spread under 20%), the intercept cannot be told from the slope, and the cost is taken as
+  proportional (base_s = 0);
 - the device contention factor (relayrl.plan.resources) jointly with the two above, by least
   absolute error on log durations;
 - optim_step, get_metrics, the sync round (`load_s`), checkpoint, packing and each bookkeeping
@@ -54,7 +59,7 @@ from relayrl.plan.resources import device_name, fit_contention, overlap_load
 from relayrl.plan.source import SourceRun
 
 MODEL_FILE = "plan-model.json"
-FORMAT = 2  # 2: generate is a DecodeCost (rows and decode passes), no longer tokens per call
+FORMAT = 3  # 2: generate is a DecodeCost (rows and decode passes); 3: train_step is per padded position
 NARROW = 0.2  # relative spread of sizes under which a slope is not fitted (proportional cost)
 EXPONENTS = tuple(round(0.5 + step / 20, 2) for step in range(31))  # row exponents tried: 0.5, 0.55, ..., 2
 
@@ -412,15 +417,19 @@ def _measure(run: SourceRun) -> _Measured:
     first_train = _first_per_lane(spans, {trainer_lane}, "train_step")
     calls: list[_Call] = []
     warm: list[_Call] = []
-    # a micro-batch's tokens are on the orchestrator's trainer lane; on Ray the actor's span (the
-    # work itself, a queued-ahead one included) carries only its step and micro-batch
-    tokens = {
-        (s.args.get("step"), s.args.get("microbatch")): s.args.get("tokens")
+    # a micro-batch's size (padded positions; tokens in older traces) is on the orchestrator's
+    # trainer lane; on Ray the actor's span (the work itself, a queued-ahead one included) carries
+    # only its step and micro-batch
+    positions = {
+        (s.args.get("step"), s.args.get("microbatch")): s.args.get("padded", s.args.get("tokens"))
         for s in spans
         if s.lane == "trainer" and s.name == "train_step"
     }
     for i, s in enumerate(spans):
-        size = s.args.get("n") if s.name == "generate" else s.args.get("tokens", tokens.get((s.args.get("step"), s.args.get("microbatch"))))
+        if s.name == "generate":
+            size = s.args.get("n")
+        else:
+            size = s.args.get("padded", s.args.get("tokens", positions.get((s.args.get("step"), s.args.get("microbatch")))))
         if not isinstance(size, int) or isinstance(size, bool):
             continue
         if s.lane in sampler_lanes and s.name == "generate":

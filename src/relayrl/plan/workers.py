@@ -7,7 +7,7 @@ completion is the prompt's answer with that rate, else a wrong number, so the ta
 scores it and dynamic sampling filters the groups whose rewards tie, as in the measured run.
 A call costs the fitted decode time of its rows (sequences) and passes (its longest completion's
 tokens) on the replica's device. `PlanTrainer`
-spends the fitted train_step time of each micro-batch's tokens, and optim_step, on the trainer's
+spends the fitted train_step time of each micro-batch's padded positions (rows × padded length), and optim_step, on the trainer's
 device; the metrics fetch, the sync round and checkpoints sleep their measured medians.
 
 On Ray (the target's `ray.enabled`), the workers are actors one round trip away
@@ -130,7 +130,7 @@ class PlanTrainer(SimTrainer):
         self._warm = False
 
     async def train_step(self, batch: TrainBatch) -> None:
-        work = self._model.train_step.cost(batch.num_tokens)
+        work = self._model.train_step.cost(batch.padded_tokens or batch.num_tokens)
         if not self._warm:
             self._warm, work = True, work + self._model.train_step.warmup_s
         await self._device.run(work)

@@ -348,6 +348,7 @@ class TrainLoop:
                     microbatch=index,
                     final=mb.final,
                     tokens=mb.num_tokens,
+                    padded=mb.padding.padded_tokens,
                     min_version=mb.min_version,
                     **({"ahead": True} if ahead else {}),
                 )
