@@ -156,9 +156,11 @@ class AgentProcesses:
     async def stop(self) -> None:
         """Close every process's request pipe and wait for it to exit (STOP_WAIT_S, then killed)."""
         self._stopping = True
-        for waiting in self._starting:
-            if waiting is not None and not waiting.done():
+        for waiting in self._starting:  # a start still under way ends first (its failure was the caller's)
+            if waiting is not None:
                 await asyncio.wait({waiting})
+                if not waiting.cancelled():
+                    waiting.exception()
         processes = [p for p in self._slots if p is not None]
         for p in processes:
             p.writer.close()

@@ -261,6 +261,7 @@ class AgentRollout:
             await self._processes.start()
 
     async def stop(self) -> None:
+        """The agent processes end, then the endpoint."""
         try:
             if self._processes is not None:
                 await self._processes.stop()
