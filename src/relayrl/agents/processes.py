@@ -157,10 +157,13 @@ class AgentProcesses:
         """Close every process's request pipe and wait for it to exit (STOP_WAIT_S, then killed)."""
         self._stopping = True
         for waiting in self._starting:  # a start still under way ends first (its failure was the caller's)
-            if waiting is not None:
+            if waiting is None:
+                continue
+            if not waiting.done():
                 await asyncio.wait({waiting})
-                if not waiting.cancelled():
-                    waiting.exception()
+            if not waiting.cancelled():
+                waiting.exception()
+        self._starting = [None] * self._count
         processes = [p for p in self._slots if p is not None]
         for p in processes:
             p.writer.close()
