@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relayrl.agents.calls import call_agent
-from relayrl.agents.context import AgentContext, AgentFn, redact
+from relayrl.agents.context import AgentContext, AgentFn
 from relayrl.agents.transcript import Node
 from relayrl.errors import RunFailed, first_error
 from relayrl.orchestrator.deadlines import bounded
@@ -318,9 +318,7 @@ class AgentRollout:
         if outcome.interrupted:  # asyncio would let it break the loop: the run stops, in one line
             raise AgentError(f"{self._where(request, index)}: raised KeyboardInterrupt: the run stops")
         self._blocked(request, index, outcome.longest_step_s)
-        failure = outcome.failure
-        if failure is not None:  # (an agent process knows the episode's key, not the run's secret)
-            failure = (failure[0], redact(failure[1], (ctx.api_key, self.endpoint.token)))
+        failure = outcome.failure  # (its detail redacted where it was made: an agent process never holds the run's secret)
         leaves = episode.transcript.leaves
         if failure is None and not leaves:
             failure = ("no_calls", "the agent made no call through ctx.base_url")
