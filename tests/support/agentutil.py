@@ -17,7 +17,7 @@ from relayrl.agents.processes import AgentProcesses
 from relayrl.backends.protocols import Sampler
 from relayrl.models.loading import shipped_model_dir
 from relayrl.orchestrator.replicas import SamplerSlot
-from relayrl.orchestrator.stages.agents import AgentRollout, AgentSettings
+from relayrl.orchestrator.stages.agents import GATHER_S, AgentRollout, AgentSettings
 from relayrl.telemetry.tracer import Tracer
 from relayrl.types import Completion, GenerateResult, Group, Prompt, SampleRequest, TurnRequest, TurnResult
 
@@ -102,11 +102,16 @@ def make_rollout(
     max_new_tokens: int = 32,
     max_total_tokens: int = 512,
     processes: AgentProcesses | None = None,
+    gather_s: float = GATHER_S,
 ) -> AgentRollout:
     settings = EndpointSettings(model="tiny", max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens)
     endpoint = AgentEndpoint(settings, tokenizer)
     return AgentRollout(
-        agent, endpoint, AgentSettings(name="test_agent", model="tiny", timeout_s=timeout_s, strict=strict), Tracer(None, {}), processes
+        agent,
+        endpoint,
+        AgentSettings(name="test_agent", model="tiny", timeout_s=timeout_s, strict=strict, gather_s=gather_s),
+        Tracer(None, {}),
+        processes,
     )
 
 

@@ -36,6 +36,7 @@ RESUMABLE_BEFORE = [
     "rollout.strict_environment",
     "rollout.agent_timeout_s",  # added with task.agent (issue 22)
     "rollout.agent_processes",  # added with agent processes (issue 32): where an agent runs, not what it samples
+    "rollout.agent_batches_per_replica",  # added with issue 32: how many batches a replica rolls out at once
     "train.torch_threads",
     "orchestrator.overlap_bookkeeping",
     "orchestrator.queue_size",
@@ -127,7 +128,7 @@ def test_docs_list_every_key_with_type_default_and_resume_mark() -> None:
 
 def test_resumable_keys_are_the_former_prefixes_keys() -> None:
     assert sorted(resumable_keys()) == sorted(RESUMABLE_BEFORE)
-    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 59
+    assert len(RESUMABLE_BEFORE) == len(set(RESUMABLE_BEFORE)) == 60
 
 
 def test_resume_changes_reads_the_marks() -> None:

@@ -421,6 +421,12 @@ resume needs."""
     HTTP client's) runs beside the endpoint, the trainer and the samplers; 0 = on the run's event
     loop. An agent process that dies fails the samples it was running and is started again."""
 
+    agent_batches_per_replica: int = Field(2, ge=1, le=16, json_schema_extra=RESUMABLE)
+    """Agents: how many request batches (rollout.prompts_per_request prompts each) one sampler
+    replica rolls out at once, within the staleness window's credits. Their agents' calls share
+    the replica's sampling calls, so one batch's HTTP rounds and agent code run while another's
+    turns are sampled; 1 = one batch at a time."""
+
     gpu_memory_utilization: float = Field(0.0, ge=0.0, lt=1.0)
     """rollout.engine = "vllm" on a CUDA device: the fraction of the GPU's memory each vLLM
     replica takes (its weights, activations and KV cache; vLLM's own gpu_memory_utilization).

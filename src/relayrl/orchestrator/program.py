@@ -256,7 +256,16 @@ class Program:
                     ),
                     *[
                         tg.create_task(
-                            sampler_stage(s, requests, collected, self.tracer, self.replicas, self._rollout(), publisher=publisher),
+                            sampler_stage(
+                                s,
+                                requests,
+                                collected,
+                                self.tracer,
+                                self.replicas,
+                                self._rollout(),
+                                publisher=publisher,
+                                width=cfg.rollout.agent_batches_per_replica if self.agents is not None else 1,
+                            ),
                             name=f"sampler/{s.replica}",
                         )
                         for s in self.replicas.slots

@@ -4,13 +4,18 @@ the endpoint (agents/endpoint.py).
 Job: `AgentRollout` is the sampler stage's rollout for `task.agent` runs. For a batch of requests
 taken by one replica (so under the staleness window's credits, as every rollout), it opens one
 endpoint episode per sample, calls `agent(ctx)` for each, all at once, each bounded by
-`rollout.agent_timeout_s`, and routes every call of those episodes to that replica: a
+`rollout.agent_timeout_s`, and routes every call of those episodes to that replica: its
 `TurnBatcher` gathers the calls that arrive while the replica is busy into one `generate_turns`
 call (each bounded by `rollout.generate_timeout_s`, traced on the replica's lane with the version
-that sampled it, and `versions` when a load landed during it). Once the replica is free and a
-call is waiting, it waits for the rest of the batch's live episodes to call too, at most
-`GATHER_S` (a call's HTTP round trip lands its requests one by one on the loop: without the
-wait the first of them went alone into a call of its own and the rest into the next ones).
+that sampled it, and `versions` when a load landed during it). A replica rolls out up to
+`rollout.agent_batches_per_replica` batches at once (the sampler stage's `width`): they share its
+one batcher (started with the first batch in flight, ended with the last), so one batch's HTTP
+rounds and agent code run while another's calls are sampled, and calls of both go in one
+sampling call when both are waiting. Once the replica is free and a call is waiting, it waits
+for the rest of that call's batch's live episodes to call too (a batch whose episodes are all
+elsewhere is not waited for), at most `GATHER_S` (a call's HTTP round trip lands its requests
+one by one on the loop: without the wait the first of them went alone into a call of its own
+and the rest into the next ones).
 When every agent is done, the replica forgets the episodes' caches and each episode's
 transcript becomes its training samples (agents/transcript.py): one trajectory per leaf
 (its `policy_version` the oldest token's, its `versions` the runs when several versions sampled it),
@@ -36,7 +41,8 @@ Invariants:
   left running (its sample failed as a timeout) rather than hang the rollout; an agent process
   that dies fails the samples it was running (`raised`) and is started again;
 - a sampling call that raises or exceeds its bound fails the replica as a `generate` would (the
-  sampler stage retires or restarts it and re-queues the requests); its agents are cancelled;
+  sampler stage retires or restarts it and re-queues the requests of every batch in flight on
+  it); the agents of every such batch are cancelled;
 - the episodes are closed before their transcripts are read: nothing is recorded afterwards;
 - once every agent is done, forgetting the caches cannot lose the episodes: a replica whose worker
   died meanwhile (`Sampler.restartable`, a Ray actor's process) had answered every call, so its
@@ -46,6 +52,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -131,16 +138,17 @@ class TurnBatcher:
         self._gather_s = gather_s
         self._pending: list[tuple[TurnRequest, asyncio.Future[TurnResult], str]] = []
         self._running: list[tuple[TurnRequest, asyncio.Future[TurnResult], str]] = []
-        self._live: set[str] = set()  # episodes whose agent may still call
+        self._live: dict[str, int] = {}  # episodes whose agent may still call -> their cohort
         self._wake = asyncio.Event()
 
-    def expect(self, owner: str) -> None:
-        """Episode `owner`'s agent runs: its calls are worth waiting for."""
-        self._live.add(owner)
+    def expect(self, owner: str, cohort: int = 0) -> None:
+        """Episode `owner`'s agent runs, in `cohort` (its request batch): its calls are worth
+        waiting for once another episode of its cohort has called."""
+        self._live[owner] = cohort
 
     def finished(self, owner: str) -> None:
         """Episode `owner`'s agent is done: it makes no more calls."""
-        self._live.discard(owner)
+        self._live.pop(owner, None)
         self._wake.set()
 
     def sampler_of(self, owner: str) -> Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]:
@@ -171,11 +179,14 @@ class TurnBatcher:
             self._pending, self._running = [], []
 
     def _all_waiting(self) -> bool:
+        """Every live episode of each cohort that has a call pending has one pending (a cohort
+        whose episodes are all elsewhere, in their HTTP rounds or agent code, is not waited for)."""
         waiting = {owner for _, future, owner in self._pending if not future.done()}
-        return self._live <= waiting
+        cohorts = {self._live[o] for o in waiting if o in self._live}
+        return all(owner in waiting for owner, cohort in self._live.items() if cohort in cohorts)
 
     async def _gather(self) -> None:
-        """Wait (at most gather_s) until every live episode has a call pending."""
+        """Wait (at most gather_s) until every live episode of a cohort that called has a call pending."""
         if self._gather_s <= 0:
             return
         try:
@@ -230,6 +241,21 @@ class TurnBatcher:
 
 
 @dataclass(slots=True)
+class _ReplicaTurns:
+    """One replica's batcher, shared by the request batches it rolls out at once, and its pump."""
+
+    batcher: TurnBatcher
+    pump: asyncio.Task[None]
+    users: int = 0  # batches in flight
+
+
+def _pump_error(pump: asyncio.Task[None]) -> BaseException:
+    """Why a replica's pump ended (it ends only by failing, or cancelled with its last batch)."""
+    exc = None if pump.cancelled() else pump.exception()
+    return exc if exc is not None else RuntimeError("the replica's agent calls stopped being served")
+
+
+@dataclass(slots=True)
 class _Outcome:
     request: SampleRequest
     index: int
@@ -253,6 +279,8 @@ class AgentRollout:
         self._processes = processes
         self._warned = False
         self._warned_blocked = False
+        self._turns: dict[int, _ReplicaTurns] = {}  # replica -> its batcher, while it rolls out batches
+        self._cohorts = itertools.count()
 
     async def start(self) -> None:
         """The endpoint listens, and the agent processes run."""
@@ -269,32 +297,57 @@ class AgentRollout:
             await self.endpoint.stop()
 
     async def __call__(self, slot: SamplerSlot, requests: list[SampleRequest]) -> list[Group]:
-        batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s, self._settings.gather_s)
+        turns = self._turns.get(slot.replica)
+        if turns is None:  # the first batch in flight on this replica: its batcher starts
+            batcher = TurnBatcher(slot, self._tracer, self._settings.generate_timeout_s, self._settings.gather_s)
+            turns = _ReplicaTurns(batcher, asyncio.create_task(batcher.run(), name=f"agents/{slot.replica}/turns"))
+            self._turns[slot.replica] = turns
+        turns.users += 1
+        cohort = next(self._cohorts)
+        owners = [f"{r.group_id}/{i}" for r in requests for i in range(r.num_samples)]
+        for owner in owners:
+            turns.batcher.expect(owner, cohort)  # before any agent runs: the first call waits for the others
         keys: list[str] = []
-        for r in requests:
-            for i in range(r.num_samples):
-                batcher.expect(f"{r.group_id}/{i}")  # before any agent runs: the first call waits for the others
+        episodes = asyncio.create_task(self._episodes(turns.batcher, requests, keys), name=f"agents/{slot.replica}/batch{cohort}")
         try:
-            async with asyncio.TaskGroup() as outer:
-                pump = outer.create_task(batcher.run(), name=f"agents/{slot.replica}/turns")
-                try:
-                    async with asyncio.TaskGroup() as tg:
-                        tasks = [
-                            tg.create_task(self._episode(batcher, r, i, keys), name=f"agent/{r.group_id}/{i}")
-                            for r in requests
-                            for i in range(r.num_samples)
-                        ]
-                finally:
-                    pump.cancel()
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
+            await asyncio.wait([episodes, turns.pump], return_when=asyncio.FIRST_COMPLETED)
+            if not episodes.done():  # the replica's sampling failed: its error is the batch's
+                episodes.cancel()
+                await asyncio.wait([episodes])
+                raise _pump_error(turns.pump)
+            outcomes = episodes.result()
+        finally:
+            if not episodes.done():  # cancelled
+                episodes.cancel()
+                await asyncio.wait([episodes])
+            for owner in owners:  # an episode cancelled before it started never closed itself
+                turns.batcher.finished(owner)
+            turns.users -= 1
+            if turns.users == 0:  # the last batch in flight on this replica: its batcher ends
+                del self._turns[slot.replica]
+                turns.pump.cancel()
+                await asyncio.wait([turns.pump])
+                if not turns.pump.cancelled():
+                    turns.pump.exception()  # retrieved: raised by every batch it failed
         await forget_episodes(slot.worker, keys)
-        outcomes = [t.result() for t in tasks]
         version = slot.version
         by_group: dict[int, list[Trajectory]] = {r.group_id: [] for r in requests}
         for o in outcomes:
             by_group[o.request.group_id].extend(self._trajectories(o, slot.replica, version))
         return [Group(group_id, trajectories) for group_id, trajectories in by_group.items()]
+
+    async def _episodes(self, batcher: TurnBatcher, requests: list[SampleRequest], keys: list[str]) -> list[_Outcome]:
+        """Every sample's episode of `requests`, at once."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(self._episode(batcher, r, i, keys), name=f"agent/{r.group_id}/{i}")
+                    for r in requests
+                    for i in range(r.num_samples)
+                ]
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        return [t.result() for t in tasks]
 
     async def _episode(self, batcher: TurnBatcher, request: SampleRequest, index: int, keys: list[str]) -> _Outcome:
         s = self._settings
