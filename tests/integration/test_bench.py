@@ -71,7 +71,7 @@ def test_collate_bench_json_output() -> None:
 def test_agent_bench_runs_the_agent_and_the_environment_path_on_the_same_task() -> None:
     from relayrl.bench.agents import AGENT_TARGET, run_agent
 
-    figures = run_agent(steps=1)
+    figures = run_agent(steps=3)  # the CPU a step is read from the second step's end to the last's
     agent, loop, env = figures["agent"], figures["loop"], figures["env"]
     assert isinstance(agent, dict) and isinstance(loop, dict) and isinstance(env, dict)
     assert agent["samples_per_s"] > 0 and loop["samples_per_s"] > 0 and env["samples_per_s"] > 0
@@ -80,6 +80,11 @@ def test_agent_bench_runs_the_agent_and_the_environment_path_on_the_same_task() 
     assert figures["loop_ratio"] == loop["samples_per_s"] / env["samples_per_s"]
     ratio = figures["ratio"]
     assert isinstance(ratio, float) and figures["met"] == (ratio >= AGENT_TARGET)
+    # the agent processes' CPU is counted apart, and only where they run
+    assert agent["cpu_agents_s_per_step"] > 0 and loop["cpu_agents_s_per_step"] == env["cpu_agents_s_per_step"] == 0
+    assert all(f["cpu_run_s_per_step"] > 0 for f in (agent, loop, env))
+    assert agent["cpu_s_per_step"] == agent["cpu_run_s_per_step"] + agent["cpu_agents_s_per_step"]
+    assert figures["cpu_bound_ratio"] == env["cpu_s_per_step"] / agent["cpu_s_per_step"]
     for key in ("endpoint", "endpoint_processes"):
         endpoint = figures[key]
         assert isinstance(endpoint, dict)

@@ -13,9 +13,12 @@ end-of-sequence token included) and appends the newline and the question. Both
 train one sequence per episode.
 
 Figures per run (medians over the repeats, run round-robin): samples/s (the run's summary),
-trainer busy, sampler busy, sampling calls per step (from the trace), and the ratio agent/env
-against the target AGENT_TARGET (agent mode within 2x of the environment path; loop/env beside
-it). Then where an agent call's time goes without the model: `endpoint` (agents on the loop) and
+trainer busy, sampler busy, sampling calls per step (from the trace), the CPU seconds a step
+(from the first step's end to the last's: this process, every thread, and the agent processes
+apart, sampled from /proc every 50 ms), and the ratio agent/env against the target AGENT_TARGET
+(agent mode within 2x of the environment path; loop/env beside it). Beside it the work bound:
+every configuration trains the same samples a step on the same cores, so agent/env cannot
+exceed env's CPU a step over agent's, however well the work overlaps. Then where an agent call's time goes without the model: `endpoint` (agents on the loop) and
 `endpoint_processes` (in 2 agent processes), one step's episodes (16 prompts x 8) of the example
 agent through the endpoint on a sampler that answers at once (`_Instant`): wall time per call,
 and the CPU time per call of the run's process (with the agents on the loop: the `openai`
@@ -30,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Sequence
@@ -157,9 +162,64 @@ def run_endpoint(rounds: int = 3, prompts: int = 16, samples: int = 8, processes
     }
 
 
-def _figures(result: RunResult, steps: int) -> dict[str, float]:
+class _CpuMeter:
+    """Samples, every SAMPLE_S, the CPU seconds of this process (every thread) and of its live
+    child processes (the agent processes), so that the CPU spent between two trace times can be read."""
+
+    SAMPLE_S = 0.05
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, own CPU s, children's CPU s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relayrl-bench-cpu", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> _CpuMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _children(self) -> float:
+        total = 0.0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                pids = open(f"/proc/self/task/{task}/children").read().split()
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    stat = open(f"/proc/{pid}/stat").read()
+                except OSError:
+                    continue
+                fields = stat[stat.rindex(")") + 2 :].split()
+                total += (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.SAMPLE_S):
+            self.samples.append((time.perf_counter(), time.process_time(), self._children()))
+
+    def between(self, start: float, end: float) -> tuple[float, float]:
+        """CPU seconds of this process and of its children from perf_counter `start` to `end`
+        (the samples nearest each)."""
+        if not self.samples:
+            return float("nan"), float("nan")
+        a = min(self.samples, key=lambda x: abs(x[0] - start))
+        b = min(self.samples, key=lambda x: abs(x[0] - end))
+        return b[1] - a[1], b[2] - a[2]
+
+
+def _figures(result: RunResult, steps: int, meter: _CpuMeter, offset: float) -> dict[str, float]:
+    """The run's figures; `offset`: the perf_counter time of the trace's zero."""
     spans = timeline.spans(result.tracer.events)
     generate = [s for s in spans if s.lane.startswith("sampler/") and s.name == "generate"]
+    optim = sorted(s.end for s in spans if s.lane == "trainer" and s.name == "optim_step")
+    # the CPU of the steps after the first (start-up, imports, the first calls' warm-up left out)
+    own, children = meter.between(offset + optim[0], offset + optim[-1]) if len(optim) > 1 else (float("nan"), float("nan"))
+    per_step = max(1, len(optim) - 1)
     summary = result.summary
 
     def number(key: str) -> float:
@@ -172,6 +232,9 @@ def _figures(result: RunResult, steps: int) -> dict[str, float]:
         "sampler_busy": timeline.lane_busy_fraction(spans, "sampler/", "generate"),
         "sampling_calls_per_step": len(generate) / max(1, steps),
         "wall_s": number("wall_time_s"),
+        "cpu_run_s_per_step": own / per_step,  # the run's process, every thread
+        "cpu_agents_s_per_step": children / per_step,  # the agent processes
+        "cpu_s_per_step": (own + children) / per_step,
     }
 
 
@@ -182,14 +245,19 @@ def run_agent(steps: int = 8, repeats: int = 1, extra: list[str] | None = None) 
         for rep in range(repeats):
             for label in AGENT_CONFIGS:
                 cfg = _config(label, steps, extra or [])
-                result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
-                runs[label].append(_figures(result, steps))
+                with _CpuMeter() as meter:
+                    result = asyncio.run(build_program(cfg, run_dir=Path(tmp) / f"{label}{rep}").run())
+                offset = time.perf_counter() - result.tracer.now()
+                runs[label].append(_figures(result, steps, meter, offset))
     figures: dict[str, object] = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for label, rs in runs.items()}
     agent, loop, env = figures["agent"], figures["loop"], figures["env"]
     assert isinstance(agent, dict) and isinstance(loop, dict) and isinstance(env, dict)
     ratio = agent["samples_per_s"] / env["samples_per_s"]
     figures["ratio"] = ratio
     figures["loop_ratio"] = loop["samples_per_s"] / env["samples_per_s"]
+    # the work bound: with every configuration using the same cores, samples/s cannot beat their
+    # ratio of CPU per step (the same samples a step), however well the work overlaps
+    figures["cpu_bound_ratio"] = env["cpu_s_per_step"] / agent["cpu_s_per_step"]
     figures["agent_processes"] = _config("agent", steps, extra or []).rollout.agent_processes
     figures["target"] = AGENT_TARGET
     figures["met"] = bool(ratio >= AGENT_TARGET)

@@ -531,9 +531,18 @@ def bench_agent(
             f"sampler busy {f['sampler_busy']:6.1%}   sampling calls/step {f['sampling_calls_per_step']:5.1f}   "
             f"wall {f['wall_s']:.1f} s   ({names[label]})"
         )
+        out.print(
+            f"        CPU a step {f['cpu_s_per_step']:.3f} s: the run's process {f['cpu_run_s_per_step']:.3f} s, "
+            f"agent processes {f['cpu_agents_s_per_step']:.3f} s"
+        )
     met = "met" if figures["met"] else "MISSED"
     out.print(
         f"samples/s ratio agent/env: {figures['ratio']:.2f} (target >= {figures['target']})  {met}   (loop/env {figures['loop_ratio']:.2f})"
+    )
+    bound = cast(float, figures["cpu_bound_ratio"])
+    out.print(
+        f"work bound: the same samples a step on the same cores, agent/env cannot exceed their CPU a step's ratio, "
+        f"{bound:.2f} (the ratio reached {cast(float, figures['ratio']) / bound:.2f} of it)"
     )
     for key, where in (("endpoint", "agents on the run's loop"), ("endpoint_processes", "agents in 2 processes")):
         e = figures[key]

@@ -9,12 +9,13 @@ orchestrator's `SamplerSlot`, never from the worker), each bounded by `timeout_s
 groups leave in the order the call returned them. An environment's error that fails the run
 (EnvironmentStepError: a wrong type, strict_environment, stuck calls), an agent's under
 strict_agents (AgentError), or a prompt that leaves an episode no room, fails it as the task's
-error, not the replica's. A replica whose `generate` raises is retired
-(see `relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas: no group
-is lost or sampled twice; with several batches in flight on a replica (agent runs:
-rollout.agent_batches_per_replica), all of those not finished go back. A replica whose worker died and can be restarted (`Sampler.restartable`,
-the Ray backend) re-queues its requests, restarts (the weight publisher loads the version the
-sync stage pushes, or newer, into it) and samples again; one that cannot be restarted is retired.
+error, not the replica's. A replica whose `generate` raises is retired (see
+`relayrl.orchestrator.replicas`) and its requests go back to the queue for the other replicas:
+no group is lost or sampled twice; with several batches in flight on a replica (agent runs:
+rollout.agent_batches_per_replica), all of those not finished go back. A replica whose worker
+died and can be restarted (`Sampler.restartable`, the Ray backend) re-queues its requests,
+restarts (the weight publisher loads the version the sync stage pushes, or newer, into it) and
+samples again; one that cannot be restarted is retired.
 """
 
 from __future__ import annotations
