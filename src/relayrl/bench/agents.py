@@ -13,19 +13,20 @@ end-of-sequence token included) and appends the newline and the question. Both
 train one sequence per episode.
 
 Figures per run (medians over the repeats, run round-robin): samples/s (the run's summary),
-trainer busy, sampler busy, sampling calls per step (from the trace), the CPU seconds a step
-(from the first step's end to the last's: this process, every thread, and the agent processes
-apart, sampled from /proc every 50 ms), and the ratio agent/env against the target AGENT_TARGET
-(agent mode within 2x of the environment path; loop/env beside it). Beside it the work bound:
-every configuration trains the same samples a step on the same cores, so agent/env cannot
-exceed env's CPU a step over agent's, however well the work overlaps. Then where an agent call's time goes without the model: `endpoint` (agents on the loop) and
-`endpoint_processes` (in 2 agent processes), one step's episodes (16 prompts x 8) of the example
-agent through the endpoint on a sampler that answers at once (`_Instant`): wall time per call,
-and the CPU time per call of the run's process (with the agents on the loop: the `openai`
-client, HTTP, the endpoint's parsing, tokenizing and recording, everything agent mode adds to a
-sampled turn; with agent processes: what stays in the run's process, the endpoint's side).
+trainer busy, sampler busy, sampling calls per step (from the trace), the CPU seconds a step (from
+the first step's end to the last's: this process, every thread, and the agent processes apart,
+sampled from /proc every 50 ms), and the ratio agent/env against the target AGENT_TARGET (agent
+mode within 2x of the environment path; loop/env beside it). Beside it the work bound: every
+configuration trains the same samples a step on the same cores, so agent/env cannot exceed env's
+CPU a step over agent's, however well the work overlaps. Then where an agent call's time goes
+without the model: `endpoint` (agents on the loop) and `endpoint_processes` (in 2 agent
+processes), one step's episodes (16 prompts x 8) of the example agent through the endpoint on a
+sampler that answers at once (`_Instant`): wall time per call, and the CPU time per call of the
+run's process (with the agents on the loop: the `openai` client, HTTP, the endpoint's parsing,
+tokenizing and recording, everything agent mode adds to a sampled turn; with agent processes: what
+stays in the run's process, the endpoint's side).
 
-Invariant: nothing here asserts a time; both configurations run one after the other in this
+Invariant: nothing here asserts a time; the configurations run one after the other in this
 process on the same workload (machines are noisy: the ratio is the figure).
 """
 

@@ -763,7 +763,9 @@ class ModelConfig(_Section):
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     gguf_file: str | None = None
-    """A GGUF file inside `path`."""
+    """A GGUF file inside `path` (or `package`), dequantized at load. rollout.engine = "vllm"
+    samples from it converted once to a Hugging Face directory in relayrl's cache
+    (`$RELAYRL_CACHE_DIR`, else `~/.cache/relayrl`; reused until the file changes)."""
     dtype: Literal["float32", "bfloat16", "bfloat16-pure", "auto"] = "float32"
     """The precision. "float32": everything in float32 (TF32 matmuls on CUDA). "bfloat16": bfloat16
     compute with float32 master weights: the trainer's parameters, gradients, AdamW moments and

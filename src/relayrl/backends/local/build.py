@@ -532,7 +532,12 @@ def sampler_factories(
 
         check_on_driver(cfg)
         share = gpu.utilization if gpu is not None else {}
-        return [VllmSamplerFactory(cfg, i, model_dir(cfg), share.get(i)) for i in range(cfg.rollout.num_samplers)]
+        directory = model_dir(cfg)
+        if cfg.model.gguf_file:  # vLLM reads a Hugging Face directory: the GGUF model converted once (cached)
+            from relayrl.models.gguf_dir import gguf_directory
+
+            directory = gguf_directory(directory, cfg.model.gguf_file)
+        return [VllmSamplerFactory(cfg, i, directory, share.get(i)) for i in range(cfg.rollout.num_samplers)]
     return [SamplerFactory(cfg, (i, threads), base, device, precision) for i in range(cfg.rollout.num_samplers)]
 
 

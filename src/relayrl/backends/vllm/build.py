@@ -10,8 +10,9 @@ replica on "cpu" is refused in one line. On CUDA its gpu_memory_utilization is t
 leave), or rollout.gpu_memory_utilization, or on Ray the replica's GPU share × vLLM's default.
 
 Invariant: a factory carries only the config, the replica number, the model directory the local
-kind resolved (`model.path`, `model.package` or the shipped tiny model) and the planned memory
-share; the engine reads the model from that directory, never from the driver's loaded copy, so
+kind resolved (`model.path`, `model.package` or the shipped tiny model; a `model.gguf_file` there
+converted once to a Hugging Face directory in relayrl's cache, relayrl.models.gguf_dir) and the
+planned memory share; the engine reads the model from that directory, never from the driver's loaded copy, so
 it is the same in any process that sees the directory.
 """
 
@@ -77,8 +78,6 @@ def engine_settings(cfg: Config, directory: Path, replica: int = 0, utilization:
     """The engine settings of replica `replica` of `cfg` for the model in `directory`, on its
     device (raises ConfigError for what vLLM cannot load or run here). `utilization`: its planned
     share of its GPU (the driver's plan; None: see the module)."""
-    if cfg.model.gguf_file:
-        raise ConfigError("model.gguf_file is not supported with rollout.engine = 'vllm': give a safetensors model directory")
     accel = Accelerators.probe()
     device = replica_device(cfg, replica, accel)
     cuda = device.type == "cuda"
