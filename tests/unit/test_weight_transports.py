@@ -22,14 +22,17 @@ from support.cli import relayrl
         (["run.backend=local", "rollout.engine=vllm"], "file", ("file",)),
         (["run.backend=local", "ray.enabled=true"], "object_store", ("collective", "object_store")),
         (["run.backend=sim", "ray.enabled=true"], "object_store", ("object_store",)),
-        (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "object_store", ("object_store",)),
+        # the sharded trainer streams its shards (when set: "auto" keeps the object store, NCCL unmeasured)
+        (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "object_store", ("collective", "object_store")),
+        (["run.backend=local", "ray.enabled=true", "train.world_size=2", "train.lora.r=4"], "object_store", ("object_store",)),
     ],
 )
 def test_auto_picks_the_fastest_transport_that_applies(sets: list[str], auto: str, fits: tuple[str, ...]) -> None:
     cfg = load_config(None, sets)
     assert applicable(cfg) == fits
     assert resolve(cfg) == auto  # a trainer on the CPU
-    assert resolve(cfg, trainer_on_cuda=True) == fits[0]  # on a GPU: the collective (NCCL) where it applies
+    on_cuda = fits[0] if cfg.train.world_size == 1 else auto  # on a GPU: the collective (NCCL) where it applies, one rank
+    assert resolve(cfg, trainer_on_cuda=True) == on_cuda
     for transport in fits:  # each that applies is accepted and runs as set
         assert resolve(load_config(None, [*sets, f"rollout.weight_transport={transport}"])) == transport
 
@@ -43,7 +46,7 @@ def test_auto_picks_the_fastest_transport_that_applies(sets: list[str], auto: st
         (["run.backend=local", "rollout.engine=vllm"], "direct"),
         (["run.backend=local", "ray.enabled=true"], "direct"),
         (["run.backend=sim", "ray.enabled=true"], "collective"),
-        (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "collective"),
+        (["run.backend=local", "ray.enabled=true", "train.world_size=2", "train.lora.r=4"], "collective"),
     ],
 )
 def test_a_transport_that_does_not_apply_is_refused_in_one_line_naming_the_key(sets: list[str], transport: str) -> None:
