@@ -99,7 +99,7 @@ def _in_actor() -> tuple[Any, Any]:
             calls.append(1)
             return real(*args, **kwargs)
 
-        ranks_module.get_model_state_dict = counting  # type: ignore[assignment]
+        ranks_module.get_model_state_dict = counting
         ranks_module._full_gathers = calls  # type: ignore[attr-defined]
 
     def _rank_state(self: Any) -> tuple[dict[str, torch.Tensor], int, int, int, int]:
