@@ -180,3 +180,117 @@ def test_the_collective_transport_streams_each_ranks_shards_bit_for_bit_without_
     for replica in (0, 1):
         loads = [s for s in spans if s.lane == f"actor:sampler/{replica}" and s.name == "load_weights"]
         assert loads and all(s.args.get("transport") == "collective" for s in loads)
+
+
+def test_a_sampler_killed_in_a_streamed_run_falls_back_to_the_ranks_gathered_export(cluster: RayCluster, tmp_path: Path) -> None:
+    """As tests/ray/test_ray_transports.py's kill, with two trainer rank actors streaming: once
+    version 1 reached both samplers, replica 1's actor is killed; the broadcast after it fails
+    (the groups break for good) or a sampling call sees the death first (the replica restarts, no
+    member); either way the object store takes over, its exports gathered from the ranks'
+    snapshots, and the run completes with both replicas, its trace checked."""
+    import warnings
+
+    from relayrl.backends.ray.actors import RaySampler
+    from relayrl.backends.ray.collective import RayBroadcast
+    from relayrl.orchestrator.replicas import SamplerRestartedWarning
+    from relayrl.types import Weights
+    from support.simutil import event_args
+
+    sets = [*SETS, "run.steps=4", "eval.enabled=false", "rollout.groups_per_step=2", "rollout.num_generations=2"]
+    sets += ["rollout.num_samplers=2", "rollout.weight_transport=collective", "orchestrator.release_memory=false"]
+    program = build_program(load_config(None, sets), run_dir=tmp_path / "run")
+    broadcast = program.backend.broadcast
+    assert isinstance(broadcast, RayBroadcast)
+    victim = program.backend.samplers[1]
+    assert isinstance(victim, RaySampler)
+    load = victim.load_weights
+    killed: list[int] = []
+
+    async def load_then_kill(weights: Weights) -> None:
+        await load(weights)
+        if weights.version >= 1 and not killed:
+            killed.append(weights.version)
+            ray.kill(victim.actor, no_restart=False)  # Ray restarts its process
+            await asyncio.sleep(1.0)
+
+    victim.load_weights = load_then_kill  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SamplerRestartedWarning)
+        asyncio.run(asyncio.wait_for(program.run(), 300))
+    assert killed
+    report = check_run_dir(tmp_path / "run")
+    assert report.ok, report.violations
+    assert report.completed
+    assert len(program.replicas.slots) == 2 and not victim.collective_member
+    events = [e for e in program.tracer.events if e.get("name") in ("broadcast_weights", "export_weights", "load_weights")]
+    names = [e["name"] for e in events]
+    after = events[len(names) - names[::-1].index("broadcast_weights") :]  # after the last broadcast
+    loads = [e for e in after if e["name"] == "load_weights"]
+    assert loads and all(event_args(e).get("transport") in (None, "object_store") for e in loads)
+    assert "export_weights" in names  # the object store's export: gathered from the ranks' snapshots
+
+
+def test_a_streaming_rank_keeps_a_version_a_publication_reads_across_a_commit(cluster: RayCluster) -> None:
+    """Streaming ranks (no sampler actors): while a publication of version v is under way (its
+    pin in rank 0), the next commit keeps v's snapshot on every rank beside the new one; the
+    commit after the pin is gone drops it. The object store's export of the committed version
+    (gathered from the ranks' snapshots) is the ranks' rows, bit for bit."""
+    cfg = load_config(None, [*SETS, "rollout.weight_transport=collective"])
+    torch.set_num_threads(1)
+    _, tok = load_model_and_tokenizer(shipped_model_dir())
+    steps = microbatch_steps(tok, 3)
+    group, rank0, ranks = place_ranks(TrainerFactory(cfg, (1,)), 2, {"CPU": 1.0}, actor_options({"CPU": 1.0}), stream=True)
+    ray.get([rank0.ready.remote(), *(a.ready.remote() for a in ranks)], timeout=300)
+    trainer = RayTrainer(rank0, ranks=2)
+
+    def pin(self: Any, version: int, by: int) -> None:
+        with self._worker._commits:
+            self._worker._pins[version] += by
+            if self._worker._pins[version] <= 0:
+                del self._worker._pins[version]
+
+    def held(self: Any) -> list[int]:
+        compute = self._worker.compute if hasattr(self, "_worker") else self._compute
+        return sorted(v for v in range(5) if _holds(compute, v))
+
+    def _holds(compute: Any, version: int) -> bool:
+        try:
+            compute.shards(version)
+            return True
+        except RuntimeError:
+            return False
+
+    def rows(self: Any) -> dict[str, torch.Tensor]:
+        compute = self._worker.compute if hasattr(self, "_worker") else self._compute
+        return {k: v.to_local().detach().clone() for k, v in compute.model.state_dict(keep_vars=True).items()}
+
+    async def run() -> Any:
+        async def step(batches: list[Any]) -> int:
+            for tb in batches:
+                await trainer.train_step(tb)
+            return await trainer.optim_step()
+
+        assert await step(steps[0]) == 1
+        ray.get(rank0.__ray_call__.remote(pin, 1, 1))  # a publication of version 1 under way
+        assert await step(steps[1]) == 2
+        kept = [ray.get(a.__ray_call__.remote(held)) for a in (rank0, *ranks)]
+        ray.get(rank0.__ray_call__.remote(pin, 1, -1))  # ... it ended
+        assert await step(steps[2]) == 3
+        after = [ray.get(a.__ray_call__.remote(held)) for a in (rank0, *ranks)]
+        exported = await trainer.export_weights()
+        return kept, after, exported
+
+    try:
+        kept, after, exported = asyncio.run(run())
+        parts = [ray.get(a.__ray_call__.remote(rows)) for a in (rank0, *ranks)]
+    finally:
+        asyncio.run(trainer.close())
+        ray.util.remove_placement_group(group)
+    assert kept == [[1, 2], [1, 2]]  # both ranks kept the pinned version beside the new one
+    assert after == [[3], [3]]
+    from relayrl.backends.ray.actors import resolve
+
+    weights = asyncio.run(resolve(exported))
+    assert weights.version == 3
+    for name, tensor in weights.payload.items():  # type: ignore[attr-defined]
+        assert torch.equal(tensor, torch.cat([p[name] for p in parts])), name
