@@ -16,10 +16,15 @@ thread of its own on a separate process group, reading only what the last `optim
 (the sharded parameters and the optimizer state do not change until the next one, which the host
 sends only after the checkpoint ended), so it never waits behind a train step.
 
+Streaming (`stream`, the Ray host with the collective transport): a version is this rank's own
+shards instead (`Shards`: no gather; `relayrl.backends.ray.collective`), kept beside the next one
+while a publication still reads it (`optim_step(keep)`); the object store's export gathers them on
+demand (`gather_shards`, on a gloo group of the ranks' own, beside training).
+
 Invariants: a step's loss normaliser is the step's global one and rank gradients are summed (FSDP's
 average times N), so N ranks compute the one-rank step; the metrics and the full weights
-of a version are gathered once, inside `optim_step`, and rank 0 sends them with its reply; a rank
-whose host goes away (its pipe closes) exits.
+of a version are gathered once, inside `optim_step` (streaming: each rank copies its shards), and
+rank 0 sends them with its reply; a rank whose host goes away (its pipe closes) exits.
 """
 
 from __future__ import annotations

@@ -26,8 +26,23 @@ receiver whose receive failed fetches the trainer's version from the object stor
 A round that does not load every member (a replica restarting or retired; a restarted actor is a
 new process, no member) is not broadcast either (`RayBroadcast.covers`).
 
+Streaming from the sharded trainer (train.world_size = N > 1, `StreamLayout`): no rank gathers
+the model. Each rank's `ShardSpec` says which rows of dim 0 of each tensor it holds (FSDP2's
+`Shard(0)`: contiguous runs in rank order, the last ones possibly short or empty; a tensor not
+sharded is rank 0's); the receivers' buckets are cut as one trainer's payload would be, and per
+bucket each rank sends its rows of the bucket's tensors as one flat tensor (a `Send`). A rank's
+committed snapshot is its sends (`pack_shards`, 1/N of a version), broadcast as they are (no
+staging). The group is one process group per rank, of its own (`_OwnGroup`: built from a TCP
+store that rank 0 serves, since the ranks hold the default group for FSDP), of that rank (its
+rank 0) and every receiver (rank 1 + its index): rank 0 broadcasts the header in its group, then
+the sends travel in the layout's order, each in its rank's group; a receiver copies each send's
+pieces into the rows of its buckets (`place`; a send of one piece is received in place, the others
+through one staging bucket per dtype), so it holds the trainer's weights bit for bit. A member
+that fails leaves all its groups at once (their peers' collectives fail then), as above; rank 0
+names the ranks whose part failed in its `Broadcast.error`.
+
 Bytes staged in host memory (`relayrl.backends.transports.STAGED`): each bucket packed or
-received on the CPU.
+received on the CPU (streaming: each send received on the CPU; a rank's snapshot is no staging).
 """
 
 from __future__ import annotations

@@ -21,9 +21,20 @@ it); a micro-batch crosses as numpy arrays (`relayrl.backends.ray.transport`). W
 as with one rank: rank 0's full state dict, put into the object store (as numpy arrays) once per
 version by the trainer actor; the other ranks send none.
 
-Invariants: every rank gets the same sequence of compute requests; a rank actor that dies fails
-the call in flight, and every later one, with a `RankFailed` naming the rank; closing rank 0's
-worker ends the other ranks' actors (the driver removes the placement group).
+Streaming (rollout.weight_transport = "collective", `stream`): a rank's committed version is a
+copy of its own shards (`ShardedCompute(stream=True)`), and every rank is a source of the weight
+stream (`relayrl.backends.ray.collective`), the other ranks in their "weights" concurrency group
+(beside training). Rank 0 runs one weight operation at a time: it waits until no commit is out to
+the ranks, takes the committed version and pins it (each commit sent while it is pinned tells
+every rank to keep that snapshot: `optim_step(keep)`), then asks every rank for its part: its
+sends (`broadcast`) or, for the object store's export, its snapshot sent to rank 0 over the ranks'
+own gloo group (`gather`, assembled there on the CPU). A rank without the version leaves its group
+and the round fails, naming it.
+
+Invariants: every rank gets the same sequence of compute requests (and, streaming, of weight
+requests, each naming the version all of them send); a rank actor that dies fails the call in
+flight, and every later one, with a `RankFailed` naming the rank; closing rank 0's worker ends the
+other ranks' actors (the driver removes the placement group).
 """
 
 from __future__ import annotations
