@@ -230,11 +230,12 @@ def test_a_sampler_killed_in_a_streamed_run_falls_back_to_the_ranks_gathered_exp
     assert "export_weights" in names  # the object store's export: gathered from the ranks' snapshots
 
 
-def test_a_streaming_rank_keeps_a_version_a_publication_reads_across_a_commit(cluster: RayCluster) -> None:
+def test_a_streaming_rank_keeps_a_version_a_publication_reads_across_a_commit(cluster: RayCluster, tmp_path: Path) -> None:
     """Streaming ranks (no sampler actors): while a publication of version v is under way (its
     pin in rank 0), the next commit keeps v's snapshot on every rank beside the new one; the
     commit after the pin is gone drops it. The object store's export of the committed version
-    (gathered from the ranks' snapshots) is the ranks' rows, bit for bit."""
+    (gathered from the ranks' snapshots) is the ranks' rows, bit for bit, and so it is after a
+    sharded checkpoint is loaded back (each rank's snapshot made anew)."""
     cfg = load_config(None, [*SETS, "rollout.weight_transport=collective"])
     torch.set_num_threads(1)
     _, tok = load_model_and_tokenizer(shipped_model_dir())
@@ -278,10 +279,14 @@ def test_a_streaming_rank_keeps_a_version_a_publication_reads_across_a_commit(cl
         assert await step(steps[2]) == 3
         after = [ray.get(a.__ray_call__.remote(held)) for a in (rank0, *ranks)]
         exported = await trainer.export_weights()
-        return kept, after, exported
+        await trainer.save_state(tmp_path)
+        assert await trainer.load_state(tmp_path) == 3
+        assert [ray.get(a.__ray_call__.remote(held)) for a in (rank0, *ranks)] == [[3], [3]]
+        reloaded = await trainer.export_weights()
+        return kept, after, exported, reloaded
 
     try:
-        kept, after, exported = asyncio.run(run())
+        kept, after, exported, reloaded = asyncio.run(run())
         parts = [ray.get(a.__ray_call__.remote(rows)) for a in (rank0, *ranks)]
     finally:
         asyncio.run(trainer.close())
@@ -290,7 +295,7 @@ def test_a_streaming_rank_keeps_a_version_a_publication_reads_across_a_commit(cl
     assert after == [[3], [3]]
     from relayrl.backends.ray.actors import resolve
 
-    weights = asyncio.run(resolve(exported))
-    assert weights.version == 3
-    for name, tensor in weights.payload.items():  # type: ignore[attr-defined]
-        assert torch.equal(tensor, torch.cat([p[name] for p in parts])), name
+    for weights in (asyncio.run(resolve(exported)), asyncio.run(resolve(reloaded))):
+        assert weights.version == 3
+        for name, tensor in weights.payload.items():  # type: ignore[attr-defined]
+            assert torch.equal(tensor, torch.cat([p[name] for p in parts])), name
