@@ -14,17 +14,21 @@ bounds the loads, fails replicas over and traces; a transport only moves the byt
 - "object_store": on Ray: the trainer actor puts each version once into Ray's object store as
   numpy arrays, each sampler actor reads it there (zero-copy on one node) and copies it in
   (`relayrl.backends.ray.transport`);
-- "collective": on Ray (the local kind, train.world_size = 1): a torch.distributed process group
-  of the trainer actor (rank 0) and every sampler actor, set up once when the actors start; each
-  version is broadcast from the trainer's snapshot in dtype-grouped flat buckets (gloo when the
-  trainer computes on the CPU, NCCL on CUDA; `relayrl.backends.ray.collective`). A round that
-  does not load every member (one restarting, retired or restarted: a new process is no member)
-  uses the object store instead, as does the evaluation's engine.
+- "collective": on Ray (the local kind): a torch.distributed process group of the trainer actor
+  (rank 0) and every sampler actor, set up once when the actors start; each version is broadcast
+  from the trainer's snapshot in dtype-grouped flat buckets (gloo when the trainer computes on the
+  CPU, NCCL on CUDA; `relayrl.backends.ray.collective`). With the sharded trainer
+  (train.world_size > 1) each rank streams its own shards of each bucket from its own snapshot,
+  one group per rank with the sampler actors, and each receiver assembles the whole tensors: no
+  rank gathers the model for it (train.lora: refused, its adapters are gathered whole). A round
+  that does not load every member (one restarting, retired or restarted: a new process is no
+  member) uses the object store instead, as does the evaluation's engine.
 
 "auto" is the fastest that applies (`resolve`): direct in one process with the hf engine (or the
 sim), file with vLLM in one process; on Ray, collective when the trainer actor computes on CUDA
 (NCCL: no host copy, where the object store copies device → host → device) for the local kind with
-one trainer rank, else the object store: on one CPU node the object store is one copy into shared
+one trainer rank (the sharded trainer's streaming over NCCL is not measured yet: "auto" keeps the
+object store there), else the object store: on one CPU node the object store is one copy into shared
 memory and zero-copy reads, while gloo moves each version through a loopback socket once per
 receiver (`relayrl bench weights`, 0.5B shape in bfloat16, 2 sampler actors: object store 1.7 s,
 collective 3.7 s a version). A transport set that does not apply is refused in one line naming the key
@@ -58,7 +62,7 @@ def applicable(cfg: Config) -> tuple[TransportName, ...]:
     """The transports that apply to `cfg`'s hosting, kind and engine, fastest first."""
     if not cfg.ray.enabled:
         return ("file",) if cfg.rollout.engine == "vllm" else ("direct",)
-    if cfg.run.backend == "local" and cfg.train.world_size == 1:
+    if cfg.run.backend == "local" and (cfg.train.world_size == 1 or cfg.train.lora is None):
         return ("collective", "object_store")
     return ("object_store",)
 
@@ -78,8 +82,8 @@ def refusal(cfg: Config) -> str | None:
     if chosen in fits:
         return None
     why = ""
-    if chosen == "collective" and cfg.ray.enabled and cfg.train.world_size > 1:
-        why = " (the sharded trainer's ranks hold the default process group; streaming per layer from them is not built)"
+    if chosen == "collective" and cfg.ray.enabled and cfg.run.backend == "local":
+        why = " (with train.lora the sharded trainer gathers its adapters whole; only whole models stream from its ranks)"
     elif chosen == "collective" and cfg.ray.enabled:
         why = " (the sim moves no weights)"
     return f"{KEY} = {chosen!r} does not apply to {_where(cfg)}{why}: use one of {', '.join(repr(t) for t in fits)} or 'auto'"
@@ -92,7 +96,7 @@ def resolve(cfg: Config, trainer_on_cuda: bool = False) -> TransportName:
     if chosen != "auto":
         return chosen
     fits = applicable(cfg)
-    if fits[0] == "collective" and not trainer_on_cuda:
+    if fits[0] == "collective" and (not trainer_on_cuda or cfg.train.world_size > 1):
         return "object_store"
     return fits[0]
 

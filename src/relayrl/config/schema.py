@@ -360,12 +360,14 @@ class RolloutConfig(_Section):
     committed snapshot device to device; "file", in one process with engine = "vllm", each replica
     writes it to a safetensors file (/dev/shm) its engine reads back; "object_store", on Ray, the
     trainer actor puts each version once into Ray's object store; "collective", on Ray with
-    run.backend = "local" and train.world_size = 1, a torch.distributed broadcast from the trainer
-    actor to the sampler actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; a round
-    that does not load every sampler actor, a restart or the evaluation uses the object store).
-    "auto": the fastest that applies: direct or file in one process; on Ray, collective when the
-    trainer actor computes on a GPU (NCCL), else object_store (faster on one CPU node, measured by
-    `relayrl bench weights`). One that does not apply to the hosting, kind and engine is refused."""
+    run.backend = "local", a torch.distributed broadcast from the trainer actor to the sampler
+    actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; a round that does not load
+    every sampler actor, a restart or the evaluation uses the object store); with train.world_size
+    > 1 each trainer rank streams its own shards and no rank gathers the model for it (not with
+    train.lora). "auto": the fastest that applies: direct or file in one process; on Ray,
+    collective when the one trainer actor computes on a GPU (NCCL), else object_store (faster on
+    one CPU node, measured by `relayrl bench weights`). One that does not apply to the hosting,
+    kind and engine is refused."""
     sampler_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Each sampler's intra-op threads; 0 = auto (see train.torch_threads)."""
     sampler_nice: int = Field(0, ge=0, le=19, json_schema_extra=RESUMABLE)

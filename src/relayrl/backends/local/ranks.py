@@ -16,10 +16,15 @@ thread of its own on a separate process group, reading only what the last `optim
 (the sharded parameters and the optimizer state do not change until the next one, which the host
 sends only after the checkpoint ended), so it never waits behind a train step.
 
+Streaming (`stream`, the Ray host with the collective transport): a version is this rank's own
+shards instead (`Shards`: no gather; `relayrl.backends.ray.collective`), kept beside the next one
+while a publication still reads it (`optim_step(keep)`); the object store's export gathers them on
+demand (`gather_shards`, on a gloo group of the ranks' own, beside training).
+
 Invariants: a step's loss normaliser is the step's global one and rank gradients are summed (FSDP's
 average times N), so N ranks compute the one-rank step; the metrics and the full weights
-of a version are gathered once, inside `optim_step`, and rank 0 sends them with its reply; a rank
-whose host goes away (its pipe closes) exits.
+of a version are gathered once, inside `optim_step` (streaming: each rank copies its shards), and
+rank 0 sends them with its reply; a rank whose host goes away (its pipe closes) exits.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,8 @@ from relayrl.backends.local.determinism import make_deterministic
 from relayrl.backends.local.logprobs import token_logprobs
 from relayrl.backends.local.shm import spill
 from relayrl.backends.local.trainer import TrainerCompute, TrainerSettings, _StepStats, merge_stats
+from relayrl.backends.ray.collective import OP_TIMEOUT_S, StreamLayout, assemble, local_shards, pack_shards, stream_layout
+from relayrl.backends.transports import STAGED
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.lora import adapter_payload, peft_base
 from relayrl.models.sharing import retie
@@ -65,6 +73,15 @@ META_FILE = "trainer-sharded.pt"
 HEARTBEAT = -1
 
 
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """A streaming rank's snapshot of a version (`Weights.payload`): a copy of its own rows, one
+    flat tensor per send of its (`relayrl.backends.ray.collective.pack_shards`)."""
+
+    version: int
+    flats: dict[int, torch.Tensor]
+
+
 class ShardedCompute(TrainerCompute):
     """A `TrainerCompute` on one rank of an initialised process group. Every method that is not
     thread-safe is a collective: all ranks call it, in the same order."""
@@ -78,7 +95,11 @@ class ShardedCompute(TrainerCompute):
         settings: TrainerSettings,
         ref_model: PreTrainedModel | None = None,
         device: torch.device | str | None = None,
+        *,
+        stream: bool = False,
     ) -> None:
+        """`stream`: a version is this rank's own shards (the collective transport streams them
+        from each rank, `relayrl.backends.ray.collective`), not the full weights on rank 0."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         super().__init__(model, settings, ref_model, device)
@@ -87,6 +108,17 @@ class ShardedCompute(TrainerCompute):
         self._sharded = {name: p for name, p in self.model.named_parameters()}
         self._idle_batch: TrainBatch | None = None  # the last micro-batch an idle pass ran on
         self._ckpt_group = dist.new_group(backend="gloo")  # checkpoints run beside training, on their own group
+        self.stream_layout: StreamLayout | None = None
+        self._held_back: dict[int, Weights] = {}  # streaming: earlier snapshots a publication still reads
+        if stream:
+            if self._adapters:
+                raise ValueError("rollout.weight_transport = 'collective' streams whole models only: not with train.lora")
+            spec, _ = local_shards(self.model.state_dict(keep_vars=True), self.rank)
+            specs: list[Any] = [None] * self.world_size
+            dist.all_gather_object(specs, spec)
+            self.stream_layout = stream_layout(specs)
+            # the object store's export gathers the ranks' snapshots here, beside training
+            self._weights_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=OP_TIMEOUT_S))
         snapshot = self.export()
         with self._slot_lock:
             self._snapshot = snapshot
@@ -123,7 +155,14 @@ class ShardedCompute(TrainerCompute):
         return float(total)
 
     def export(self) -> Weights:
-        """Collective: the full weights, gathered to rank 0 on the CPU (other ranks: an empty payload)."""
+        """Collective: the full weights, gathered to rank 0 on the CPU (other ranks: an empty
+        payload). Streaming: no collective, this rank's own shards (`Shards`)."""
+        if self.stream_layout is not None:
+            _, local = local_shards(self.model.state_dict(keep_vars=True), self.rank)
+            flats = pack_shards(self.stream_layout, self.rank, local, self.device)
+            if self.device.type == "cuda":  # (the copies are done when another thread reads them)
+                torch.cuda.current_stream(self.device).synchronize()
+            return Weights(version=self.version, payload=Shards(self.version, flats))
         if self._adapters:  # LoRA: the adapters only, each gathered whole
             adapters = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in adapter_payload(self.model).items()}
             return Weights(version=self.version, payload=adapters if self.rank == 0 else {})
@@ -136,8 +175,13 @@ class ShardedCompute(TrainerCompute):
         if self.settings.several_updates and tb.minibatch != 0:
             self._reshard()
 
-    def optim_step(self) -> int:
+    def optim_step(self, keep: Sequence[int] = ()) -> int:
+        """`keep`: streaming, the versions whose publication is under way (the previous snapshot
+        is kept while one of them, see `shards`)."""
+        previous = self.committed_weights()
         version = super().optim_step()
+        if self.stream_layout is not None:
+            self._retain(previous, keep)
         if self.device.type == "cuda":  # (every rank's device is): the step's peak is the largest rank's
             with self._slot_lock:
                 mine = self._slot.get("gpu_mem_peak_gb")
@@ -150,6 +194,47 @@ class ShardedCompute(TrainerCompute):
                 if any(p is not None for p in parts):
                     self._slot["gpu_mem_peak_gb"] = max(float(p) for p in parts if p is not None)
         return version
+
+    def _retain(self, previous: Weights | None, keep: Sequence[int]) -> None:
+        with self._slot_lock:
+            kept = {v: w for v, w in self._held_back.items() if v in keep}
+            if previous is not None and previous.version in keep and previous.version != self.version:
+                kept[previous.version] = previous
+            self._held_back = kept
+
+    def shards(self, version: int) -> dict[int, torch.Tensor]:
+        """Thread-safe. Streaming: this rank's snapshot of `version` (send index -> flat bucket):
+        the committed one, or an earlier one kept for a publication under way; raises when this
+        rank holds neither."""
+        with self._slot_lock:
+            held = self._snapshot if self._snapshot is not None and self._snapshot.version == version else self._held_back.get(version)
+            have = sorted({*self._held_back, *([self._snapshot.version] if self._snapshot is not None else [])})
+        if held is None or not isinstance(held.payload, Shards):
+            raise RuntimeError(f"trainer rank {self.rank} holds no shards of version {version} (it holds {have})")
+        return held.payload.flats
+
+    def gather_shards(self, version: int) -> dict[str, torch.Tensor] | None:
+        """Collective on the ranks' weights group, thread-safe: the full weights of `version`
+        from every rank's snapshot, assembled on rank 0 on the CPU (for the object store's
+        export; the collective transport streams without it); other ranks: None."""
+        layout = self.stream_layout
+        assert layout is not None, "gather_shards: this compute does not stream"
+        flats = self.shards(version)
+        group = self._weights_group
+        if self.rank != 0:
+            for i, s in enumerate(layout.sends):
+                if s.src == self.rank:
+                    dist.send(flats[i].cpu(), dst=0, group=group)
+            return None
+        got: dict[int, torch.Tensor] = {}
+        for i, s in enumerate(layout.sends):
+            if s.src == 0:
+                got[i] = flats[i].cpu()
+            else:
+                got[i] = torch.empty(s.numel, dtype=s.dtype)
+                dist.recv(got[i], src=s.src, group=group)
+        STAGED.add(layout.full.nbytes)  # the version, whole, in host memory
+        return assemble(layout, got)
 
     def _reshard(self) -> None:
         """After a no-grad forward: FSDP leaves the root unit's parameters gathered (for a backward
@@ -282,7 +367,7 @@ class ShardedCompute(TrainerCompute):
         self._consecutive_skips = int(meta["consecutive_skips"])
         snapshot = self.export()
         with self._slot_lock:
-            self._snapshot = snapshot
+            self._snapshot, self._held_back = snapshot, {}
         return self.version
 
 
@@ -365,8 +450,8 @@ def serve(compute: ShardedCompute, op: str, arg: Any) -> object:
         else:
             compute.train_step(tb)
         return None
-    if op == "optim":
-        version = compute.optim_step()
+    if op == "optim":  # (arg: the versions a publication still reads, streaming; None: none)
+        version = compute.optim_step(tuple(arg or ()))
         return (version, compute.committed_weights(), compute.metrics()) if compute.rank == 0 else (version, None, None)
     if op == "memory":
         return compute.memory()

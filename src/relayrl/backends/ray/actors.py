@@ -62,7 +62,7 @@ from typing import Any, cast
 import ray
 
 from relayrl.backends.protocols import PendingExport, Sampler, Trainer
-from relayrl.backends.ray.collective import Broadcast, Member, Received, backend_for, free_port, layout_of
+from relayrl.backends.ray.collective import Broadcast, Member, Received, backend_for, free_port, host_port, layout_of
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import ArrayState, decode, encode
 from relayrl.backends.transports import STAGED
@@ -214,10 +214,18 @@ class _SamplerActor:
         await self._worker.load_weights(Weights(version=version, payload=payload))
         return Received(version, fell_back=False)
 
-    async def join_collective(self, address: str, rank: int, world: int, backend: str, timeout_s: float, trainer: Any) -> bool:
-        """Join the collective weight group as `rank` (see `relayrl.backends.ray.collective.join`)."""
+    async def join_collective(
+        self, address: str, rank: int, world: int, backend: str, timeout_s: float, trainer: Any, sources: int = 0
+    ) -> bool:
+        """Join the collective weight group as `rank` (see `relayrl.backends.ray.collective.join`;
+        `sources` > 0: the sharded trainer's stream, as receiver `rank` of `world` - 1)."""
         self._trainer = trainer
-        self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, None)
+        if sources:
+            host, port = host_port(address)
+            join = functools.partial(Member.join_stream, host, port, backend, timeout_s, world - 1, receiver=rank)
+            self._collective = await asyncio.to_thread(join)
+        else:
+            self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, None)
         return True
 
     async def _leave(self) -> None:
@@ -292,15 +300,30 @@ class _TrainerActor:
             await asyncio.to_thread(ready.synchronize)  # type: ignore[attr-defined]
         return weights
 
-    @ray.method(concurrency_group="io")
-    async def collective_address(self) -> tuple[str, int, str]:
-        """Where the collective weight group meets (this node, a free port) and its backend."""
-        weights = await self._committed()
-        return ray.util.get_node_ip_address(), free_port(), backend_for(cast(dict[str, Any], weights.payload))
+    def _streams(self) -> bool:
+        """Whether the worker is the sharded trainer streaming its ranks' shards (ray/ranks.py)."""
+        return bool(getattr(self._worker, "streams", False))
 
     @ray.method(concurrency_group="io")
-    async def join_collective(self, address: str, rank: int, world: int, backend: str, timeout_s: float, _trainer: Any) -> bool:
-        """Join the collective weight group as rank 0, giving it the exported weights' layout."""
+    async def collective_address(self) -> tuple[str, int, str, int]:
+        """Where the collective weight group meets (this node, a free port), its backend, and the
+        sources that stream a version (the sharded trainer's ranks; 0: this actor broadcasts)."""
+        if self._streams():
+            cuda = self._worker.compute.device.type == "cuda"
+            return ray.util.get_node_ip_address(), free_port(), "nccl" if cuda else "gloo", int(self._worker.world_size)
+        weights = await self._committed()
+        return ray.util.get_node_ip_address(), free_port(), backend_for(cast(dict[str, Any], weights.payload)), 0
+
+    @ray.method(concurrency_group="io")
+    async def join_collective(
+        self, address: str, rank: int, world: int, backend: str, timeout_s: float, _trainer: Any, sources: int = 0
+    ) -> bool:
+        """Join the collective weight group as rank 0, giving it the exported weights' layout
+        (`sources` > 0: every rank of the sharded trainer joins as a source of the stream)."""
+        if sources:
+            host, port = host_port(address)
+            await asyncio.to_thread(self._worker.join_weights, host, port, backend, timeout_s, world - 1)
+            return True
         layout = layout_of(cast(dict[str, Any], (await self._committed()).payload))
         self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, layout)
         return True
@@ -308,6 +331,14 @@ class _TrainerActor:
     async def _broadcast(self, round_: int) -> Weights:
         """Broadcast the committed version as round `round_`; its `Weights` (payload a `Broadcast`,
         whose `error` says why it failed: the receivers then load from the object store)."""
+        if self._streams():  # every rank streams its shards
+            error = None
+            try:
+                version = await asyncio.to_thread(self._worker.broadcast, round_)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                version = self._worker.compute.version
+            return Weights(version=version, payload=Broadcast(round_, error))
         weights = await self._committed()
         member = self._collective
         error = None

@@ -238,6 +238,7 @@ def _place(
         if sampler_res is not cfg.ray.sampler_resources:
             sampler_key += f" (with rollout.device = {sampler_device!r})"
     ranks = cfg.train.world_size  # > 1: one trainer actor per rank, in a placement group (ray/ranks.py)
+    transport = resolve(cfg, trainer_on_cuda="GPU" in trainer_res)
     if ranks > 1:
         trainer_res = trainer_res or dict(DEFAULT_BUNDLE)
     check_resources(
@@ -261,7 +262,8 @@ def _place(
     if ranks > 1:
         from relayrl.backends.ray.ranks import place_ranks
 
-        group, trainer_actor, rank_actors = place_ranks(compute.trainer, ranks, trainer_res, trainer_opts)  # type: ignore[arg-type]
+        stream = transport == "collective"  # each rank streams its shards (collective.py)
+        group, trainer_actor, rank_actors = place_ranks(compute.trainer, ranks, trainer_res, trainer_opts, stream)  # type: ignore[arg-type]
         cleanups.append(functools.partial(_remove_group, group))
     else:
         trainer_actor = TrainerActor.options(**trainer_opts).remote(compute.trainer)
@@ -285,13 +287,14 @@ def _place(
     ray_samplers = [RaySampler(a, i, interruptible=cfg.rollout.interrupts) for i, a in enumerate(sampler_actors)]
     samplers: list[Sampler] = list(ray_samplers)
     broadcast = None
-    if resolve(cfg, trainer_on_cuda="GPU" in trainer_res) == "collective":
+    if transport == "collective":
         from relayrl.backends.ray.collective import join
 
         started = time.perf_counter()
         broadcast = join(trainer, ray_samplers, cfg.rollout.weight_load_timeout_s)
         took = time.perf_counter() - started
-        say(f"rollout.weight_transport = collective: the trainer and {replicas} sampler actors joined one process group ({took:.1f}s)")
+        who = "the trainer" if ranks == 1 else f"the trainer's {ranks} ranks"
+        say(f"rollout.weight_transport = collective: {who} and {replicas} sampler actors joined the weight group ({took:.1f}s)")
     backend = compute.backend(
         trainer=trainer,
         samplers=samplers,

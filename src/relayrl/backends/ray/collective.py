@@ -26,12 +26,29 @@ receiver whose receive failed fetches the trainer's version from the object stor
 A round that does not load every member (a replica restarting or retired; a restarted actor is a
 new process, no member) is not broadcast either (`RayBroadcast.covers`).
 
+Streaming from the sharded trainer (train.world_size = N > 1, `StreamLayout`): no rank gathers
+the model. Each rank's `ShardSpec` says which rows of dim 0 of each tensor it holds (FSDP2's
+`Shard(0)`: contiguous runs in rank order, the last ones possibly short or empty; a tensor not
+sharded is rank 0's); the receivers' buckets are cut as one trainer's payload would be, and per
+bucket each rank sends its rows of the bucket's tensors as one flat tensor (a `Send`). A rank's
+committed snapshot is its sends (`pack_shards`, 1/N of a version), broadcast as they are (no
+staging). The group is one process group per rank, of its own (`_OwnGroup`: built from a TCP
+store that rank 0 serves, since the ranks hold the default group for FSDP), of that rank (its
+rank 0) and every receiver (rank 1 + its index): rank 0 broadcasts the header in its group, then
+the sends travel in the layout's order, each in its rank's group; a receiver copies each send's
+pieces into the rows of its buckets (`place`; a send of one piece is received in place, the others
+through one staging bucket per dtype), so it holds the trainer's weights bit for bit. A member
+that fails leaves all its groups at once (their peers' collectives fail then), as above; rank 0
+names the ranks whose part failed in its `Broadcast.error`.
+
 Bytes staged in host memory (`relayrl.backends.transports.STAGED`): each bucket packed or
-received on the CPU.
+received on the CPU (streaming: each send received on the CPU; a rank's snapshot is no staging).
 """
 
 from __future__ import annotations
 
+import math
+import pickle
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,33 +97,262 @@ def layout_of(payload: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BY
     buckets of at most `bucket_bytes`."""
     first: dict[tuple[object, ...], str] = {}
     aliases: dict[str, str] = {}
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    distinct: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for name, t in payload.items():
         view = (int(t.untyped_storage()._cdata), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if view in first:
             aliases[name] = first[view]
             continue
         first[view] = name
-        by_dtype.setdefault(t.dtype, []).append((name, t))
+        distinct.append((name, t.dtype, tuple(t.shape)))
+    return _cut(tuple(payload), distinct, aliases, bucket_bytes)
+
+
+def _cut(
+    names: tuple[str, ...], distinct: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], aliases: Mapping[str, str], bucket_bytes: int
+) -> Layout:
+    """The layout of the `distinct` tensors (name, dtype, shape): grouped by dtype, in order, cut
+    into buckets of at most `bucket_bytes` (one larger tensor alone)."""
+    by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, dtype, shape in distinct:
+        by_dtype.setdefault(dtype, []).append((name, shape))
     entries: list[Entry] = []
     buckets: list[tuple[torch.dtype, int]] = []
     for dtype, tensors in by_dtype.items():
         size = torch.empty((), dtype=dtype).element_size()
         filled = None  # elements in the open bucket (None: none open)
-        for name, t in tensors:
-            n = t.numel()
+        for name, shape in tensors:
+            n = math.prod(shape)
             if filled is None or (filled + n) * size > bucket_bytes:
                 buckets.append((dtype, 0))
                 filled = 0
-            entries.append(Entry(name, len(buckets) - 1, filled, n, tuple(t.shape)))
+            entries.append(Entry(name, len(buckets) - 1, filled, n, shape))
             filled += n
             buckets[-1] = (dtype, filled)
-    return Layout(tuple(payload), tuple(entries), tuple(buckets), aliases)
+    return Layout(names, tuple(entries), tuple(buckets), dict(aliases))
 
 
 def _check(layout: Layout, payload: Mapping[str, torch.Tensor]) -> None:
     if tuple(payload) != layout.names or any(tuple(payload[e.name].shape) != e.shape for e in layout.entries):
         raise ValueError("the exported weights do not match the layout the collective group was set up with")
+
+
+# -- streaming from the sharded trainer (train.world_size = N > 1) ------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class ShardSpec:
+    """What one trainer rank holds of the payload: every name (payload order), the tied names
+    (`aliases`: name -> the name sent instead), and per distinct tensor (name, dtype, full shape,
+    rows of dim 0 held here). A 0-d tensor counts as one row; one held whole by every rank
+    (not sharded) is sent by rank 0 alone (the others hold 0 of its rows)."""
+
+    names: tuple[str, ...]
+    aliases: Mapping[str, str]
+    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """One source rank's rows of one tensor inside one of its sends: at `offset` (elements) in
+    the send's flat bucket, at `start` (elements) in the full tensor, `numel` elements."""
+
+    name: str
+    offset: int
+    start: int
+    numel: int
+
+
+@dataclass(slots=True, frozen=True)
+class Send:
+    """A flat bucket trainer rank `src` broadcasts: its rows of the tensors of the receivers'
+    full bucket `bucket` (of `dtype`, `numel` elements)."""
+
+    src: int
+    bucket: int
+    dtype: torch.dtype
+    numel: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class StreamLayout:
+    """A version as the sharded trainer's `sources` ranks stream it: the receivers' `full`
+    layout (the whole tensors, as one trainer would send them) and the `sends` in the order they
+    travel: per full bucket, each rank's rows of its tensors (a rank holding none sends nothing)."""
+
+    full: Layout
+    sends: tuple[Send, ...]
+    sources: int
+
+    def staging(self) -> dict[torch.dtype, int]:
+        """Per dtype, the largest send a receiver stages (one holding a single piece lands in
+        place, unstaged)."""
+        out: dict[torch.dtype, int] = {}
+        for s in self.sends:
+            if len(s.pieces) > 1:
+                out[s.dtype] = max(out.get(s.dtype, 0), s.numel)
+        return out
+
+
+def local_shards(payload: Mapping[str, torch.Tensor], rank: int) -> tuple[ShardSpec, dict[str, torch.Tensor]]:
+    """Trainer rank `rank`'s `ShardSpec` of `payload` (a sharded model's state dict with its
+    parameters, `state_dict(keep_vars=True)`: tied names map to one object) and its local tensors
+    by distinct name (FSDP2's `Shard(0)` DTensors: the local rows; anything else: whole on rank 0,
+    no rows elsewhere). Raises on a placement that is neither."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    seen: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+    local: dict[str, torch.Tensor] = {}
+    for name, t in payload.items():
+        if id(t) in seen:
+            aliases[name] = seen[id(t)]
+            continue
+        seen[id(t)] = name
+        shape = tuple(t.shape)
+        if isinstance(t, DTensor):
+            placements = tuple(t.placements)
+            part = t.to_local().detach()
+            if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0 and t.dim() > 0:
+                if tuple(part.shape[1:]) != shape[1:]:
+                    raise ValueError(f"{name}: local shard {tuple(part.shape)} is no row range of {shape}")
+                tensors.append((name, t.dtype, shape, int(part.shape[0])))
+                local[name] = part
+                continue
+            if not all(isinstance(p, Replicate) for p in placements):
+                raise ValueError(f"{name}: placements {placements}: only Shard(0) or replicated tensors can be streamed")
+            whole = part
+        else:
+            whole = t.detach()
+        rows = (shape[0] if shape else 1) if rank == 0 else 0
+        tensors.append((name, t.dtype, shape, rows))
+        local[name] = whole if rank == 0 else whole.reshape(-1)[:0]
+    return ShardSpec(tuple(payload), aliases, tuple(tensors)), local
+
+
+def stream_layout(specs: Sequence[ShardSpec], bucket_bytes: int = BUCKET_BYTES) -> StreamLayout:
+    """The `StreamLayout` of the sources' `specs` (rank order): the full tensors cut into
+    buckets as `layout_of` cuts one trainer's payload; rank r's rows of a tensor follow rank
+    r-1's (FSDP2's Shard(0): each rank a contiguous run of rows, the last ones possibly empty).
+    Raises when the specs disagree (names, dtypes, shapes, rows that do not add up)."""
+    first = specs[0]
+    full = _cut(first.names, [(n, d, s) for n, d, s, _ in first.tensors], first.aliases, bucket_bytes)
+    rows: list[dict[str, int]] = []
+    for r, spec in enumerate(specs):
+        if spec.names != first.names or [t[:3] for t in spec.tensors] != [t[:3] for t in first.tensors]:
+            raise ValueError(f"trainer rank {r}'s weights differ from rank 0's (names, dtypes or shapes)")
+        rows.append({n: k for n, _, _, k in spec.tensors})
+    by_bucket: dict[int, list[Entry]] = {}
+    for e in full.entries:
+        total = e.shape[0] if e.shape else 1
+        if sum(r[e.name] for r in rows) != total:
+            raise ValueError(f"{e.name}: the ranks hold {[r[e.name] for r in rows]} rows of {total}")
+        by_bucket.setdefault(e.bucket, []).append(e)
+    sends: list[Send] = []
+    for b, (dtype, _) in enumerate(full.buckets):
+        for src in range(len(specs)):
+            pieces: list[Piece] = []
+            filled = 0
+            for e in by_bucket.get(b, []):
+                row = math.prod(e.shape[1:]) if e.shape else 1
+                first_row = sum(rows[r][e.name] for r in range(src))
+                n = rows[src][e.name] * row
+                if n:
+                    pieces.append(Piece(e.name, filled, first_row * row, n))
+                    filled += n
+            if pieces:
+                sends.append(Send(src, b, dtype, filled, tuple(pieces)))
+    return StreamLayout(full, tuple(sends), len(specs))
+
+
+def pack_shards(layout: StreamLayout, rank: int, local: Mapping[str, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    """Trainer rank `rank`'s committed snapshot: a copy of its rows, one flat tensor per send of
+    its (send index -> tensor), broadcast as they are (no staging)."""
+    out: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for i, s in enumerate(layout.sends):
+            if s.src != rank:
+                continue
+            flat = torch.empty(s.numel, dtype=s.dtype, device=device)
+            for p in s.pieces:
+                part = local[p.name]
+                if part.numel() != p.numel:
+                    raise ValueError(f"{p.name}: rank {rank} holds {part.numel()} elements, the layout says {p.numel}")
+                flat.narrow(0, p.offset, p.numel).copy_(part.reshape(-1))
+            out[i] = flat
+    return out
+
+
+def _entries(layout: Layout) -> dict[str, Entry]:
+    return {e.name: e for e in layout.entries}
+
+
+def place(layout: StreamLayout, send: Send, flat: torch.Tensor, buckets: Sequence[torch.Tensor]) -> None:
+    """Copy a received `send` (its flat bucket `flat`) into the full `buckets` (the receivers'
+    buckets of `layout.full`)."""
+    entries = _entries(layout.full)
+    for p in send.pieces:
+        e = entries[p.name]
+        buckets[e.bucket].narrow(0, e.offset + p.start, p.numel).copy_(flat.narrow(0, p.offset, p.numel))
+
+
+def full_views(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The payload as views of `layout`'s `buckets`, every name (a tied one: the same view)."""
+    views = {e.name: buckets[e.bucket].narrow(0, e.offset, e.numel).view(e.shape) for e in layout.entries}
+    return {name: views[layout.aliases.get(name, name)] for name in layout.names}
+
+
+def assemble(layout: StreamLayout, flats: Mapping[int, torch.Tensor], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The full payload from every source's snapshot (`flats`: send index -> its flat bucket),
+    in new buckets on `device` (the sharded trainer's export for the object store)."""
+    buckets = [torch.empty(n, dtype=d, device=device) for d, n in layout.full.buckets]
+    for i, s in enumerate(layout.sends):
+        place(layout, s, flats[i].to(device), buckets)
+    return full_views(layout.full, buckets)
+
+
+class _OwnGroup:
+    """A process group of one source (rank 0) and the receivers, made from a store directly
+    (`ProcessGroupGloo` / `ProcessGroupNCCL`), not the default group: a sharded trainer's ranks
+    already hold theirs. Each collective is bounded by `timeout`."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, size: int, backend: str, timeout: timedelta) -> None:
+        import torch.distributed as dist
+
+        scoped = dist.PrefixStore(prefix, store)
+        self.pg: Any
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(scoped, rank, size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(scoped, rank, size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        if self.pg is None:
+            raise RuntimeError("the group was left")
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        self.pg.broadcast([tensor], options).wait()
+
+    def close(self) -> None:
+        """Leave: this member's connections close (a peer's pending collective fails now)."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:
+                pass
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """(host, port) of a tcp://host:port address."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
 
 
 def free_port() -> int:
@@ -142,12 +388,25 @@ class Received:
 class Member:
     """This process's membership of the group (one per actor)."""
 
-    def __init__(self, rank: int, world: int, backend: str, layout: Layout, device: torch.device) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        backend: str,
+        layout: Layout,
+        device: torch.device,
+        stream: StreamLayout | None = None,
+        groups: Sequence[_OwnGroup] = (),
+    ) -> None:
         self.rank, self.world, self.backend, self.layout, self.device = rank, world, backend, layout, device
+        # streaming from the sharded trainer: its layout, and this member's groups (a source
+        # rank's one, rank 0 of it; a receiver's one per source, rank 1 + its index in each)
+        self.stream, self._groups = stream, list(groups)
         self.broken: str | None = None  # why a collective failed here (then none runs again)
         self._staging: dict[torch.dtype, torch.Tensor] = {}  # the trainer's, per dtype: one bucket
         self._buckets: list[torch.Tensor] = []  # a receiver's, one version's
         self._views: dict[str, torch.Tensor] = {}
+        self._store: Any = None  # (streaming: the store the groups met at; source 0 serves it)
 
     @staticmethod
     def join(address: str, rank: int, world: int, backend: str, timeout_s: float, layout: Layout | None) -> Member:
@@ -161,12 +420,91 @@ class Member:
         dist.broadcast_object_list(box, src=0, device=device if backend == "nccl" else None)
         return Member(rank, world, backend, box[0], device)
 
+    @staticmethod
+    def join_stream(
+        host: str,
+        port: int,
+        backend: str,
+        timeout_s: float,
+        receivers: int,
+        *,
+        source: int | None = None,
+        receiver: int | None = None,
+        stream: StreamLayout | None = None,
+    ) -> Member:
+        """Join the streaming groups at `host`:`port` (blocking) beside `receivers` sampler
+        actors: trainer rank `source` joins its own group as its rank 0 (source 0 serves the store
+        and gives the `stream` layout), sampler actor `receiver` one group per source, as rank
+        1 + `receiver` of each. The store's waits are bounded by JOIN_TIMEOUT_S, each collective
+        after by `timeout_s`."""
+        import torch.distributed as dist
+
+        if (source is None) == (receiver is None):
+            raise ValueError("join_stream: a member is either a source or a receiver")
+        store = dist.TCPStore(host, port, None, source == 0, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
+        if source == 0:
+            assert stream is not None, "join_stream: source 0 gives the layout"
+            store.set("layout", pickle.dumps(stream).hex())
+        got: StreamLayout = pickle.loads(bytes.fromhex(store.get("layout").decode()))
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        op = timedelta(seconds=timeout_s)
+        size = 1 + receivers  # each group: one source and every receiver
+        if source is not None:
+            groups = [_OwnGroup(store, f"weights/{source}/", 0, size, backend, op)]
+            rank = source
+        else:
+            assert receiver is not None
+            groups = [_OwnGroup(store, f"weights/{r}/", 1 + receiver, size, backend, op) for r in range(got.sources)]
+            rank = got.sources + receiver
+        member = Member(rank, got.sources + receivers, backend, got.full, device, got, groups)
+        member._store = store
+        return member
+
     def _header(self, values: Sequence[int]) -> list[int]:
         import torch.distributed as dist
 
         header = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
+        if self._groups:
+            self._groups[0].broadcast(header)
+        else:
+            dist.broadcast(header, src=0)
         return [int(x) for x in header.tolist()]
+
+    def send_shards(self, round_: int, version: int, flats: Mapping[int, torch.Tensor]) -> None:
+        """A source rank: broadcast its snapshot's sends (`flats`, `pack_shards`) of round
+        `round_` (source 0 first sends the header). Raises (and leaves its group) when a
+        collective fails."""
+        self._usable()
+        stream = self.stream
+        assert stream is not None and len(self._groups) == 1, "send_shards: this member is no source of a stream"
+        try:
+            if self.rank == 0:
+                self._header([round_, version])
+            for i, s in enumerate(stream.sends):
+                if s.src == self.rank:
+                    self._groups[0].broadcast(flats[i].view(torch.uint8))
+        except Exception as exc:
+            self._abort(exc)
+            raise
+
+    def _receive_stream(self, stream: StreamLayout) -> None:
+        """A receiver: every source's sends, in the layout's order, into this member's buckets
+        (a send of one piece lands in place; the others through one staging bucket per dtype)."""
+        entries = _entries(stream.full)
+        for s in stream.sends:
+            if len(s.pieces) == 1:
+                p = s.pieces[0]
+                e = entries[p.name]
+                self._groups[s.src].broadcast(self._buckets[e.bucket].narrow(0, e.offset + p.start, p.numel).view(torch.uint8))
+            else:
+                staging = self._staging.get(s.dtype)
+                if staging is None:
+                    staging = self._staging[s.dtype] = torch.empty(stream.staging()[s.dtype], dtype=s.dtype, device=self.device)
+                flat = staging.narrow(0, 0, s.numel)
+                self._groups[s.src].broadcast(flat.view(torch.uint8))
+                place(stream, s, flat, self._buckets)
+            if self.device.type == "cpu":
+                STAGED.add(s.numel * torch.empty((), dtype=s.dtype).element_size())
 
     def send(self, round_: int, version: int, payload: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: broadcast `payload` (the committed snapshot) as round `round_`. Raises (and
@@ -207,16 +545,22 @@ class Member:
                 raise RuntimeError(f"the collective group is out of step: received round {got}, expected {round_}")
             if not self._buckets:
                 self._buckets = [torch.empty(n, dtype=d, device=self.device) for d, n in self.layout.buckets]
-                views = {e.name: self._buckets[e.bucket].narrow(0, e.offset, e.numel).view(e.shape) for e in self.layout.entries}
-                self._views = {name: views[self.layout.aliases.get(name, name)] for name in self.layout.names}
-            for bucket in self._buckets:
-                dist.broadcast(bucket.view(torch.uint8), src=0)
-                if bucket.device.type == "cpu":
-                    STAGED.add(bucket.numel() * bucket.element_size())
+                self._views = full_views(self.layout, self._buckets)
+            if self.stream is not None:
+                self._receive_stream(self.stream)
+            else:
+                for bucket in self._buckets:
+                    dist.broadcast(bucket.view(torch.uint8), src=0)
+                    if bucket.device.type == "cpu":
+                        STAGED.add(bucket.numel() * bucket.element_size())
         except Exception as exc:
             self._abort(exc)
             raise
         return version, dict(self._views)
+
+    def fail(self, exc: BaseException) -> None:
+        """This member cannot take part in the round under way: leave the group (see `_abort`)."""
+        self._abort(exc)
 
     def _abort(self, exc: BaseException) -> None:
         """The group is broken: leave it at once, so that the peers' pending collectives fail now
@@ -225,10 +569,18 @@ class Member:
 
         self.broken = f"{type(exc).__name__}: {exc}"
         try:
-            if dist.is_initialized():
+            if self._groups:
+                self._leave_groups()
+            elif dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
             pass
+
+    def _leave_groups(self) -> None:
+        groups, self._groups = self._groups, []
+        for group in groups:
+            group.close()
+        self._store = None
 
     def _usable(self) -> None:
         if self.broken is not None:
@@ -239,7 +591,9 @@ class Member:
         import torch.distributed as dist
 
         self._buckets, self._views, self._staging = [], {}, {}
-        if dist.is_initialized():
+        if self.stream is not None:
+            self._leave_groups()
+        elif dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -277,15 +631,19 @@ def join(trainer: Any, samplers: Sequence[Any], timeout_s: float) -> RayBroadcas
     naming the member that did not join within JOIN_TIMEOUT_S, or why one failed to."""
     import ray
 
-    host, port, backend = ray.get(trainer.actor.collective_address.remote(), timeout=JOIN_TIMEOUT_S)
+    host, port, backend, sources = ray.get(trainer.actor.collective_address.remote(), timeout=JOIN_TIMEOUT_S)
     address = f"tcp://{host}:{port}"
-    world = 1 + len(samplers)
+    world = 1 + len(samplers)  # (streaming: each source's group)
     op_timeout = timeout_s if timeout_s > 0 else OP_TIMEOUT_S
-    refs = [trainer.actor.join_collective.remote(address, 0, world, backend, op_timeout, None)]
-    refs += [s.actor.join_collective.remote(address, i + 1, world, backend, op_timeout, trainer.actor) for i, s in enumerate(samplers)]
+    refs = [trainer.actor.join_collective.remote(address, 0, world, backend, op_timeout, None, sources)]
+    refs += [
+        s.actor.join_collective.remote(address, i if sources else i + 1, world, backend, op_timeout, trainer.actor, sources)
+        for i, s in enumerate(samplers)
+    ]
     names = ["the trainer actor", *(f"sampler actor {i}" for i in range(len(samplers)))]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=JOIN_TIMEOUT_S)
-    where = f"rollout.weight_transport = 'collective': the weight process group ({backend}, {address}, {world} members)"
+    members = f"{world} members" if not sources else f"{sources} trainer ranks streaming to {len(samplers)} sampler actors"
+    where = f"rollout.weight_transport = 'collective': the weight process group ({backend}, {address}, {members})"
     late = [names[i] for i, r in enumerate(refs) if r not in ready]
     if late:  # (the build kills every actor on its failure)
         raise RuntimeError(f"{where}: {', '.join(late)} did not join within {JOIN_TIMEOUT_S:.0f}s")

@@ -21,27 +21,43 @@ it); a micro-batch crosses as numpy arrays (`relayrl.backends.ray.transport`). W
 as with one rank: rank 0's full state dict, put into the object store (as numpy arrays) once per
 version by the trainer actor; the other ranks send none.
 
-Invariants: every rank gets the same sequence of compute requests; a rank actor that dies fails
-the call in flight, and every later one, with a `RankFailed` naming the rank; closing rank 0's
-worker ends the other ranks' actors (the driver removes the placement group).
+Streaming (rollout.weight_transport = "collective", `stream`): a rank's committed version is a
+copy of its own shards (`ShardedCompute(stream=True)`), and every rank is a source of the weight
+stream (`relayrl.backends.ray.collective`), the other ranks in their "weights" concurrency group
+(beside training). Rank 0 runs one weight operation at a time: it waits until no commit is out to
+the ranks, takes the committed version and pins it (each commit sent while it is pinned tells
+every rank to keep that snapshot: `optim_step(keep)`), then asks every rank for its part: its
+sends (`broadcast`) or, for the object store's export, its snapshot sent to rank 0 over the ranks'
+own gloo group (`gather`, assembled there on the CPU). A rank without the version leaves its group
+and the round fails, naming it.
+
+Invariants: every rank gets the same sequence of compute requests (and, streaming, of weight
+requests, each naming the version all of them send); a rank actor that dies fails the call in
+flight, and every later one, with a `RankFailed` naming the rank; closing rank 0's worker ends the
+other ranks' actors (the driver removes the placement group).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import ray
 
 from relayrl.backends.local.ranks import RankParts, ShardedCompute, join_group, serve
 from relayrl.backends.local.sharded import RankedTrainer, RankFailed, free_port
+from relayrl.backends.ray.collective import Member
 from relayrl.backends.ray.transport import decode, encode
 from relayrl.errors import RunFailed
+from relayrl.types import Weights
+
+_T = TypeVar("_T")
 
 
 class RankFactory(Protocol):
@@ -50,30 +66,32 @@ class RankFactory(Protocol):
     def rank_parts(self) -> RankParts: ...
 
 
-def _build(factory: RankFactory, rank: int, world_size: int, addr: str, port: int) -> ShardedCompute:
+def _build(factory: RankFactory, rank: int, world_size: int, addr: str, port: int, stream: bool) -> ShardedCompute:
     import torch
 
     parts = factory.rank_parts()
     torch.set_num_threads(parts.settings.torch_threads or 1)
     join_group(rank, world_size, addr, port, parts.device)
-    return ShardedCompute(parts.model, parts.settings, parts.ref_model, parts.device)
+    return ShardedCompute(parts.model, parts.settings, parts.ref_model, parts.device, stream=stream)
 
 
 class _RankActor:
     """Rank `rank` ≥ 1 of the sharded trainer: its compute, built when rank 0 says where to join."""
 
-    def __init__(self, factory: RankFactory, rank: int, world_size: int) -> None:
+    def __init__(self, factory: RankFactory, rank: int, world_size: int, stream: bool = False) -> None:
         self._factory = factory
         self.rank = rank
         self.world_size = world_size
+        self.stream = stream  # the collective transport streams each rank's shards (see the module)
         self._compute: ShardedCompute | None = None
+        self._member: Member | None = None
 
     def ready(self) -> bool:
         return True
 
     @ray.method(concurrency_group="compute")
     def join(self, addr: str, port: int) -> None:
-        self._compute = _build(self._factory, self.rank, self.world_size, addr, port)
+        self._compute = _build(self._factory, self.rank, self.world_size, addr, port, self.stream)
 
     @ray.method(concurrency_group="compute")
     def request(self, op: str, arg: Any) -> object:
@@ -88,8 +106,36 @@ class _RankActor:
         assert self._compute is not None, "rank actor: a checkpoint before join"
         self._compute.save_state(Path(directory))
 
+    @ray.method(concurrency_group="weights")
+    def join_weights(self, host: str, port: int, backend: str, timeout_s: float, receivers: int) -> None:
+        """Join the collective weight stream as source `rank` (its own group with the receivers)."""
+        self._member = Member.join_stream(host, port, backend, timeout_s, receivers, source=self.rank)
 
-RankActor: Any = ray.remote(concurrency_groups={"compute": 1, "ckpt": 1})(_RankActor)
+    @ray.method(concurrency_group="weights")
+    def send_weights(self, round_: int, version: int) -> None:
+        """Stream this rank's shards of `version` as round `round_` (rank 0 sent the call)."""
+        assert self._compute is not None and self._member is not None, "rank actor: a broadcast before joining"
+        send_own(self._member, self._compute, round_, version)
+
+    @ray.method(concurrency_group="weights")
+    def gather_weights(self, version: int) -> None:
+        """Send this rank's shards of `version` to rank 0 (the object store's export)."""
+        assert self._compute is not None, "rank actor: an export before join"
+        self._compute.gather_shards(version)
+
+
+RankActor: Any = ray.remote(concurrency_groups={"compute": 1, "ckpt": 1, "weights": 1})(_RankActor)
+
+
+def send_own(member: Member, compute: ShardedCompute, round_: int, version: int) -> None:
+    """Broadcast this rank's snapshot of `version`; a rank without it leaves the group (the peers'
+    collectives fail now, not at their timeout) and raises."""
+    try:
+        flats = compute.shards(version)
+    except Exception as exc:
+        member.fail(exc)
+        raise
+    member.send_shards(round_, version, flats)
 
 
 def _encoded(op: str, arg: Any) -> Any:
@@ -109,9 +155,10 @@ class ShardedRayFactory:
     """Rank 0's worker factory (called in the trainer actor): joins the ranks' group with the
     other ranks' actors and returns the `RayShardedTrainer` (see the module)."""
 
-    def __init__(self, factory: RankFactory, ranks: Sequence[Any]) -> None:
+    def __init__(self, factory: RankFactory, ranks: Sequence[Any], stream: bool = False) -> None:
         self.factory = factory
         self.ranks = list(ranks)  # the actors of ranks 1..N-1
+        self.stream = stream
 
     def __call__(self) -> RayShardedTrainer:
         world_size = 1 + len(self.ranks)
@@ -122,7 +169,7 @@ class ShardedRayFactory:
 
         def own() -> None:
             try:
-                built.set_result(_build(self.factory, 0, world_size, addr, port))
+                built.set_result(_build(self.factory, 0, world_size, addr, port, self.stream))
             except BaseException as exc:
                 built.set_exception(exc)
 
@@ -158,8 +205,34 @@ class RayShardedTrainer(RankedTrainer):
         self._slot = compute.metrics()
         self._dead: RankFailed | None = None
         self._closed = False
+        # streaming (see the module): the versions a weight operation reads (pinned: a commit sent
+        # meanwhile keeps their snapshots), the commits out to the ranks, one weight op at a time
+        self.member: Member | None = None
+        self._pins: collections.Counter[int] = collections.Counter()
+        self._committing = 0
+        self._commits = threading.Condition()
+        self._weights_lock = threading.Lock()
+
+    @property
+    def streams(self) -> bool:
+        """Whether a version travels as each rank's shards (the collective transport)."""
+        return self.compute.stream_layout is not None
 
     async def _all(self, args: list[tuple[str, Any]]) -> list[Any]:
+        if args[0][0] not in ("optim", "load") or not self.streams:
+            return await self._send_all(args)
+        with self._commits:  # a commit out: a weight op waits for it, and the ranks keep what one reads
+            self._committing += 1
+            if args[0][0] == "optim":
+                args = [(op, tuple(self._pins)) for op, _ in args]
+        try:
+            return await self._send_all(args)
+        finally:
+            with self._commits:
+                self._committing -= 1
+                self._commits.notify_all()
+
+    async def _send_all(self, args: list[tuple[str, Any]]) -> list[Any]:
         if self._dead is not None:
             raise self._dead
         op, arg = args[0]
@@ -191,12 +264,90 @@ class RayShardedTrainer(RankedTrainer):
                 raise cause from exc
             raise RuntimeError(f"sharded trainer rank {rank}: {type(cause).__name__}: {cause}") from exc
 
+    # -- the collective transport's stream (see the module) ----------------------------------
+    def _pinned(self, work: Callable[[int], _T]) -> _T:
+        """Run `work(version)` on the committed version, once no commit is out to the ranks,
+        its snapshots pinned meanwhile; one weight operation at a time (each rank actor serves
+        them in the order sent)."""
+        with self._weights_lock:
+            with self._commits:
+                self._commits.wait_for(lambda: self._committing == 0)
+                snapshot = self.compute.committed_weights()
+                assert snapshot is not None
+                version = snapshot.version
+                self._pins[version] += 1
+            try:
+                return work(version)
+            finally:
+                with self._commits:
+                    self._pins[version] -= 1
+                    if self._pins[version] <= 0:
+                        del self._pins[version]
+
+    def join_weights(self, host: str, port: int, backend: str, timeout_s: float, receivers: int) -> None:
+        """Blocking: every rank joins the stream's groups as a source (rank 0 serves the store)."""
+        refs = [actor.join_weights.remote(host, port, backend, timeout_s, receivers) for actor in self._ranks]
+        layout = self.compute.stream_layout
+        self.member = Member.join_stream(host, port, backend, timeout_s, receivers, source=0, stream=layout)
+        for r, ref in enumerate(refs, start=1):
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                raise RuntimeError(f"sharded trainer rank {r} could not join the weight stream: {exc}") from exc
+
+    def broadcast(self, round_: int) -> int:
+        """Blocking: stream the committed version as round `round_` from every rank; returns it.
+        Raises naming the ranks whose part failed (each left its group: see collective.py)."""
+
+        def work(version: int) -> int:
+            member = self.member
+            if member is None:
+                raise RuntimeError("the sharded trainer joined no collective weight group")
+            refs = [actor.send_weights.remote(round_, version) for actor in self._ranks]
+            errors = []
+            try:
+                send_own(member, self.compute, round_, version)
+            except Exception as exc:
+                errors.append(f"rank 0: {type(exc).__name__}: {exc}")
+            for r, ref in enumerate(refs, start=1):
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    errors.append(f"rank {r}: {type(exc).__name__}: {exc}")
+            if errors:
+                raise RuntimeError(f"the sharded trainer's stream of version {version} failed: {'; '.join(errors)}")
+            return version
+
+        return self._pinned(work)
+
+    def gather(self) -> Weights:
+        """Blocking: the committed version's full weights, gathered from the ranks' snapshots on
+        rank 0 (the object store's export: a restart, the evaluation, a fallback)."""
+
+        def work(version: int) -> Weights:
+            refs = [actor.gather_weights.remote(version) for actor in self._ranks]
+            payload = self.compute.gather_shards(version)
+            ray.get(refs)
+            assert payload is not None
+            return Weights(version=version, payload=payload)
+
+        return self._pinned(work)
+
+    async def export_weights(self) -> Weights:
+        """The committed version's full weights (streaming: gathered now, see `gather`)."""
+        if not self.streams:
+            return await super().export_weights()
+        return await asyncio.to_thread(self.gather)
+
     async def close(self) -> None:
         """End the other ranks' actors; rank 0's thread is not waited for (a collective with a
         dead rank may hold it: it ends with the trainer actor)."""
         if self._closed:
             return
         self._closed = True
+        member, self.member = self.member, None
+        if member is not None:
+            member.close()
         for actor in self._ranks:
             try:
                 ray.kill(actor, no_restart=True)
@@ -211,11 +362,14 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def place_ranks(factory: RankFactory, world_size: int, bundle: dict[str, float], options: dict[str, Any]) -> tuple[Any, Any, list[Any]]:
+def place_ranks(
+    factory: RankFactory, world_size: int, bundle: dict[str, float], options: dict[str, Any], stream: bool = False
+) -> tuple[Any, Any, list[Any]]:
     """Start the sharded trainer's actors in a new placement group of `world_size` bundles of
     `bundle` (PACK), each with the `ray.remote` `options` of one bundle: (the placement group,
-    rank 0's `TrainerActor`, the other ranks' actors). The caller awaits the actors' `ready` and
-    removes the placement group at the end."""
+    rank 0's `TrainerActor`, the other ranks' actors). `stream`: the collective transport streams
+    each rank's shards. The caller awaits the actors' `ready` and removes the placement group at
+    the end."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -227,6 +381,6 @@ def place_ranks(factory: RankFactory, world_size: int, bundle: dict[str, float],
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
         return {**options, "scheduling_strategy": strategy}
 
-    ranks = [RankActor.options(**at(r)).remote(factory, r, world_size) for r in range(1, world_size)]
-    rank0 = TrainerActor.options(**at(0)).remote(ShardedRayFactory(factory, ranks))
+    ranks = [RankActor.options(**at(r)).remote(factory, r, world_size, stream) for r in range(1, world_size)]
+    rank0 = TrainerActor.options(**at(0)).remote(ShardedRayFactory(factory, ranks, stream))
     return group, rank0, ranks
