@@ -222,29 +222,17 @@ def workload_config(w: Workload, output_dir: Path) -> Config:
 
 def recipe_model_dir(recipe: Path, cache: Path) -> Path:
     """The recipe's model as a Hugging Face directory: its `model.path` as it is, or its GGUF file
-    (`model.package` / `model.path` + `model.gguf_file`) loaded with relayrl's loader (dequantized
-    to float32) and written once to `cache` (reused when it is there)."""
+    (`model.package` / `model.path` + `model.gguf_file`) converted once into `cache` as the vLLM
+    engine's is (relayrl.models.gguf_dir: dequantized to float32, reused when it is there)."""
     from relayrl.backends.local.build import model_dir
     from relayrl.config.schema import load_config
+    from relayrl.models.gguf_dir import gguf_directory
 
     cfg = load_config(recipe)
     source = model_dir(cfg)
     if cfg.model.gguf_file is None:
         return source
-    out = cache / f"{source.name}-{Path(cfg.model.gguf_file).stem}"
-    if (out / "config.json").is_file():
-        return out
-    from relayrl.models.export import plain_weights
-    from relayrl.models.loading import load_model_and_tokenizer
-
-    print(f"converting {source / cfg.model.gguf_file} to a Hugging Face directory {out} ...", file=sys.stderr, flush=True)
-    model, tokenizer = load_model_and_tokenizer(source, gguf_file=cfg.model.gguf_file)
-    plain_weights(model)  # the weights are dequantized: writable as safetensors
-    partial = out.with_name(out.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(out)
-    return out
+    return gguf_directory(source, cfg.model.gguf_file, cache)
 
 
 @dataclass(slots=True)

@@ -65,7 +65,7 @@ def test_a_replica_rolls_out_two_batches_at_once_and_sends_each_on() -> None:
         for first in (0, 10):
             inbox.put_nowait(_batch(first))
         rollout = _Rollout()
-        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, 2))
+        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, width=2))
         got = [g for _ in range(2) for g in await asyncio.wait_for(outbox.get(), 10)]
         serving.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -86,7 +86,7 @@ def test_with_one_batch_a_time_the_second_waits_for_the_first() -> None:
             inbox.put_nowait(_batch(first))
         rollout = _Rollout()
         rollout.started.set()  # nothing to wait for: one batch at a time
-        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, 1))
+        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, width=1))
         for _ in range(2):
             await asyncio.wait_for(outbox.get(), 10)
         serving.cancel()
@@ -103,7 +103,7 @@ def test_a_replica_that_fails_returns_every_unfinished_batch_and_loses_nothing()
         outbox: asyncio.Queue[list[Group]] = asyncio.Queue()
         for first in (0, 10, 20):
             inbox.put_nowait(_batch(first))
-        failed = await asyncio.wait_for(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, _Rollout(fail_on=10), 2), 10)
+        failed = await asyncio.wait_for(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, _Rollout(fail_on=10), width=2), 10)
         assert failed is not None
         exc, requests = failed
         return exc, sorted(r.group_id for r in requests), inbox.qsize(), outbox.qsize()

@@ -209,7 +209,7 @@ def test_a_model_loaded_from_gguf_is_written_as_plain_weights(tmp_path: Path) ->
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
     from transformers.utils.quantization_config import GgufConfig
 
-    from relayrl.models.export import plain_weights
+    from relayrl.models.gguf_dir import plain_weights
     from relayrl.models.loading import shipped_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(shipped_model_dir())

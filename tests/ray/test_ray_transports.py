@@ -120,7 +120,7 @@ def test_object_store_run_passes_check_trace(cluster: RayCluster, tmp_path: Path
 def test_bench_weights_measures_both_ray_transports_on_the_tiny_model(cluster: RayCluster) -> None:
     from relayrl.bench.weights import run_weights
 
-    figures = run_weights(["tiny"], replicas=2, versions=1, ray_address="auto")
+    figures = run_weights(["tiny"], replicas=2, versions=1, ray_address="auto", sharded=False)
     tiny = figures["models"]["tiny"]  # type: ignore[index]
     assert set(tiny["transports"]) == {"direct", "file", "object_store", "collective"}
     for name in ("object_store", "collective"):

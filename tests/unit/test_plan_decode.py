@@ -231,3 +231,30 @@ def test_a_planned_trainer_spends_the_cost_of_the_batch_s_padded_positions() -> 
     padding = PaddingStats(rows=4, row_tokens=500, real_tokens=1300, sequences=16)
     mb = MicroBatch(step=1, index=0, final=True, trajectories=[], rows=[], padding=padding, num_tokens=1300)
     assert mb.train_batch().padded_tokens == 2000 and mb.train_batch().num_tokens == 1300
+
+
+def test_a_ray_samplers_round_trip_is_fitted_per_call_and_per_row() -> None:
+    """A Ray source's generate windows (less the actor's span) grow with the rows a call carries:
+    the fit recovers the fixed part and the per-row part, and a planned call pays them for its rows;
+    a trace without the rows keeps one median round trip a call."""
+    from relayrl.plan.fit import _ray_costs
+
+    base, per_row = 0.003, 0.000015
+    spans = [Span(timeline.ACTOR_TRAINER, "train_step", 0.0, 0.1, {}), Span(timeline.ACTOR_TRAINER, "optim_step", 0.107, 0.11, {})]
+    t = 1.0
+    for i, rows in enumerate([8, 16, 512, 64, 256, 8, 512, 128, 24, 512] * 3):
+        work = 0.02 + 0.0001 * rows
+        window = base + per_row * rows + (0.004 if i == 7 else 0.0)  # one call held up on a shared machine
+        args: dict[str, object] = {"sequences": rows, "call_start": t - window / 2, "call_end": t + work + window / 2}
+        spans.append(Span("actor:sampler/0", "generate", t, t + work, args))
+        t += 1.0
+    costs = _ray_costs(spans)
+    assert costs["trainer_call_s"] == pytest.approx(0.007)
+    assert costs["sampler_call_s"] == pytest.approx(base, rel=0.05)
+    assert costs["sampler_call_per_row_s"] == pytest.approx(per_row, rel=0.05)
+    planned = RayCosts(costs["trainer_call_s"], costs["sampler_call_s"], costs["sampler_call_per_row_s"])
+    assert planned.sampler_call(8) == pytest.approx(base + 8 * per_row, rel=0.05)
+    assert planned.sampler_call(512) == pytest.approx(base + 512 * per_row, rel=0.05)
+    no_rows = [Span(x.lane, x.name, x.start, x.end, {k: v for k, v in x.args.items() if k != "sequences"}) for x in spans]
+    legacy = _ray_costs(no_rows)
+    assert "sampler_call_per_row_s" not in legacy and legacy["sampler_call_s"] > base

@@ -96,7 +96,7 @@ KEYS = {"seconds_per_version", "gb_per_s", "host_copies", "bytes_per_version"}
 def test_bench_weights_json_has_each_transports_figures_per_model() -> None:
     import json
 
-    res = relayrl("bench", "weights", "--models", "tiny", "--versions", "1", "--no-ray", "--json", timeout=300)
+    res = relayrl("bench", "weights", "--models", "tiny", "--versions", "1", "--no-ray", "--no-sharded", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
     figures = json.loads(res.stdout)
     tiny = figures["models"]["tiny"]
@@ -253,3 +253,19 @@ def test_two_fsdp2_ranks_stream_their_shards_and_receivers_assemble_the_model_bi
     assert ("receiver", 0, "identical") in got and ("receiver", 1, "identical") in got, got
     for who in (("source", 0), ("source", 1), ("receiver", 0)):
         assert (*who, "round 2 failed") in got and got[(*who, "round 2 failed")] < 10, got
+
+
+def test_bench_weights_sharded_rows_stream_every_ranks_shards_whole_to_every_receiver() -> None:
+    """`relayrl bench weights`' 2-rank rows on the tiny model: both ways deliver the trainer's
+    model bit for bit to both receivers; rank 0 holds the whole model when it gathers and about
+    half when it streams; the gather costs two host copies on rank 0 beside the receivers' one each."""
+    from relayrl.bench.weights import run_weights
+
+    figures = run_weights(["tiny"], replicas=2, versions=1, ray=False)
+    tiny = figures["models"]["tiny"]  # type: ignore[index]
+    gathered, stream = tiny["transports"]["sharded_gathered"], tiny["transports"]["sharded_stream"]
+    assert gathered["identical"] == stream["identical"] == 1.0
+    assert gathered["rank0_peak_bytes"] == tiny["export_bytes"]
+    assert 0.4 * tiny["export_bytes"] < stream["rank0_peak_bytes"] < 0.6 * tiny["export_bytes"]
+    assert gathered["host_copies"] == pytest.approx(4.0, abs=0.01) and stream["host_copies"] == pytest.approx(2.0, abs=0.01)
+    assert gathered["seconds_per_version"] > 0 and stream["seconds_per_version"] > 0

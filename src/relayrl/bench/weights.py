@@ -19,7 +19,10 @@ version's bytes: a transport that stages nothing counts 0).
 - object_store and collective: a Ray trainer actor and `replicas` sampler actors (the real actors,
   hosting stand-in workers that hold the models), on one local cluster started for the benchmark
   (or the one this process is connected to): the object store through the trainer's export ahead
-  (the sync round's path), the collective through `relayrl.backends.ray.collective`.
+  (the sync round's path), the collective through `relayrl.backends.ray.collective`;
+- sharded_gathered and sharded_stream: the collective transport from a 2-rank FSDP2 trainer, the
+  full weights gathered to rank 0 then sent, beside each rank's shards streamed
+  (relayrl.bench.weight_stream: plain processes, no Ray), with rank 0's peak host bytes.
 
 Target (issue 31): on the 0.5B-shaped model across 2 Ray sampler actors, the collective
 transport's seconds per version at most half the object store's (printed met / MISSED).
@@ -38,37 +41,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-WEIGHT_MODELS = ("tiny", "qwen2-52m", "qwen2-0.5b")
+from relayrl.bench.weight_models import WEIGHT_MODELS, build_model
+
 TARGET_MODEL = "qwen2-0.5b"
 TARGET_SPEEDUP = 2.0  # collective vs object_store seconds per version, TARGET_MODEL, 2 replicas
 MB = 2**20
 
-__all__ = ["TARGET_MODEL", "TARGET_SPEEDUP", "WEIGHT_MODELS", "run_weights"]
-
-
-def build_model(name: str, dtype: str, seed: int = 0) -> Any:
-    """The benchmark's model `name` on the CPU in `dtype` (random weights but the tiny one's)."""
-    import torch
-
-    from relayrl.bench.qwen2 import QWEN2_05B, build_random_qwen2
-
-    torch_dtype = getattr(torch, dtype)
-    if name == "tiny":
-        from transformers import AutoModelForCausalLM
-
-        from relayrl.models.loading import shipped_model_dir
-
-        return AutoModelForCausalLM.from_pretrained(shipped_model_dir(), dtype=torch_dtype).eval()
-    if name == "qwen2-52m":
-        from relayrl.bench.trainer import MODELS
-
-        dims: dict[str, Any] = dict(MODELS["50m"])
-        dims.update(num_key_value_heads=dims["num_attention_heads"], max_position_embeddings=1024, tie_word_embeddings=False)
-    elif name == "qwen2-0.5b":
-        dims = dict(QWEN2_05B)
-    else:
-        raise ValueError(f"no benchmark model named {name!r} (known: {', '.join(WEIGHT_MODELS)})")
-    return build_random_qwen2(dims, "cpu", torch_dtype, seed=seed).eval()
+__all__ = ["TARGET_MODEL", "TARGET_SPEEDUP", "run_weights"]
 
 
 class BenchTrainer:
@@ -272,10 +251,12 @@ def run_weights(
     dtype: str = "bfloat16",
     ray: bool = True,
     ray_address: str = "",
+    sharded: bool = True,
 ) -> dict[str, object]:
     """The figures of every transport per model (see the module). `ray_address`: "" starts a local
     cluster for the benchmark (its object store sized for the largest model), else the cluster
-    this process is connected to / joins."""
+    this process is connected to / joins. `sharded`: also the rows of a 2-rank trainer
+    (relayrl.bench.weight_stream)."""
     from relayrl.models.sharing import clone_once, unique_bytes
 
     sizes: dict[str, tuple[int, int]] = {}
@@ -288,6 +269,10 @@ def run_weights(
         sizes[name] = (export_bytes, params)
         figures[name] = {"export_bytes": export_bytes, "unique_param_bytes": params, "transports": {}}
         figures[name]["transports"].update(_in_process(name, dtype, replicas, versions))
+        if sharded:
+            from relayrl.bench.weight_stream import run_sharded
+
+            figures[name]["transports"].update(run_sharded(name, dtype, replicas, versions, export_bytes))
     if ray:
         from relayrl.backends.ray.cluster import connect
         from relayrl.config.schema import RayConfig

@@ -625,20 +625,22 @@ def bench_weights(
     versions: int = typer.Option(3, min=1, help="Timed versions per model and transport (after one warm-up); the median is printed."),
     dtype: str = typer.Option("bfloat16", help="The models' dtype: bfloat16 or float32."),
     ray: bool = typer.Option(True, "--ray/--no-ray", help="Include the Ray transports (object_store, collective) on a local cluster."),
+    sharded: bool = typer.Option(True, "--sharded/--no-sharded", help="Include a 2-rank trainer's collective: gathered vs streamed."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Every weight transport (rollout.weight_transport) side by side: one version = the trainer's
     commit snapshot loaded into every replica; bytes, seconds and GB/s per version and host copies
     (bytes staged in host memory per version's bytes), on the tiny model, a random 52M Qwen2 and a
     random Qwen2.5-0.5B-shaped Qwen2 (nothing downloaded)."""
-    from relayrl.bench.weights import WEIGHT_MODELS, run_weights
+    from relayrl.bench.weight_models import WEIGHT_MODELS
+    from relayrl.bench.weights import run_weights
 
     names = [m.strip() for m in models.split(",") if m.strip()]
     if not names or any(m not in WEIGHT_MODELS for m in names):
         _fail(f"--models {models!r}: give models among {', '.join(WEIGHT_MODELS)}, separated by commas")
     if dtype not in ("bfloat16", "float32"):
         _fail(f"--dtype {dtype!r}: bfloat16 or float32")
-    figures = _bench(lambda: run_weights(names, replicas=replicas, versions=versions, dtype=dtype, ray=ray), as_json)
+    figures = _bench(lambda: run_weights(names, replicas=replicas, versions=versions, dtype=dtype, ray=ray, sharded=sharded), as_json)
     out.print(
         f"one version = export + {replicas} replicas loaded, {dtype}, one compute thread per process; "
         f"median of {versions} versions (after one warm-up)"
@@ -649,6 +651,7 @@ def bench_weights(
             out.print(
                 f"  {transport:<12} {t['bytes_per_version'] / 2**20:9,.1f} MiB/version  {t['seconds_per_version']:8.3f} s/version  "
                 f"{t['gb_per_s']:7.3f} GB/s  host copies {t['host_copies']:.1f}"
+                + (f"  rank 0 peak {t['rank0_peak_bytes'] / 2**20:,.1f} MiB" if "rank0_peak_bytes" in t else "")
             )
     target = cast(dict[str, Any], figures["target"])
     if "met" in target:

@@ -39,14 +39,10 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from relayrl.config.schema import Config, load_config
 from relayrl.errors import RunFailed, UserError
 from relayrl.rundir.checkpoint import CHECKPOINTS, checkpoint_dir, complete_checkpoints
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 MODEL_DIR = "model"  # RUN_DIR/model: the export of a run's newest checkpoint (and a finished run's model)
 MARKER = "relayrl_export.json"  # in an export: what it was exported from; marks a directory an export may replace
@@ -143,17 +139,6 @@ def check_out(out: Path) -> None:
         raise ExportError(f"--out {out} exists and is not a directory")
 
 
-def plain_weights(model: PreTrainedModel) -> None:
-    """Forget how the weights were loaded when that was from a GGUF file: transformers dequantizes
-    GGUF tensors to plain float ones at load, but keeps its GGUF quantizer on the model, and
-    `save_pretrained` refuses a model whose quantizer cannot serialize ("quantized with gguf and
-    is not serializable"). The weights are plain: written as safetensors they load as they are."""
-    if getattr(model, "hf_quantizer", None) is not None and type(model.hf_quantizer).__name__ == "GgufHfQuantizer":
-        model.hf_quantizer = None  # type: ignore[assignment]  # (nn.Module types attributes as tensors or modules)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-
-
 def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: Path, merged: bool = False) -> Exported:
     """Build the configured model with the weights of `state_dir/trainer.pt` (the trainer's state
     after `step`) and write it, with its tokenizer, to `out` atomically; a LoRA run's adapter
@@ -169,6 +154,7 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
     from transformers import AutoConfig
 
     from relayrl.backends.local.build import load_base, model_dir
+    from relayrl.models.gguf_dir import plain_weights
     from relayrl.models.loading import shipped_model_dir
 
     source_dir = model_dir(cfg)
@@ -223,7 +209,7 @@ def write_model(cfg: Config, state_dir: Path, out: Path, *, step: int, run_dir: 
             raise ExportError(f"{state_file}: the weights do not fit the model {source} ({first})") from None
     original = AutoConfig.from_pretrained(source_dir, gguf_file=gguf, local_files_only=True)
     _restore_dropout(model.config, original)
-    plain_weights(model)
+    plain_weights(model)  # (a GGUF-loaded model's weights: written as safetensors)
 
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)

@@ -19,11 +19,26 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["CACHE_ENV", "cache_root", "gguf_directory"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["CACHE_ENV", "cache_root", "gguf_directory", "plain_weights"]
 
 #: the environment variable naming relayrl's cache directory
 CACHE_ENV = "RELAYRL_CACHE_DIR"
+
+
+def plain_weights(model: PreTrainedModel) -> None:
+    """Forget how the weights were loaded when that was from a GGUF file: transformers dequantizes
+    GGUF tensors to plain float ones at load, but keeps its GGUF quantizer on the model, and
+    `save_pretrained` refuses a model whose quantizer cannot serialize ("quantized with gguf and
+    is not serializable"). The weights are plain: written as safetensors they load as they are."""
+    if getattr(model, "hf_quantizer", None) is not None and type(model.hf_quantizer).__name__ == "GgufHfQuantizer":
+        model.hf_quantizer = None  # type: ignore[assignment]  # (nn.Module types attributes as tensors or modules)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
 
 
 def cache_root() -> Path:
@@ -40,7 +55,6 @@ def _key(path: Path) -> str:
 def gguf_directory(source_dir: Path, gguf_file: str, cache: Path | None = None) -> Path:
     """The model of `source_dir / gguf_file` as a Hugging Face directory in `cache` (default
     `cache_root()`), converted on first use (see the module). Blocking (seconds to minutes)."""
-    from relayrl.models.export import plain_weights
     from relayrl.models.loading import load_model_and_tokenizer
 
     path = source_dir / gguf_file

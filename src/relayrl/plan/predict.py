@@ -61,7 +61,8 @@ def ray_costs(target: Config, model: PlanModel) -> tuple[RayCosts | None, str | 
     if not target.ray.enabled:
         return None, None
     if model.ray:
-        return RayCosts(model.ray.get("trainer_call_s", 0.0), model.ray.get("sampler_call_s", 0.0)), None
+        ray = model.ray
+        return RayCosts(ray.get("trainer_call_s", 0.0), ray.get("sampler_call_s", 0.0), ray.get("sampler_call_per_row_s", 0.0)), None
     note = (
         f"ray: the source ran without Ray; each actor call's round trip is assumed {ASSUMED_RAY_CALL_S * 1e3:.2f} ms"
         " and the weight transport the source's sync round"

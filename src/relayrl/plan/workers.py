@@ -11,7 +11,8 @@ spends the fitted train_step time of each micro-batch's padded positions (rows Ã
 device; the metrics fetch, the sync round and checkpoints sleep their measured medians.
 
 On Ray (the target's `ray.enabled`), the workers are actors one round trip away
-(`RayCosts`): a sampler call's result comes back `sampler_call_s` after its work ends, and
+(`RayCosts`): a sampler call's result comes back its round trip (a fixed part and one per row it
+carries) after its work ends, and
 `RayPlanTrainer` runs its calls in order on a modelled actor the way `RayTrainer` drives the real
 one (a micro-batch sent ahead of the previous one's end, the next step's first one queued behind
 `optim_step`): each reaches the actor half a round trip after it is sent and its result the driver
@@ -43,10 +44,15 @@ from relayrl.types import Completion, GenerateResult, SampleRequest, TrainBatch,
 class RayCosts:
     """A Ray actor's round trips (PlanModel.ray): the trainer's (the gap a driver round trip leaves
     in the trainer actor, before its optim_step) and a sampler's (a generate call's window less
-    the actor's span of it: the requests out, the results back)."""
+    the actor's span of it: the requests out, the results back), a fixed part and one per row."""
 
     trainer_call_s: float
     sampler_call_s: float
+    sampler_call_per_row_s: float = 0.0
+
+    def sampler_call(self, rows: int) -> float:
+        """A generate call's round trip, carrying `rows` sequences."""
+        return self.sampler_call_s + self.sampler_call_per_row_s * rows
 
 
 class _Empirical:
@@ -112,7 +118,7 @@ class PlanSampler(Sampler):
             self._warm, work = True, work + cost.warmup_s
         await self._device.run(work)
         if self._ray is not None:  # the round trip: out to the actor and the results back
-            await _sleep(self._ray.sampler_call_s)
+            await _sleep(self._ray.sampler_call(sequences))
         return results
 
     async def load_weights(self, weights: Weights) -> None:

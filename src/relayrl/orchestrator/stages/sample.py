@@ -94,7 +94,7 @@ async def sampler_stage(
     environment's error fails the run. A replica whose worker died is restarted through
     `publisher`, which loads it with the current weights."""
     while pool.serves(slot):
-        failed = await serve_batches(slot, inbox, outbox, tracer, pool, rollout, width)
+        failed = await serve_batches(slot, inbox, outbox, tracer, pool, rollout, width=width)
         if failed is None:  # retired meanwhile (a failed weight load)
             return
         exc, requests = failed
@@ -118,6 +118,7 @@ async def serve_batches(
     tracer: Tracer,
     pool: ReplicaPool,
     rollout: Rollout,
+    *,
     width: int,
 ) -> tuple[Exception, list[SampleRequest]] | None:
     """Roll out batches from `inbox` on `slot`, at most `width` at once, until one fails the
