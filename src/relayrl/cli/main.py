@@ -649,7 +649,7 @@ def bench_weights(
         out.print(f"{name}: export {f['export_bytes'] / 2**20:,.1f} MiB (unique parameters {f['unique_param_bytes'] / 2**20:,.1f} MiB)")
         for transport, t in cast(dict[str, dict[str, float]], f["transports"]).items():
             out.print(
-                f"  {transport:<12} {t['bytes_per_version'] / 2**20:9,.1f} MiB/version  {t['seconds_per_version']:8.3f} s/version  "
+                f"  {transport:<16} {t['bytes_per_version'] / 2**20:9,.1f} MiB/version  {t['seconds_per_version']:8.3f} s/version  "
                 f"{t['gb_per_s']:7.3f} GB/s  host copies {t['host_copies']:.1f}"
                 + (f"  rank 0 peak {t['rank0_peak_bytes'] / 2**20:,.1f} MiB" if "rank0_peak_bytes" in t else "")
             )

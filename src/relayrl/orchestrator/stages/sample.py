@@ -124,8 +124,8 @@ async def serve_batches(
     """Roll out batches from `inbox` on `slot`, at most `width` at once, until one fails the
     replica: the others are then cancelled, and the failure is returned with the requests of
     every batch that did not finish. None: the replica was retired meanwhile (a batch taken
-    since is put back; those it was rolling out finish). An error of the task fails the run (raised); cancelling this
-    cancels the batches in flight."""
+    since is put back; those it was rolling out finish). An error of the task fails the run
+    (raised); cancelling this cancels the batches in flight."""
     lane = f"sampler/{slot.replica}"
     running: dict[asyncio.Task[list[Group]], tuple[list[SampleRequest], float]] = {}
     getter: asyncio.Task[list[SampleRequest]] | None = None
