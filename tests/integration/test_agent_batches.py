@@ -57,7 +57,10 @@ def _pool() -> tuple[ReplicaPool, SamplerSlot]:
     return pool, pool.slots[0]
 
 
-def test_a_replica_rolls_out_two_batches_at_once_and_sends_each_on() -> None:
+def _serve_two(width: int) -> tuple[list[Group], int]:
+    """Two batches queued, served at most `width` at once until both are out: the groups sent on
+    and the most batches that ran at once."""
+
     async def main() -> tuple[list[Group], int]:
         pool, slot = _pool()
         inbox: asyncio.Queue[list[SampleRequest]] = asyncio.Queue()
@@ -65,35 +68,28 @@ def test_a_replica_rolls_out_two_batches_at_once_and_sends_each_on() -> None:
         for first in (0, 10):
             inbox.put_nowait(_batch(first))
         rollout = _Rollout()
-        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, width=2))
+        if width == 1:
+            rollout.started.set()  # nothing to wait for: one batch at a time
+        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, width=width))
         got = [g for _ in range(2) for g in await asyncio.wait_for(outbox.get(), 10)]
         serving.cancel()
         with pytest.raises(asyncio.CancelledError):
             await serving
         return got, rollout.most
 
-    groups, most = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_replica_rolls_out_two_batches_at_once_and_sends_each_on() -> None:
+    groups, most = _serve_two(width=2)
     assert sorted(g.group_id for g in groups) == [0, 1, 10, 11]
     assert most == 2
 
 
 def test_with_one_batch_a_time_the_second_waits_for_the_first() -> None:
-    async def main() -> int:
-        pool, slot = _pool()
-        inbox: asyncio.Queue[list[SampleRequest]] = asyncio.Queue()
-        outbox: asyncio.Queue[list[Group]] = asyncio.Queue()
-        for first in (0, 10):
-            inbox.put_nowait(_batch(first))
-        rollout = _Rollout()
-        rollout.started.set()  # nothing to wait for: one batch at a time
-        serving = asyncio.create_task(serve_batches(slot, inbox, outbox, Tracer(None, {}), pool, rollout, width=1))
-        for _ in range(2):
-            await asyncio.wait_for(outbox.get(), 10)
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        return rollout.most
-
-    assert asyncio.run(main()) == 1
+    groups, most = _serve_two(width=1)
+    assert sorted(g.group_id for g in groups) == [0, 1, 10, 11]
+    assert most == 1
 
 
 def test_a_replica_that_fails_returns_every_unfinished_batch_and_loses_nothing() -> None:
