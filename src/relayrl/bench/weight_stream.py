@@ -36,19 +36,6 @@ __all__ = ["run_sharded"]
 DEADLINE_S = 900.0
 
 
-def _ties(model: Any) -> dict[str, str]:
-    """Tied names -> the first name sharing their tensor."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, t in model.state_dict().items():
-        ptr = t.data_ptr()
-        if ptr in first:
-            out[name] = first[ptr]
-        else:
-            first[ptr] = name
-    return out
-
-
 def _source(
     index: int, model_name: str, dtype: str, receivers: int, versions: int, ports: tuple[int, int, int], barrier: Any, out: Any
 ) -> None:
@@ -60,11 +47,15 @@ def _source(
     from relayrl.backends.ray.collective import Member, local_shards, pack_shards, stream_layout
     from relayrl.backends.transports import STAGED
     from relayrl.bench.weight_models import build_model
+    from relayrl.models.sharing import tied_names
 
     torch.set_num_threads(1)
     group_port, gathered_port, stream_port = ports
     model = build_model(model_name, dtype)
-    ties = _ties(model)
+    ties = tied_names(model)
+    # the gathered version's layout: every tensor whole, rank 0's (a stream of one source)
+    whole_spec, _ = local_shards(model.state_dict(keep_vars=True), 0)
+    single = stream_layout([whole_spec])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=index, world_size=2)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -77,11 +68,9 @@ def _source(
                 state[name] = state[first]
         return state
 
-    whole_spec, _ = local_shards(gathered(), 0)  # everything rank 0's: a stream of one source
     one = None
     if index == 0:
-        one = Member.join_stream("127.0.0.1", gathered_port, "gloo", 600.0, receivers, source=0, stream=stream_layout([whole_spec]))
-    single = stream_layout([whole_spec])
+        one = Member.join_stream("127.0.0.1", gathered_port, "gloo", 600.0, receivers, source=0, stream=single)
     spec, _ = local_shards(model.state_dict(keep_vars=True), index)
     specs: list[Any] = [None, None]
     dist.all_gather_object(specs, spec)
