@@ -232,6 +232,26 @@ def _wandb_records(path: Path) -> Iterator[object]:
             pending = b""
 
 
+def _finished_wandb_records(offline_dir: Path, timeout_s: float = 60.0) -> list[object]:
+    """The records of the one offline run under `offline_dir` once its transaction log is complete.
+    `run.finish()` returns when W&B's service has handled the run's exit, but the service writes
+    the log in a process of its own and may flush it a moment later on a loaded machine: wait
+    (bounded) for the exit record, which comes last."""
+    import time
+
+    (run_dir,) = offline_dir.glob("offline-run-*")
+    (run_file,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(_wandb_records(run_file))
+        kinds = [r.WhichOneof("record_type") for r in records]  # type: ignore[attr-defined]
+        if "exit" in kinds:
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{run_file}: no exit record {timeout_s:.0f} s after finish(); records: {kinds}")
+        time.sleep(0.2)
+
+
 def test_wandb_offline_run_holds_the_history(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     sinks = build_sinks(tmp_path, ["wandb"], "wb-run", CONFIG)
@@ -241,11 +261,9 @@ def test_wandb_offline_run_holds_the_history(tmp_path: Path) -> None:
             pool.submit(sinks.log, step, _metrics(step)).result()
         pool.submit(sinks.close).result()
 
-    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    (run_file,) = run_dir.glob("run-*.wandb")
     history: dict[int, dict[str, object]] = {}
     config_json = ""
-    for record in _wandb_records(run_file):
+    for record in _finished_wandb_records(tmp_path / "wandb"):
         kind = record.WhichOneof("record_type")  # type: ignore[attr-defined]
         if kind == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}  # type: ignore[attr-defined]
@@ -331,10 +349,8 @@ def test_after_a_resume_no_sink_shows_a_step_twice(tmp_path: Path, restore_env: 
             tb_steps += [event.step for v in event.summary.value if v.tag == "reward_mean"]
     assert sorted(tb_steps) == steps
 
-    (offline,) = (run_dir / "wandb").glob("offline-run-*")  # the crashed run's record is gone
-    (run_file,) = offline.glob("run-*.wandb")
-    wb_steps = []
-    for wandb_record in _wandb_records(run_file):
+    wb_steps = []  # the crashed run's offline record is gone: one offline run is left
+    for wandb_record in _finished_wandb_records(run_dir / "wandb"):
         if wandb_record.WhichOneof("record_type") == "history":  # type: ignore[attr-defined]
             items = wandb_record.history.item  # type: ignore[attr-defined]
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
