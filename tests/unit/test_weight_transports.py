@@ -19,7 +19,8 @@ from support.cli import relayrl
     [
         (["run.backend=local"], "direct", ("direct",)),
         (["run.backend=sim"], "direct", ("direct",)),
-        (["run.backend=local", "rollout.engine=vllm"], "file", ("file",)),
+        # vLLM in one process: the collective through vLLM's weight-transfer API (auto: on a GPU of the trainer's own)
+        (["run.backend=local", "rollout.engine=vllm"], "file", ("file", "collective")),
         (["run.backend=local", "ray.enabled=true"], "object_store", ("collective", "object_store")),
         (["run.backend=sim", "ray.enabled=true"], "object_store", ("object_store",)),
         # the sharded trainer streams its shards (when set: "auto" keeps the object store, NCCL unmeasured)
@@ -31,7 +32,8 @@ def test_auto_picks_the_fastest_transport_that_applies(sets: list[str], auto: st
     cfg = load_config(None, sets)
     assert applicable(cfg) == fits
     assert resolve(cfg) == auto  # a trainer on the CPU
-    on_cuda = fits[0] if cfg.train.world_size == 1 else auto  # on a GPU: the collective (NCCL) where it applies, one rank
+    # on a GPU no engine shares: the collective (NCCL) where it applies, one rank
+    on_cuda = "collective" if "collective" in fits and cfg.train.world_size == 1 else auto
     assert resolve(cfg, trainer_on_cuda=True) == on_cuda
     for transport in fits:  # each that applies is accepted and runs as set
         assert resolve(load_config(None, [*sets, f"rollout.weight_transport={transport}"])) == transport

@@ -136,3 +136,38 @@ def test_a_run_with_the_file_transport_passes_the_checker_and_stages_its_files(t
     result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=tmp_path / "run"), timeout=600)
     assert result.ledger.as_dict()["groups_trained"] == 2 * 8
     assert STAGED.read() > before  # the files written (the worker's reads count in its own process)
+
+
+def test_a_run_with_the_collective_transport_loads_every_version_through_vllms_weight_transfer_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollout.weight_transport = "collective" with two vLLM replicas in this process (issue 31 §1,
+    relayrl.backends.vllm.broadcast): every version is broadcast to both engines (no weight file
+    written, no group failure warned), and at staleness 0 each engine's log-probs are the
+    trainer's, step after step, as with the file transport."""
+    import warnings
+
+    from relayrl.backends.vllm import sampler as vllm_sampler
+    from relayrl.backends.vllm.broadcast import WeightGroupWarning
+
+    files: list[int] = []
+    write = vllm_sampler._write_weights
+
+    def counted(state: dict[str, Any], replica: int) -> str:
+        files.append(replica)
+        return write(state, replica)
+
+    monkeypatch.setattr(vllm_sampler, "_write_weights", counted)
+
+    sets = [s for s in SETS if not s.startswith(("run.steps=", "orchestrator.checkpoint_every="))]
+    sets += ["run.steps=3", "rollout.weight_transport=collective", "rollout.num_samplers=2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=tmp_path / "run"), timeout=600)
+    assert not [w for w in caught if issubclass(w.category, WeightGroupWarning)], [str(w.message) for w in caught]
+    assert files == []  # (the file transport writes one per replica and version)
+    assert result.ledger.as_dict()["groups_trained"] == 3 * 8
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["train/logprob_diff_max"] < 1e-3, (row["step"], row["train/logprob_diff_max"])

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from relayrl.backends.bundle import Backend
 from relayrl.backends.protocols import Collator, GreedyEngine, HostWork, PromptEncoder, Sampler, TextDecoder, TextEncoder, Trainer
+from relayrl.backends.transports import WeightBroadcast
 from relayrl.config.schema import Config, ConfigError
 from relayrl.telemetry.tracer import Tracer
 
@@ -62,6 +63,9 @@ class Compute:
     samplers: list[Callable[[], Sampler]]  # picklable; replica i is built by samplers[i]
     host_work: HostWork | None = None  # the sim's simulated bookkeeping cost; None for real backends
     tokenizer: object | None = None  # the model's tokenizer, orchestrator-side (the agents' endpoint); None: sim
+    # in-process only: the collective weight transport over the trainer and samplers built here
+    # (rollout.weight_transport = "collective" with vLLM engines); None: every version by export
+    broadcast: Callable[[Trainer, list[Sampler]], WeightBroadcast] | None = None
 
     def backend(
         self,
@@ -72,6 +76,7 @@ class Compute:
         startup: dict[str, float],
         cleanup: Callable[[], None],
         attach_tracer: Callable[[Tracer], None],
+        broadcast: WeightBroadcast | None = None,
     ) -> Backend:
         """The `Backend` of these driver-side pieces and the workers a host placed."""
         return Backend(
@@ -89,6 +94,7 @@ class Compute:
             cleanup=cleanup,
             attach_tracer=attach_tracer,
             sampler_gpu_peak=functools.partial(largest_gpu_peak, list(samplers)),
+            broadcast=broadcast,
         )
 
 
@@ -138,13 +144,15 @@ def place_in_process(cfg: Config, compute: Compute, evaluate: bool) -> Backend:
     samplers first, then the greedy engine, then the trainer."""
     samplers = [factory() for factory in compute.samplers]
     greedy = compute.greedy_engine() if evaluate and compute.greedy_engine is not None else None
+    trainer = compute.trainer()
     return compute.backend(
-        trainer=compute.trainer(),
+        trainer=trainer,
         samplers=samplers,
         greedy=greedy,
         startup={},
         cleanup=_nothing,
         attach_tracer=_untraced,
+        broadcast=compute.broadcast(trainer, samplers) if compute.broadcast is not None else None,
     )
 
 

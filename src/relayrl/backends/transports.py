@@ -11,6 +11,10 @@ bounds the loads, fails replicas over and traces; a transport only moves the byt
 - "file": in one process with rollout.engine = "vllm": each replica writes the snapshot to a
   safetensors file (/dev/shm when it fits) that its engine's worker reads back
   (`relayrl.backends.vllm`);
+- "collective" in one process with rollout.engine = "vllm": the trainer broadcasts each version
+  to every replica's engine worker, which receives it through vLLM's weight-transfer API in
+  relayrl's engine (gloo on the CPU, NCCL on CUDA, where each engine needs a GPU the trainer does
+  not use; `relayrl.backends.vllm.broadcast`); a round whose receive fails loads from the file;
 - "object_store": on Ray: the trainer actor puts each version once into Ray's object store as
   numpy arrays, each sampler actor reads it there (zero-copy on one node) and copies it in
   (`relayrl.backends.ray.transport`);
@@ -25,7 +29,9 @@ bounds the loads, fails replicas over and traces; a transport only moves the byt
   member) uses the object store instead, as does the evaluation's engine.
 
 "auto" is the fastest that applies (`resolve`): direct in one process with the hf engine (or the
-sim), file with vLLM in one process; on Ray, collective when the trainer actor computes on CUDA
+sim); with vLLM in one process, collective when the trainer computes on a GPU no engine shares
+(NCCL, no host copy), else file (on the CPU the two are close, docs/design.md); on Ray,
+collective when the trainer actor computes on CUDA
 (NCCL: no host copy, where the object store copies device → host → device) for the local kind with
 one trainer rank (the sharded trainer's streaming over NCCL is not measured yet: "auto" keeps the
 object store there), else the object store: on one CPU node the object store is one copy into shared
@@ -61,7 +67,7 @@ KEY = "rollout.weight_transport"
 def applicable(cfg: Config) -> tuple[TransportName, ...]:
     """The transports that apply to `cfg`'s hosting, kind and engine, fastest first."""
     if not cfg.ray.enabled:
-        return ("file",) if cfg.rollout.engine == "vllm" else ("direct",)
+        return ("file", "collective") if cfg.rollout.engine == "vllm" and cfg.run.backend == "local" else ("direct",)
     if cfg.run.backend == "local" and (cfg.train.world_size == 1 or cfg.train.lora is None):
         return ("collective", "object_store")
     return ("object_store",)
@@ -91,14 +97,14 @@ def refusal(cfg: Config) -> str | None:
 
 def resolve(cfg: Config, trainer_on_cuda: bool = False) -> TransportName:
     """The transport `cfg` runs: its `rollout.weight_transport`, or the fastest that applies for
-    "auto" (`trainer_on_cuda`: the Ray trainer actor computes on a GPU, see the module)."""
+    "auto" (`trainer_on_cuda`: the trainer computes on a GPU no sampler engine shares, see the module)."""
     chosen = cfg.rollout.weight_transport
     if chosen != "auto":
         return chosen
     fits = applicable(cfg)
-    if fits[0] == "collective" and (not trainer_on_cuda or cfg.train.world_size > 1):
-        return "object_store"
-    return fits[0]
+    if "collective" in fits and trainer_on_cuda and cfg.train.world_size == 1:
+        return "collective"
+    return fits[0] if fits[0] != "collective" else "object_store"
 
 
 class WeightBroadcast(Protocol):

@@ -123,7 +123,7 @@ def _in_process(model: str, dtype: str, replicas: int, versions: int) -> dict[st
         snapshot = clone_once(trainer.state_dict())
         state: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        for name, t in snapshot.items():  # tied aliases dropped, as VllmSampler._checked does
+        for name, t in snapshot.items():  # tied aliases dropped, as VllmSampler.loadable does
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 state[name] = t

@@ -358,13 +358,18 @@ class RolloutConfig(_Section):
     """How a committed version's bytes reach the sampler replicas (relayrl.backends.transports):
     "direct", in one process with the hf engine (or the sim), each sampler copies the trainer's
     committed snapshot device to device; "file", in one process with engine = "vllm", each replica
-    writes it to a safetensors file (/dev/shm) its engine reads back; "object_store", on Ray, the
+    writes it to a safetensors file (/dev/shm) its engine reads back; "collective" in one process
+    with engine = "vllm", the trainer broadcasts each version to every engine's worker, which
+    receives it through vLLM's weight-transfer API (gloo on the CPU, NCCL on CUDA, where each engine
+    needs a GPU the trainer does not use; a round whose receive fails loads from the file, and
+    later rounds too); "object_store", on Ray, the
     trainer actor puts each version once into Ray's object store; "collective", on Ray with
     run.backend = "local", a torch.distributed broadcast from the trainer actor to the sampler
     actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; a round that does not load
     every sampler actor, a restart or the evaluation uses the object store); with train.world_size
     > 1 each trainer rank streams its own shards and no rank gathers the model for it (not with
-    train.lora). "auto": the fastest that applies: direct or file in one process; on Ray,
+    train.lora). "auto": the fastest that applies: direct in one process, or with vLLM collective
+    when the trainer computes on a GPU no engine shares, else file (close on the CPU); on Ray,
     collective when the one trainer actor computes on a GPU (NCCL), else object_store (faster on
     one CPU node, measured by `relayrl bench weights`). One that does not apply to the hosting,
     kind and engine is refused."""

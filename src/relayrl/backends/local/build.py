@@ -31,7 +31,7 @@ import importlib.util
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import transformers
@@ -48,6 +48,7 @@ from relayrl.backends.local.sampler import LocalSampler
 from relayrl.backends.local.trainer import LocalTrainer, TrainerSettings
 from relayrl.backends.protocols import Sampler, Trainer
 from relayrl.backends.registry import Compute
+from relayrl.backends.transports import WeightBroadcast, resolve
 from relayrl.config.schema import Config
 from relayrl.models.checkpointing import enable_gradient_checkpointing
 from relayrl.models.loading import load_model_and_tokenizer, shipped_model_dir
@@ -490,7 +491,33 @@ def compute(cfg: Config, abort: threading.Event) -> Compute:
         trainer=TrainerFactory(cfg, (trainer_threads,), base, train_device, workers),
         samplers=sampler_factories(cfg, base, sampler_threads, rollout_device, gpu, workers),
         tokenizer=copy.deepcopy(tokenizer),
+        broadcast=vllm_broadcast(cfg) if train_device is not None and collective_in_process(cfg, train_device) else None,
     )
+
+
+def collective_in_process(cfg: Config, train: torch.device) -> bool:
+    """Whether the in-process run moves its versions by the collective transport (vLLM engines:
+    `relayrl.backends.transports.resolve`, "auto" only when the trainer's GPU is no engine's)."""
+    if cfg.ray.enabled or cfg.rollout.engine != "vllm":
+        return False
+    if cfg.rollout.weight_transport == "auto" and train.type == "cuda":
+        from relayrl.backends.vllm.build import replica_device
+
+        apart = all(replica_device(cfg, i) != train for i in range(cfg.rollout.num_samplers))
+        return resolve(cfg, trainer_on_cuda=apart) == "collective"
+    return resolve(cfg) == "collective"
+
+
+def vllm_broadcast(cfg: Config) -> Callable[[Trainer, list[Sampler]], WeightBroadcast]:
+    """The factory of the collective transport over the in-process trainer and vLLM samplers."""
+
+    def make(trainer: Trainer, samplers: list[Sampler]) -> WeightBroadcast:
+        from relayrl.backends.vllm.broadcast import VllmBroadcast
+        from relayrl.backends.vllm.sampler import VllmSampler
+
+        return VllmBroadcast(trainer, [cast(VllmSampler, s) for s in samplers], cfg.rollout.weight_load_timeout_s)
+
+    return make
 
 
 def gpu_preflight(cfg: Config, train: torch.device, evaluation: torch.device) -> GpuPlan | None:

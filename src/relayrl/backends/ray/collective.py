@@ -32,7 +32,7 @@ the model. Each rank's `ShardSpec` says which rows of dim 0 of each tensor it ho
 sharded is rank 0's); the receivers' buckets are cut as one trainer's payload would be, and per
 bucket each rank sends its rows of the bucket's tensors as one flat tensor (a `Send`). A rank's
 committed snapshot is its sends (`pack_shards`, 1/N of a version), broadcast as they are (no
-staging). The group is one process group per rank, of its own (`_OwnGroup`: built from a TCP
+staging). The group is one process group per rank, of its own (`OwnGroup`: built from a TCP
 store that rank 0 serves, since the ranks hold the default group for FSDP), of that rank (its
 rank 0) and every receiver (rank 1 + its index): rank 0 broadcasts the header in its group, then
 the sends travel in the layout's order, each in its rank's group; a receiver copies each send's
@@ -313,7 +313,7 @@ def assemble(layout: StreamLayout, flats: Mapping[int, torch.Tensor], device: to
     return full_views(layout.full, buckets)
 
 
-class _OwnGroup:
+class OwnGroup:
     """A process group of one source (rank 0) and the receivers, made from a store directly
     (`ProcessGroupGloo` / `ProcessGroupNCCL`), not the default group: a sharded trainer's ranks
     already hold theirs. Each collective is bounded by `timeout`."""
@@ -396,7 +396,7 @@ class Member:
         layout: Layout,
         device: torch.device,
         stream: StreamLayout | None = None,
-        groups: Sequence[_OwnGroup] = (),
+        groups: Sequence[OwnGroup] = (),
     ) -> None:
         self.rank, self.world, self.backend, self.layout, self.device = rank, world, backend, layout, device
         # streaming from the sharded trainer: its layout, and this member's groups (a source
@@ -450,11 +450,11 @@ class Member:
         op = timedelta(seconds=timeout_s)
         size = 1 + receivers  # each group: one source and every receiver
         if source is not None:
-            groups = [_OwnGroup(store, f"weights/{source}/", 0, size, backend, op)]
+            groups = [OwnGroup(store, f"weights/{source}/", 0, size, backend, op)]
             rank = source
         else:
             assert receiver is not None
-            groups = [_OwnGroup(store, f"weights/{r}/", 1 + receiver, size, backend, op) for r in range(got.sources)]
+            groups = [OwnGroup(store, f"weights/{r}/", 1 + receiver, size, backend, op) for r in range(got.sources)]
             rank = got.sources + receiver
         member = Member(rank, got.sources + receivers, backend, got.full, device, got, groups)
         member._store = store
@@ -657,4 +657,17 @@ def join(trainer: Any, samplers: Sequence[Any], timeout_s: float) -> RayBroadcas
     return RayBroadcast(trainer, samplers)
 
 
-__all__ = ["BUCKET_BYTES", "Broadcast", "Layout", "Member", "RayBroadcast", "Received", "backend_for", "free_port", "join", "layout_of"]
+__all__ = [
+    "BUCKET_BYTES",
+    "Broadcast",
+    "Layout",
+    "Member",
+    "OwnGroup",
+    "RayBroadcast",
+    "Received",
+    "backend_for",
+    "free_port",
+    "full_views",
+    "join",
+    "layout_of",
+]

@@ -94,6 +94,9 @@ def engine_settings(cfg: Config, directory: Path, replica: int = 0, utilization:
         cuda_device=(device.index or 0) if cuda else None,
         gpu_memory_utilization=share,
         seed_requests=seeding == "request" or (seeding == "auto" and not cuda),
+        # the collective transport in one process (relayrl.backends.vllm.broadcast; "auto": CUDA only)
+        weight_transfer=not cfg.ray.enabled
+        and (cfg.rollout.weight_transport == "collective" or (cfg.rollout.weight_transport == "auto" and cuda)),
     )
 
 

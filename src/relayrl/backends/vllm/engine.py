@@ -5,7 +5,8 @@ Invariants:
   log softmax(logits / temperature) of the sampled token (rollout.top_p must be 1, see
   `relayrl.config.schema`), float32 unless `model.dtype` says bfloat16;
 - the engine loads `relayrl.backends.vllm.worker.WeightSync` into its worker, so weights load in
-  place (`update_from_file`);
+  place (`update_from_file`); with `weight_transfer` (the collective transport) its worker also
+  makes relayrl's engine for vLLM's weight-transfer API (`relayrl.backends.vllm.transfer`);
 - prefix caching is on with 32-token blocks (the CPU backend caches full blocks only, and its
   default 128 would never cache a short prompt), so an episode's next turn reuses its context's KV;
 - settings per device (`relayrl.backends.vllm.build.engine_settings`): on the CPU the engine runs eager and a prompt
@@ -46,6 +47,7 @@ __all__ = [
     "context_length",
     "engine_args",
     "quiet_shutdown",
+    "register_transfer_engine",
     "start_engine",
     "visible_devices",
 ]
@@ -63,6 +65,7 @@ ENV_DEFAULTS: dict[str, str] = {
 }
 SHUTDOWN_TIMEOUT_S = 60.0  # the engine core's own orderly exit (it frees its shared memory); vLLM's default 5 s is killed on a busy machine
 WORKER_EXTENSION = "relayrl.backends.vllm.worker.WeightSync"
+TRANSFER_BACKEND = "relayrl"  # vLLM's WeightTransferConfig.backend naming relayrl's engine
 BLOCK_SIZE = 32
 MIN_STEP_TOKENS = 2048  # tokens one engine step computes at most on the CPU, unless a context is longer
 CUDA_STEP_TOKENS = 8192  # tokens one engine step computes at most on CUDA (prefill chunked to fit)
@@ -82,6 +85,7 @@ class EngineSettings:
     cuda_device: int | None = None  # the CUDA device (this process's numbering); None: the CPU
     gpu_memory_utilization: float | None = None  # CUDA: the engine's share of its GPU
     seed_requests: bool = True  # each request seeded (exact resume) rather than the engine only
+    weight_transfer: bool = False  # relayrl's weight-transfer engine in the worker (rollout.weight_transport = "collective")
 
     @property
     def enforce_eager(self) -> bool:
@@ -132,7 +136,21 @@ def engine_args(settings: EngineSettings) -> dict[str, Any]:
     )
     if settings.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.weight_transfer:
+        args["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}
     return args
+
+
+def register_transfer_engine() -> None:
+    """Register relayrl's weight-transfer engine (`relayrl.backends.vllm.transfer`, imported by
+    vLLM when an engine is made) under TRANSFER_BACKEND with this process's vLLM, once; nothing
+    where vLLM is absent or has no weight-transfer API."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, "relayrl.backends.vllm.transfer", "RelayrlTransferEngine")
 
 
 def visible_devices(index: int, inherited: str | None) -> str:

@@ -27,6 +27,10 @@ Invariants:
   seeds seed, seed + 1, ...); unless its settings seed the engine only (`seed_requests` False,
   rollout.vllm_seeding: vLLM then draws the batch's noise at once, and what a request samples
   depends on what it was batched with);
+- with the collective transport (`relayrl.backends.vllm.broadcast`) a load handed a `Round` takes
+  the gate the same way, then receives the round in its engine through vLLM's weight-transfer
+  API (`join_transfer` joined the group at the first round); when that receive fails, the
+  replica leaves the group and loads the round's snapshot from its file instead (`fell_back`);
 - a weight file is written before the load takes the gate (sampling goes on while it is written),
   in /dev/shm when it has room for it, else in the temp directory on disk (Docker's and
   Kubernetes' /dev/shm is 64 MiB by default); its name carries this process's id, and files of
@@ -49,7 +53,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -211,6 +215,8 @@ class VllmSampler(Sampler):
         self._closed = False
         self._home: asyncio.AbstractEventLoop | None = None  # the loop every call runs on (the first caller's)
         self.last_load_s = 0.0  # seconds the last load took in the worker (benchmarks)
+        self.transfer_member = False  # its engine is in the collective weight group (relayrl.backends.vllm.broadcast)
+        self.fell_back = 0  # broadcast rounds this replica loaded from a file instead (its receive failed)
 
     @property
     def engine(self) -> Any:
@@ -270,7 +276,18 @@ class VllmSampler(Sampler):
         await self._at_home(self._load_weights(weights))
 
     async def _load_weights(self, weights: Weights) -> None:
-        state = self._checked(weights)
+        from relayrl.backends.vllm.broadcast import Round
+
+        if isinstance(weights.payload, Round):  # the collective transport's round (relayrl.backends.vllm.broadcast)
+            round_ = weights.payload
+            try:
+                await self._gated(lambda: self._receive(round_.number, weights.version))
+                return
+            except Exception:  # the engine left the group: this version from its file instead
+                self.transfer_member = False
+                self.fell_back += 1
+                weights = round_.snapshot
+        state = self.loadable(weights)
         # written before the gate: calls keep sampling meanwhile
         write = asyncio.ensure_future(asyncio.to_thread(_write_weights, state, self.replica))
         try:
@@ -280,25 +297,53 @@ class VllmSampler(Sampler):
             abandon(write)
             raise
         try:
-            gate = self._condition()
-            try:  # a load cancelled while it waits must still readmit the calls behind it
-                async with gate:
-                    self._loading = True
-                    await gate.wait_for(lambda: self._pinned == 0)
-                if self.interruptible:
-                    await self._engine.pause_generation(mode="keep", clear_cache=False)
-                    try:
-                        await self._swap(path, weights.version)
-                    finally:
-                        await self._engine.resume_generation()
-                else:
-                    await self._swap(path, weights.version)
-            finally:
-                async with gate:
-                    self._loading = False
-                    gate.notify_all()
+            await self._gated(lambda: self._swap(path, weights.version))
         finally:
             os.unlink(path)
+
+    async def _gated(self, load: Callable[[], Awaitable[None]]) -> None:
+        """Run `load` once the calls a load waits for have ended, calls made meanwhile held back
+        (see the module); with `interruptible`, the engine paused around it."""
+        gate = self._condition()
+        try:  # a load cancelled while it waits must still readmit the calls behind it
+            async with gate:
+                self._loading = True
+                await gate.wait_for(lambda: self._pinned == 0)
+            if self.interruptible:
+                await self._engine.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    await load()
+                finally:
+                    await self._engine.resume_generation()
+            else:
+                await load()
+        finally:
+            async with gate:
+                self._loading = False
+                gate.notify_all()
+
+    async def join_transfer(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
+        """Join the collective weight group at `host`:`port` as `rank` of `world` through vLLM's
+        `init_weight_transfer_engine` (relayrl.backends.vllm.transfer; the engine must have been
+        started with `weight_transfer`)."""
+        await self._at_home(self._join_transfer(dict(host=host, port=port, rank=rank, world=world, backend=backend, timeout_s=timeout_s)))
+
+    async def _join_transfer(self, info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if not self.settings.weight_transfer:
+            raise RuntimeError(f"VllmSampler replica {self.replica}: its engine was started without relayrl's weight-transfer engine")
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        self.transfer_member = True
+
+    async def leave_transfer(self) -> None:
+        """Leave the collective weight group (nothing when not a member)."""
+        await self._at_home(self._leave_transfer())
+
+    async def _leave_transfer(self) -> None:
+        if self.transfer_member and self._engine is not None:
+            self.transfer_member = False
+            await self._engine.shutdown_weight_transfer_engine()
 
     async def close(self) -> None:
         """Shut the engine down. Idempotent."""
@@ -324,12 +369,28 @@ class VllmSampler(Sampler):
     async def _swap(self, path: str, version: int) -> None:
         """Load the weights file `path` into the engine (paused or idle) as `version`."""
         results = await self._engine.collective_rpc("update_from_file", args=(path,))
+        await self._loaded(version, max(float(r["seconds"]) for r in results) if results else 0.0)
+
+    async def _receive(self, round_: int, version: int) -> None:
+        """Receive broadcast round `round_` of `version` in the engine (paused or idle) through
+        vLLM's weight-transfer API (relayrl.backends.vllm.transfer). Raises when the receive
+        failed (the engine's worker left the group then; the model was not touched)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        start = time.perf_counter()
+        await self._engine.start_weight_update()
+        await self._engine.update_weights(WeightTransferUpdateRequest(update_info={"round": round_, "version": version}))
+        await self._engine.finish_weight_update()
+        await self._loaded(version, time.perf_counter() - start)
+
+    async def _loaded(self, version: int, seconds: float) -> None:
+        """After a load of `version` in the engine (paused or idle)."""
         if self.interruptible:  # every token of a step after this one is the new version's
             await self._engine.update_weight_version(str(version))
             self._label = version
         # running requests included: their KV so far is recomputed with the new weights
         await self._engine.reset_prefix_cache(reset_running_requests=True)
-        self.last_load_s = max(float(r["seconds"]) for r in results) if results else 0.0
+        self.last_load_s = seconds
         self.version = version
 
     def _condition(self) -> asyncio.Condition:
@@ -428,7 +489,7 @@ class VllmSampler(Sampler):
                 segments.append((int(span.start), label))
         return segments
 
-    def _checked(self, weights: Weights) -> dict[str, torch.Tensor]:
+    def loadable(self, weights: Weights) -> dict[str, torch.Tensor]:
         """The payload as a state dict vLLM can load, tied aliases dropped; raises before the
         engine is touched when it does not match the model."""
         where = f"VllmSampler replica {self.replica}, weights version {weights.version}"

@@ -1,5 +1,6 @@
 """Runs inside vLLM's worker process (vLLM's `worker_extension_cls`): loads a policy version's
-weights into the running model in place, from a safetensors file the sampler wrote.
+weights into the running model in place, from a safetensors file the sampler wrote; and registers
+relayrl's weight-transfer engine (`relayrl.backends.vllm.transfer`) with this process's vLLM.
 
 Invariant: after `update_from_file` every weight of the model, a tied LM head included, is the
 file's: vLLM's `reload_weights` re-packs (on CPU, into oneDNN handles) only the layers whose
@@ -12,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from relayrl.backends.transports import STAGED
-from relayrl.backends.vllm.engine import quiet_shutdown
+from relayrl.backends.vllm.engine import quiet_shutdown, register_transfer_engine
 
-__all__ = ["WeightSync", "refresh_tied_lm_head"]
+__all__ = ["WeightSync", "expected_misses", "refresh_tied_lm_head"]
 
 quiet_shutdown()  # the worker's process imports libtriton too: no nanobind "leaked" report at its exit
+register_transfer_engine()  # this process's vLLM can make relayrl's weight-transfer engine (collective transport)
 
 
 # vLLM's layer-wise reload warns "<layer>: Failed to load weights" for every layer the checkpoint
@@ -36,6 +40,19 @@ class _ExpectedMisses(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         return not (record.msg == "%s: Failed to load weights" and args and args[0] in self.layers)
+
+
+@contextmanager
+def expected_misses(model: Any) -> Iterator[None]:
+    """While a reload runs: vLLM's layer-wise reload logs no miss for the layers no version has
+    weights for (see `_RELOAD_LOGGER`)."""
+    expected = _ExpectedMisses({"RotaryEmbedding", *(["ParallelLMHead"] if _tied(model) else [])})
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    logger.addFilter(expected)
+    try:
+        yield
+    finally:
+        logger.removeFilter(expected)
 
 
 def _tied(model: Any) -> bool:
@@ -73,12 +90,7 @@ class WeightSync:
         state = load_file(path)
         STAGED.add(sum(t.numel() * t.element_size() for t in state.values()))  # read into host memory
         model = self.model_runner.model
-        expected = _ExpectedMisses({"RotaryEmbedding", *(["ParallelLMHead"] if _tied(model) else [])})
-        logger = logging.getLogger(_RELOAD_LOGGER)
-        logger.addFilter(expected)
-        try:
+        with expected_misses(model):
             self.model_runner.reload_weights(weights_iterator=iter(state.items()))
-        finally:
-            logger.removeFilter(expected)
         tied = refresh_tied_lm_head(model)
         return {"tensors": float(len(state)), "tied_fixed": float(tied), "seconds": time.perf_counter() - start}
