@@ -17,3 +17,19 @@ def test_bench_engines_reports_both_engines_side_by_side() -> None:
     for engine in ("hf", "vllm"):
         f = tiny[engine]
         assert f["tokens_per_s"] > 0 and f["weight_load_s"] > 0 and f["startup_s"] > 0, (engine, f)
+
+
+def test_bench_weights_vllm_puts_the_engines_file_and_collective_transports_side_by_side() -> None:
+    """`relayrl bench weights --vllm` on the tiny model: real engines, each version by file and
+    through vLLM's weight-transfer API (a collective round that fell back to the file fails it),
+    both staging bytes in host memory on the CPU: the file written and read back per replica (about
+    two copies each), the collective's bucket packed once and received once per engine."""
+    from relayrl.bench.weights import run_weights
+
+    figures = run_weights(["tiny"], replicas=2, versions=1, dtype="float32", ray=False, sharded=False, vllm=True)
+    transports = figures["models"]["tiny"]["transports"]  # type: ignore[index]
+    assert {"direct", "file", "vllm_file", "vllm_collective"} <= set(transports)
+    file, collective = transports["vllm_file"], transports["vllm_collective"]
+    assert file["seconds_per_version"] > 0 and collective["seconds_per_version"] > 0
+    assert file["host_copies"] == pytest.approx(4.0, abs=0.5)  # 2 replicas x (written + read)
+    assert collective["host_copies"] == pytest.approx(3.0, abs=0.5)  # packed once + received by 2 engines

@@ -22,7 +22,9 @@ version's bytes: a transport that stages nothing counts 0).
   (the sync round's path), the collective through `relayrl.backends.ray.collective`;
 - sharded_gathered and sharded_stream: the collective transport from a 2-rank FSDP2 trainer, the
   full weights gathered to rank 0 then sent, beside each rank's shards streamed
-  (relayrl.bench.weight_stream: plain processes, no Ray), with rank 0's peak host bytes.
+  (relayrl.bench.weight_stream: plain processes, no Ray), with rank 0's peak host bytes;
+- vllm_file and vllm_collective (`--vllm`, from .venv-vllm): real vLLM engines in this process,
+  each version by its file and through vLLM's weight-transfer API (relayrl.bench.weight_vllm).
 
 Target (issue 31): on the 0.5B-shaped model across 2 Ray sampler actors, the collective
 transport's seconds per version at most half the object store's (printed met / MISSED).
@@ -252,11 +254,13 @@ def run_weights(
     ray: bool = True,
     ray_address: str = "",
     sharded: bool = True,
+    vllm: bool = False,
 ) -> dict[str, object]:
     """The figures of every transport per model (see the module). `ray_address`: "" starts a local
     cluster for the benchmark (its object store sized for the largest model), else the cluster
     this process is connected to / joins. `sharded`: also the rows of a 2-rank trainer
-    (relayrl.bench.weight_stream)."""
+    (relayrl.bench.weight_stream). `vllm`: also the vLLM engines' file and collective transports
+    (relayrl.bench.weight_vllm; needs vLLM)."""
     from relayrl.models.sharing import clone_once, unique_bytes
 
     sizes: dict[str, tuple[int, int]] = {}
@@ -273,6 +277,11 @@ def run_weights(
             from relayrl.bench.weight_stream import run_sharded
 
             figures[name]["transports"].update(run_sharded(name, dtype, replicas, versions, export_bytes))
+        if vllm:
+            from relayrl.bench.weight_vllm import run_vllm_transports
+
+            for transport, (seconds, staged) in run_vllm_transports(name, dtype, replicas, versions).items():
+                figures[name]["transports"][transport] = _figures(export_bytes, seconds, staged)
     if ray:
         from relayrl.backends.ray.cluster import connect
         from relayrl.config.schema import RayConfig

@@ -22,6 +22,7 @@ else is printed as an error.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import sys
@@ -626,6 +627,7 @@ def bench_weights(
     dtype: str = typer.Option("bfloat16", help="The models' dtype: bfloat16 or float32."),
     ray: bool = typer.Option(True, "--ray/--no-ray", help="Include the Ray transports (object_store, collective) on a local cluster."),
     sharded: bool = typer.Option(True, "--sharded/--no-sharded", help="Include a 2-rank trainer's collective: gathered vs streamed."),
+    vllm: bool = typer.Option(False, "--vllm", help="Include real vLLM engines: file vs collective (needs vLLM: .venv-vllm)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Every weight transport (rollout.weight_transport) side by side: one version = the trainer's
@@ -640,7 +642,11 @@ def bench_weights(
         _fail(f"--models {models!r}: give models among {', '.join(WEIGHT_MODELS)}, separated by commas")
     if dtype not in ("bfloat16", "float32"):
         _fail(f"--dtype {dtype!r}: bfloat16 or float32")
-    figures = _bench(lambda: run_weights(names, replicas=replicas, versions=versions, dtype=dtype, ray=ray, sharded=sharded), as_json)
+    if vllm and importlib.util.find_spec("vllm") is None:
+        _fail("--vllm: vLLM is not installed here (bash scripts/setup.sh --vllm, then run .venv-vllm/bin/relayrl)")
+    figures = _bench(
+        lambda: run_weights(names, replicas=replicas, versions=versions, dtype=dtype, ray=ray, sharded=sharded, vllm=vllm), as_json
+    )
     out.print(
         f"one version = export + {replicas} replicas loaded, {dtype}, one compute thread per process; "
         f"median of {versions} versions (after one warm-up)"

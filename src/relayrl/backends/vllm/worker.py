@@ -81,6 +81,10 @@ class WeightSync:
 
     model_runner: Any
 
+    def staged_bytes(self) -> int:
+        """The bytes this worker's process staged in host memory so far (benchmarks)."""
+        return STAGED.read()
+
     def update_from_file(self, path: str) -> dict[str, float]:
         """Load every tensor of the safetensors file `path` into the model, then fix a tied LM head.
         Returns the tensors read and the seconds it took."""
