@@ -10,8 +10,9 @@ load), served with a TCP store on a free local port; the group (`OwnGroup`: gloo
 when the trainer's weights live on CUDA, which needs every engine on a GPU of its own: NCCL
 refuses two ranks on one GPU) made here in a thread while each replica's engine joins it
 (`VllmSampler.join_transfer`, vLLM's `init_weight_transfer_engine`), all bounded by
-JOIN_TIMEOUT_S. A group that cannot be set up is warned about once (why) and every version goes
-by file from then on.
+JOIN_TIMEOUT_S; a replica that cannot join (`transfer_refusal`: its engine started without
+relayrl's weight-transfer engine, or closed) is found before anyone waits. A group that cannot be
+set up is warned about once (why) and every version goes by file from then on.
 
 A round (`export_ahead`): the committed snapshot is broadcast from a thread (a header (round,
 version), then each bucket packed into one reused staging buffer per dtype); each replica
@@ -114,11 +115,11 @@ class VllmBroadcast:
         group, layout = self._group, self._layout
         if group is None or layout is None:
             raise RuntimeError("the weight group is not set up")
-        if tuple(state) != layout.names or any(tuple(state[e.name].shape) != e.shape for e in layout.entries):
-            raise ValueError("the committed weights do not match the layout the weight group was set up with")
-        device = next(iter(state.values())).device
-        receive(weights.ready, state.values(), device)  # (CUDA: after the commit's event)
         try:
+            if tuple(state) != layout.names or any(tuple(state[e.name].shape) != e.shape for e in layout.entries):
+                raise ValueError("the committed weights do not match the layout the weight group was set up with")
+            device = next(iter(state.values())).device
+            receive(weights.ready, state.values(), device)  # (CUDA: after the commit's event)
             group.broadcast(torch.tensor([round_, weights.version], dtype=torch.int64, device=device))
             by_bucket: dict[int, list[Any]] = {}
             for e in layout.entries:
@@ -146,6 +147,11 @@ class VllmBroadcast:
         port = free_port()
         world = 1 + len(self._samplers)
         names = ["this process (the trainer)", *(f"sampler replica {i}" for i in range(len(self._samplers)))]
+        where = f"rollout.weight_transport = 'collective': the vLLM engines' weight group ({backend}, {HOST}:{port}, {world} members)"
+        refusals = [r for r in (s.transfer_refusal() for s in self._samplers) if r is not None]
+        if refusals:  # (before anyone waits in the group for a member that will not come)
+            self._break(f"{where}: {refusals[0]}")
+            return
         results: list[object] = []
         try:
             store = dist.TCPStore(HOST, port, None, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
@@ -164,7 +170,6 @@ class VllmBroadcast:
             results[0].close()
         await asyncio.gather(*(s.leave_transfer() for s in self._samplers), return_exceptions=True)
         who, error = failed[0]
-        where = f"rollout.weight_transport = 'collective': the vLLM engines' weight group ({backend}, {HOST}:{port}, {world} members)"
         self._break(f"{where}: {who} failed to join: {type(error).__name__}: {error}")
 
     def _break(self, why: str) -> None:

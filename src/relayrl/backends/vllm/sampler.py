@@ -331,10 +331,19 @@ class VllmSampler(Sampler):
     async def _join_transfer(self, info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        if not self.settings.weight_transfer:
-            raise RuntimeError(f"VllmSampler replica {self.replica}: its engine was started without relayrl's weight-transfer engine")
+        refusal = self.transfer_refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         self.transfer_member = True
+
+    def transfer_refusal(self) -> str | None:
+        """Why this replica cannot join a collective weight group (None: it can)."""
+        if self._closed:
+            return f"VllmSampler replica {self.replica} is closed"
+        if not self.settings.weight_transfer:
+            return f"VllmSampler replica {self.replica}: its engine was started without relayrl's weight-transfer engine"
+        return None
 
     async def leave_transfer(self) -> None:
         """Leave the collective weight group (nothing when not a member)."""
