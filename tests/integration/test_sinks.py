@@ -32,6 +32,17 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 
+# W&B's import builds pydantic models whose field docstrings pydantic reads with `ast.parse`; on
+# CPython 3.11 (< 3.11.8, gh-106905) an `ast.parse` while another thread converts an AST can fail
+# with "SystemError: AST constructor recursion depth mismatch", which left `wandb` half-imported
+# for every later test in one CI run (threads that earlier tests left were running). Imported here,
+# at collection, before any test runs a thread.
+for _sink_module in ("wandb", "mlflow", "tensorboardX"):
+    try:
+        __import__(_sink_module)
+    except ImportError:
+        pass
+
 CONFIG: dict[str, object] = {"run": {"name": "t", "seed": 0}, "rollout": {"num_generations": 4, "max_staleness": 1}}
 
 
