@@ -85,7 +85,7 @@ def run_vllm_transports(model: str, dtype: str, replicas: int, versions: int) ->
 
     from relayrl.backends.protocols import Trainer
     from relayrl.backends.vllm.broadcast import VllmBroadcast
-    from relayrl.backends.vllm.engine import EngineSettings
+    from relayrl.backends.vllm.engine import EngineSettings, context_length
     from relayrl.backends.vllm.sampler import VllmSampler
 
     threads = torch.get_num_threads()
@@ -94,7 +94,8 @@ def run_vllm_transports(model: str, dtype: str, replicas: int, versions: int) ->
     try:
         commits = _Commits(build_model(model, dtype))
         commits.model.save_pretrained(directory)
-        settings = EngineSettings(model=str(directory), dtype=dtype, max_model_len=256, skip_tokenizer_init=True, weight_transfer=True)
+        context = min(256, context_length(directory))
+        settings = EngineSettings(model=str(directory), dtype=dtype, max_model_len=context, skip_tokenizer_init=True, weight_transfer=True)
 
         async def main() -> dict[str, tuple[float, float]]:
             samplers = [VllmSampler(settings, temperature=1.0, max_new_tokens=4, replica=i) for i in range(replicas)]
