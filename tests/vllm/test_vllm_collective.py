@@ -6,9 +6,8 @@ fails half-way leaves every replica on the version from its file, and the next r
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar, cast
+from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import torch
@@ -21,23 +20,9 @@ from relayrl.backends.vllm.engine import EngineSettings
 from relayrl.backends.vllm.sampler import VllmSampler
 from relayrl.models.loading import shipped_model_dir
 from relayrl.types import Prompt, SampleRequest, Weights
+from support.threadloop import Loop, thread_loop
 
-T = TypeVar("T")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
-
-
-class Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 600.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
 
 
 class Commits:
@@ -62,11 +47,7 @@ class Commits:
         return self.weights
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[Loop]:
-    looper = Loop()
-    yield looper
-    looper.close()
+loop = pytest.fixture(scope="module", name="loop")(thread_loop)
 
 
 @pytest.fixture(scope="module")

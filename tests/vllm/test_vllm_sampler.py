@@ -5,9 +5,8 @@ multi-turn through the prefix cache, cancellation."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,33 +17,10 @@ from relayrl.backends.vllm.engine import EngineSettings
 from relayrl.backends.vllm.sampler import VllmSampler
 from relayrl.models.loading import shipped_model_dir
 from relayrl.types import SampleRequest, TurnRequest, Weights
+from support.threadloop import Loop, thread_loop
 
-T = TypeVar("T")
 TEMPERATURE = 0.7
-
-
-class Loop:
-    """An event loop on its own thread: the shared engine's output handler lives on it, so every
-    test drives the engine from the same loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 600.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[Loop]:
-    looper = Loop()
-    yield looper
-    looper.close()
+loop = pytest.fixture(scope="module", name="loop")(thread_loop)
 
 
 @pytest.fixture(scope="module")
