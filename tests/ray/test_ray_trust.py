@@ -86,9 +86,7 @@ def test_sigint_at_any_moment_of_a_ray_start_leaves_no_process_of_the_run(delay:
                 child.wait()
     said = (tmp_path / "out.txt").read_text()
     assert code == 130, said[-2000:]
-    # a process SIGKILLed at the exit may still be tearing down (a loaded machine), and an agent Ray's
-    # raylet was spawning as it was killed ends itself once it finds the raylet gone
-    deadline = time.monotonic() + 30.0
+    deadline = time.monotonic() + 10.0  # a process SIGKILLed at the exit may still be tearing down (a loaded machine)
     while (left := processes_with(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], said[-2000:]

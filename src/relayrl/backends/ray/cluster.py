@@ -60,15 +60,42 @@ def marked_processes(token: str) -> list[int]:
     return found
 
 
+def with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every live descendant of theirs (Linux /proc parent links; `pids` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rfind(")") + 2 :].split()[1])  # (after the command, which may hold spaces)
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = set(pids), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return sorted(found)
+
+
 def end_processes(token: str, bound_s: float = END_BOUND_S) -> int:
-    """SIGKILL every process carrying `token` until none was found for QUIET_S (a process being
-    spawned while the others die, e.g. an agent the raylet forked just before its kill, is found
-    by a later scan), for at most `bound_s`; returns how many were killed."""
+    """SIGKILL every process carrying `token`, and their descendants (an agent the raylet starts
+    is found by its parent too, whatever its environment holds by then), until none was found for
+    QUIET_S (a process being spawned while the others die, e.g. an agent the raylet forked just
+    before its kill, is found by a later scan), for at most `bound_s`; returns how many were killed."""
     now = time.monotonic()
     deadline, quiet_since = now + bound_s, now
     killed: set[int] = set()
     while True:
         pids = marked_processes(token)
+        pids = with_descendants(pids) if pids else pids
         now = time.monotonic()
         if pids:
             quiet_since = now
