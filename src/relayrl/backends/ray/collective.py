@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import pickle
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -132,9 +132,35 @@ def _cut(
     return Layout(names, tuple(entries), tuple(buckets), dict(aliases))
 
 
-def _check(layout: Layout, payload: Mapping[str, torch.Tensor]) -> None:
+def check_layout(layout: Layout, payload: Mapping[str, torch.Tensor]) -> None:
+    """Raises unless `payload` has `layout`'s names, in order, and shapes."""
     if tuple(payload) != layout.names or any(tuple(payload[e.name].shape) != e.shape for e in layout.entries):
         raise ValueError("the exported weights do not match the layout the collective group was set up with")
+
+
+def send_buckets(
+    layout: Layout,
+    payload: Mapping[str, torch.Tensor],
+    staging: dict[torch.dtype, torch.Tensor],
+    device: torch.device,
+    send: Callable[[torch.Tensor], object],
+) -> None:
+    """Pack `payload` into `layout`'s buckets one at a time, each in the reused staging buffer of its
+    dtype (`staging`, grown here, on `device`), and `send` each as bytes (a uint8 view); a bucket
+    packed on the CPU counts as staged in host memory."""
+    by_bucket: dict[int, list[Entry]] = {}
+    for e in layout.entries:
+        by_bucket.setdefault(e.bucket, []).append(e)
+    for index, (dtype, numel) in enumerate(layout.buckets):
+        buffer = staging.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = staging[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        flat = buffer.narrow(0, 0, numel)
+        for e in by_bucket.get(index, []):
+            flat.narrow(0, e.offset, e.numel).copy_(payload[e.name].reshape(-1))
+        if flat.device.type == "cpu":
+            STAGED.add(flat.numel() * flat.element_size())
+        send(flat.view(torch.uint8))
 
 
 # -- streaming from the sharded trainer (train.world_size = N > 1) ------------------------------
@@ -512,22 +538,10 @@ class Member:
         import torch.distributed as dist
 
         self._usable()
-        _check(self.layout, payload)
+        check_layout(self.layout, payload)
         try:
             self._header([round_, version])
-            by_bucket: dict[int, list[Entry]] = {}
-            for e in self.layout.entries:
-                by_bucket.setdefault(e.bucket, []).append(e)
-            for index, (dtype, numel) in enumerate(self.layout.buckets):
-                staging = self._staging.get(dtype)
-                if staging is None or staging.numel() < numel:
-                    staging = self._staging[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-                flat = staging.narrow(0, 0, numel)
-                for e in by_bucket.get(index, []):
-                    flat.narrow(0, e.offset, e.numel).copy_(payload[e.name].reshape(-1))
-                if flat.device.type == "cpu":
-                    STAGED.add(flat.numel() * flat.element_size())
-                dist.broadcast(flat.view(torch.uint8), src=0)
+            send_buckets(self.layout, payload, self._staging, self.device, lambda flat: dist.broadcast(flat, src=0))
         except Exception as exc:
             self._abort(exc)
             raise
@@ -666,8 +680,10 @@ __all__ = [
     "RayBroadcast",
     "Received",
     "backend_for",
+    "check_layout",
     "free_port",
     "full_views",
     "join",
     "layout_of",
+    "send_buckets",
 ]

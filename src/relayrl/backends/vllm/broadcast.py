@@ -42,8 +42,17 @@ import torch
 
 from relayrl.backends.local.streams import receive
 from relayrl.backends.protocols import PendingExport, Trainer
-from relayrl.backends.ray.collective import JOIN_TIMEOUT_S, OP_TIMEOUT_S, Layout, OwnGroup, backend_for, free_port, layout_of
-from relayrl.backends.transports import STAGED
+from relayrl.backends.ray.collective import (
+    JOIN_TIMEOUT_S,
+    OP_TIMEOUT_S,
+    Layout,
+    OwnGroup,
+    backend_for,
+    check_layout,
+    free_port,
+    layout_of,
+    send_buckets,
+)
 from relayrl.types import Weights
 
 if TYPE_CHECKING:
@@ -116,24 +125,11 @@ class VllmBroadcast:
         if group is None or layout is None:
             raise RuntimeError("the weight group is not set up")
         try:
-            if tuple(state) != layout.names or any(tuple(state[e.name].shape) != e.shape for e in layout.entries):
-                raise ValueError("the committed weights do not match the layout the weight group was set up with")
+            check_layout(layout, state)
             device = next(iter(state.values())).device
             receive(weights.ready, state.values(), device)  # (CUDA: after the commit's event)
             group.broadcast(torch.tensor([round_, weights.version], dtype=torch.int64, device=device))
-            by_bucket: dict[int, list[Any]] = {}
-            for e in layout.entries:
-                by_bucket.setdefault(e.bucket, []).append(e)
-            for index, (dtype, numel) in enumerate(layout.buckets):
-                staging = self._staging.get(dtype)
-                if staging is None or staging.numel() < numel:
-                    staging = self._staging[dtype] = torch.empty(numel, dtype=dtype, device=device)
-                flat = staging.narrow(0, 0, numel)
-                for e in by_bucket.get(index, []):
-                    flat.narrow(0, e.offset, e.numel).copy_(state[e.name].reshape(-1))
-                if flat.device.type == "cpu":
-                    STAGED.add(flat.numel() * flat.element_size())
-                group.broadcast(flat.view(torch.uint8))
+            send_buckets(layout, state, self._staging, device, group.broadcast)
         except BaseException:
             self._leave()  # (the receivers' collectives fail now, not at their timeout)
             raise
