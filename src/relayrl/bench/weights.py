@@ -23,8 +23,9 @@ version's bytes: a transport that stages nothing counts 0).
 - sharded_gathered and sharded_stream: the collective transport from a 2-rank FSDP2 trainer, the
   full weights gathered to rank 0 then sent, beside each rank's shards streamed
   (relayrl.bench.weight_stream: plain processes, no Ray), with rank 0's peak host bytes;
-- vllm_file and vllm_collective (`--vllm`, from .venv-vllm): real vLLM engines in this process,
-  each version by its file and through vLLM's weight-transfer API (relayrl.bench.weight_vllm).
+- vllm_file and vllm_collective (`--vllm`, from .venv-vllm): `replicas` real vLLM engines in this
+  process, each version by its file and through vLLM's weight-transfer API
+  (relayrl.backends.vllm.broadcast), with the bytes each engine's worker staged.
 
 Target (issue 31): on the 0.5B-shaped model across 2 Ray sampler actors, the collective
 transport's seconds per version at most half the object store's (printed met / MISSED).
@@ -41,7 +42,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from relayrl.bench.weight_models import WEIGHT_MODELS, build_model
 
@@ -194,6 +195,70 @@ async def _timed_versions(one: Callable[[], Awaitable[None]], versions: int) -> 
     return statistics.median(times)
 
 
+async def _worker_staged(samplers: Sequence[Any]) -> int:
+    """The bytes this process and every vLLM engine's worker staged in host memory so far."""
+    from relayrl.backends.transports import STAGED
+
+    workers = [sum(await s.engine.collective_rpc("staged_bytes")) for s in samplers]
+    return STAGED.read() + sum(workers)
+
+
+def _vllm_engines(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -> dict[str, dict[str, float]]:
+    """vllm_file and vllm_collective: `replicas` real vLLM engines in this process on `model`
+    saved to a temporary directory (safetensors, no tokenizer: the engines take token ids), each
+    version by its file and through vLLM's weight-transfer API (a collective round that fell back
+    to the file fails the benchmark); host copies read in this process and every engine's worker."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from relayrl.backends.protocols import Trainer
+    from relayrl.backends.vllm.broadcast import VllmBroadcast
+    from relayrl.backends.vllm.engine import EngineSettings, context_length
+    from relayrl.backends.vllm.sampler import VllmSampler
+
+    threads = torch.get_num_threads()
+    directory = Path(tempfile.mkdtemp(prefix="relayrl-bench-vllm-"))
+    try:
+        trainer = BenchTrainer(model, dtype)  # (one compute thread, as the other rows)
+        trainer.model.save_pretrained(directory)
+        context = min(256, context_length(directory))
+        settings = EngineSettings(model=str(directory), dtype=dtype, max_model_len=context, skip_tokenizer_init=True, weight_transfer=True)
+
+        async def main() -> dict[str, dict[str, float]]:
+            samplers = [VllmSampler(settings, temperature=1.0, max_new_tokens=4, replica=i) for i in range(replicas)]
+            try:
+                broadcast = VllmBroadcast(cast(Trainer, trainer), samplers, 0.0)
+
+                async def file() -> None:
+                    weights = await trainer.export_weights()
+                    await asyncio.gather(*(s.load_weights(weights) for s in samplers))
+
+                async def collective() -> None:
+                    pending = await broadcast.export_ahead()
+                    loads = [asyncio.ensure_future(s.load_weights(pending.weights)) for s in samplers]
+                    await pending.done
+                    await asyncio.gather(*loads)
+                    if broadcast.broken is not None or any(s.fell_back for s in samplers):
+                        raise RuntimeError(f"the collective round fell back to the file: {broadcast.broken or 'a receive failed'}")
+
+                out: dict[str, dict[str, float]] = {}
+                for name, one in (("vllm_file", file), ("vllm_collective", collective)):
+                    before = await _worker_staged(samplers)
+                    seconds = await _timed_versions(one, versions)
+                    out[name] = _figures(nbytes, seconds, (await _worker_staged(samplers) - before) / (versions + 1))
+                return out
+            finally:
+                await asyncio.gather(*(s.close() for s in samplers), return_exceptions=True)
+
+        return asyncio.run(main())
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _on_ray(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -> dict[str, dict[str, float]]:
     """object_store and collective, across a trainer actor and `replicas` sampler actors."""
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, SamplerActor, TrainerActor
@@ -260,7 +325,7 @@ def run_weights(
     cluster for the benchmark (its object store sized for the largest model), else the cluster
     this process is connected to / joins. `sharded`: also the rows of a 2-rank trainer
     (relayrl.bench.weight_stream). `vllm`: also the vLLM engines' file and collective transports
-    (relayrl.bench.weight_vllm; needs vLLM)."""
+    (needs vLLM)."""
     from relayrl.models.sharing import clone_once, unique_bytes
 
     sizes: dict[str, tuple[int, int]] = {}
@@ -278,10 +343,7 @@ def run_weights(
 
             figures[name]["transports"].update(run_sharded(name, dtype, replicas, versions, export_bytes))
         if vllm:
-            from relayrl.bench.weight_vllm import run_vllm_transports
-
-            for transport, (seconds, staged) in run_vllm_transports(name, dtype, replicas, versions).items():
-                figures[name]["transports"][transport] = _figures(export_bytes, seconds, staged)
+            figures[name]["transports"].update(_vllm_engines(name, dtype, replicas, versions, export_bytes))
     if ray:
         from relayrl.backends.ray.cluster import connect
         from relayrl.config.schema import RayConfig
