@@ -89,3 +89,25 @@ def test_agent_bench_runs_the_agent_and_the_environment_path_on_the_same_task() 
         endpoint = figures[key]
         assert isinstance(endpoint, dict)
         assert endpoint["cpu_ms_per_call"] > 0 and endpoint["wall_ms_per_call"] > 0 and endpoint["sampling_calls_per_round"] >= 2
+
+
+def test_agent_bench_runs_every_configuration_on_the_model_asked() -> None:
+    """`bench agent --model smollm2`: the three configurations run the smollm2 recipe's model file
+    (plain completions: no chat template) with dynamic sampling off, and differ from each other
+    only in how they roll out; the default keeps the agent recipe's tiny model; an unknown model is
+    refused in one line."""
+    from relayrl.bench.agents import AGENT_CONFIGS, _config
+    from relayrl.config.schema import load_config
+    from relayrl.recipes import shipped_recipe
+
+    smollm2 = load_config(shipped_recipe("smollm2")).model
+    for label in AGENT_CONFIGS:
+        cfg = _config(label, 3, [], "smollm2")
+        assert (cfg.model.package, cfg.model.gguf_file) == (smollm2.package, smollm2.gguf_file)
+        assert cfg.model.chat_template is False and cfg.algorithm.dynamic_sampling is False
+        tiny = _config(label, 3, [])
+        assert tiny.model.package is None and tiny.model.gguf_file is None and tiny.algorithm.dynamic_sampling is True
+        assert cfg.rollout.groups_per_step == tiny.rollout.groups_per_step and cfg.run.steps == tiny.run.steps == 3
+    assert (_config("agent", 3, [], "smollm2").task.agent is not None) and _config("env", 3, [], "smollm2").task.agent is None
+    res = relayrl("bench", "agent", "--model", "qwen", timeout=60)
+    assert res.returncode == 2 and "--model 'qwen': one of tiny, smollm2" in res.stderr

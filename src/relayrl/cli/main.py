@@ -516,13 +516,17 @@ def bench_agent(
     steps: int = typer.Option(8, help="Steps per run."),
     repeats: int = typer.Option(1, help="Run agent, env round-robin this many times; print medians."),
     set_: Annotated[list[str] | None, typer.Option("--set", help="Extra override for both runs.")] = None,
+    model: str = typer.Option("tiny", help="The model every configuration runs: tiny (the recipe's) or smollm2."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Agent mode (the example "draft, then answer" agent through the endpoint) beside the
     multi-turn environment path (`draft_answer`) on the agent recipe's task: samples/s and ratio."""
-    from relayrl.bench.agents import run_agent
+    from relayrl.bench.agents import AGENT_MODELS, run_agent
 
-    figures = _bench(lambda: run_agent(steps=steps, repeats=repeats, extra=list(set_ or [])), as_json)
+    if model not in AGENT_MODELS:
+        _fail(f"--model {model!r}: one of {', '.join(AGENT_MODELS)}")
+    figures = _bench(lambda: run_agent(steps=steps, repeats=repeats, extra=list(set_ or []), model=model), as_json)
+    out.print(f"model: {model}")
     names = {"agent": f"agent processes {figures['agent_processes']}", "loop": "on the run's loop", "env": "draft_answer"}
     for label in ("agent", "loop", "env"):
         f = figures[label]
