@@ -85,6 +85,10 @@ def test_agent_bench_runs_the_agent_and_the_environment_path_on_the_same_task() 
     assert all(f["cpu_run_s_per_step"] > 0 for f in (agent, loop, env))
     assert agent["cpu_s_per_step"] == agent["cpu_run_s_per_step"] + agent["cpu_agents_s_per_step"]
     assert figures["cpu_bound_ratio"] == env["cpu_s_per_step"] / agent["cpu_s_per_step"]
+    # the share of the cores busy: the CPU a step over the steps' wall times the cores (a run's
+    # threads cannot keep more than every core busy; /proc's ticks are read every 50 ms, hence the slack)
+    assert isinstance(figures["cores"], int) and figures["cores"] >= 1 and figures["model"] == "tiny"
+    assert all(0 < f["cpu_busy"] <= 1.1 for f in (agent, loop, env))
     for key in ("endpoint", "endpoint_processes"):
         endpoint = figures[key]
         assert isinstance(endpoint, dict)

@@ -17,9 +17,12 @@ Figures per run (medians over the repeats, run round-robin): samples/s (the run'
 trainer busy, sampler busy, sampling calls per step (from the trace), the CPU seconds a step (from
 the first step's end to the last's: this process, every thread, and the agent processes apart,
 sampled from /proc every 50 ms), and the ratio agent/env against the target AGENT_TARGET (agent
-mode within 2x of the environment path; loop/env beside it). Beside it the work bound: every
-configuration trains the same samples a step on the same cores, so agent/env cannot exceed env's
-CPU a step over agent's, however well the work overlaps. Then where an agent call's time goes
+mode within 2x of the environment path; loop/env beside it). Beside it the work bound and the
+share of the machine's cores each configuration keeps busy (its CPU seconds over its steps' wall
+seconds times the cores): every configuration trains the same samples a step on the same cores,
+so where the CPU is the limit (the cores busy) agent/env cannot exceed env's CPU a step over
+agent's, however well the work overlaps; where something else is (the trainer's own step, with
+cores to spare), the bound does not apply. Then where an agent call's time goes
 without the model: `endpoint` (agents on the loop) and `endpoint_processes` (in 2 agent
 processes), one step's episodes (16 prompts x 8) of the example agent through the endpoint on a
 sampler that answers at once (`_Instant`): wall time per call, and the CPU time per call of the
@@ -58,6 +61,8 @@ __all__ = ["AGENT_CONFIGS", "AGENT_MODELS", "AGENT_TARGET", "run_agent", "run_en
 
 #: agent samples/s over the environment path's, at least
 AGENT_TARGET = 0.5
+#: the cores this process may run on (the runs' and the agent processes' CPU is read against them)
+CORES = len(os.sched_getaffinity(0))
 
 _COMMON = ["eval.enabled=false", "orchestrator.checkpoint_every=0"]
 AGENT_CONFIGS: dict[str, list[str]] = {
@@ -219,14 +224,14 @@ class _CpuMeter:
         while not self._stop.wait(self.SAMPLE_S):
             self.samples.append((time.perf_counter(), time.process_time(), self._children()))
 
-    def between(self, start: float, end: float) -> tuple[float, float]:
+    def between(self, start: float, end: float) -> tuple[float, float, float]:
         """CPU seconds of this process and of its children from perf_counter `start` to `end`
-        (the samples nearest each)."""
+        (the samples nearest each), and the wall seconds between those samples."""
         if not self.samples:
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
         a = min(self.samples, key=lambda x: abs(x[0] - start))
         b = min(self.samples, key=lambda x: abs(x[0] - end))
-        return b[1] - a[1], b[2] - a[2]
+        return b[1] - a[1], b[2] - a[2], b[0] - a[0]
 
 
 def _figures(result: RunResult, steps: int, meter: _CpuMeter, offset: float) -> dict[str, float]:
@@ -235,7 +240,8 @@ def _figures(result: RunResult, steps: int, meter: _CpuMeter, offset: float) -> 
     generate = [s for s in spans if s.lane.startswith("sampler/") and s.name == "generate"]
     optim = sorted(s.end for s in spans if s.lane == "trainer" and s.name == "optim_step")
     # the CPU of the steps after the first (start-up, imports, the first calls' warm-up left out)
-    own, children = meter.between(offset + optim[0], offset + optim[-1]) if len(optim) > 1 else (float("nan"), float("nan"))
+    nan = float("nan")
+    own, children, wall = meter.between(offset + optim[0], offset + optim[-1]) if len(optim) > 1 else (nan, nan, nan)
     per_step = max(1, len(optim) - 1)
     summary = result.summary
 
@@ -252,6 +258,7 @@ def _figures(result: RunResult, steps: int, meter: _CpuMeter, offset: float) -> 
         "cpu_run_s_per_step": own / per_step,  # the run's process, every thread
         "cpu_agents_s_per_step": children / per_step,  # the agent processes
         "cpu_s_per_step": (own + children) / per_step,
+        "cpu_busy": (own + children) / (wall * CORES),  # the share of the cores busy
     }
 
 
@@ -278,6 +285,7 @@ def run_agent(steps: int = 8, repeats: int = 1, extra: list[str] | None = None, 
     figures["cpu_bound_ratio"] = env["cpu_s_per_step"] / agent["cpu_s_per_step"]
     figures["agent_processes"] = _config("agent", steps, extra or [], model).rollout.agent_processes
     figures["model"] = model
+    figures["cores"] = CORES
     figures["target"] = AGENT_TARGET
     figures["met"] = bool(ratio >= AGENT_TARGET)
     figures["endpoint"] = run_endpoint()

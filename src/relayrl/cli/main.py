@@ -538,15 +538,17 @@ def bench_agent(
         )
         out.print(
             f"        CPU a step {f['cpu_s_per_step']:.3f} s: the run's process {f['cpu_run_s_per_step']:.3f} s, "
-            f"agent processes {f['cpu_agents_s_per_step']:.3f} s"
+            f"agent processes {f['cpu_agents_s_per_step']:.3f} s; {f['cpu_busy']:.0%} of the {figures['cores']} cores busy"
         )
     met = "met" if figures["met"] else "MISSED"
     out.print(
         f"samples/s ratio agent/env: {figures['ratio']:.2f} (target >= {figures['target']})  {met}   (loop/env {figures['loop_ratio']:.2f})"
     )
     bound = cast(float, figures["cpu_bound_ratio"])
+    agent, env = cast(dict[str, float], figures["agent"]), cast(dict[str, float], figures["env"])
     out.print(
-        f"work bound: the same samples a step on the same cores, agent/env cannot exceed their CPU a step's ratio, "
+        f"work bound, where the CPU is the limit (cores busy: agent {agent['cpu_busy']:.0%}, env {env['cpu_busy']:.0%}): "
+        f"the same samples a step on the same cores, agent/env cannot exceed their CPU a step's ratio, "
         f"{bound:.2f} (the ratio reached {cast(float, figures['ratio']) / bound:.2f} of it)"
     )
     for key, where in (("endpoint", "agents on the run's loop"), ("endpoint_processes", "agents in 2 processes")):
