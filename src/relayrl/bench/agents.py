@@ -281,7 +281,8 @@ def run_agent(steps: int = 8, repeats: int = 1, extra: list[str] | None = None, 
     figures["ratio"] = ratio
     figures["loop_ratio"] = loop["samples_per_s"] / env["samples_per_s"]
     # the work bound: with every configuration using the same cores, samples/s cannot beat their
-    # ratio of CPU per step (the same samples a step), however well the work overlaps
+    # ratio of CPU per step (the same samples a step) where the CPU is the limit (`cpu_busy`),
+    # however well the work overlaps
     figures["cpu_bound_ratio"] = env["cpu_s_per_step"] / agent["cpu_s_per_step"]
     figures["agent_processes"] = _config("agent", steps, extra or [], model).rollout.agent_processes
     figures["model"] = model
