@@ -102,7 +102,7 @@ def test_collective_run_passes_check_trace_and_delivers_bit_identical_weights(cl
     assert len(broadcasts) >= 2  # one per committed version (each sync round)
     for replica in (0, 1):
         loads = [s for s in spans if s.lane == f"actor:sampler/{replica}" and s.name == "load_weights"]
-        assert loads and all(s.args.get("transport") == "collective" for s in loads)
+        assert loads and all(s.args.get("transport") == "collective" and s.args.get("received_by") == "actor" for s in loads)
 
 
 @pytest.mark.slow

@@ -29,7 +29,10 @@ def member(rank: int, port: int, queue: Any) -> None:
     from relayrl.backends.ray.collective import Member, layout_of
 
     sent = payload()
-    m = Member.join(f"tcp://127.0.0.1:{port}", rank, 3, "gloo", 60.0, layout_of(sent, bucket_bytes=40_000) if rank == 0 else None)
+    if rank == 0:
+        m = Member.join("127.0.0.1", port, "gloo", 60.0, 2, source=0, layout=layout_of(sent, bucket_bytes=40_000))
+    else:
+        m = Member.join("127.0.0.1", port, "gloo", 60.0, 2, receiver=rank - 1)
     if rank == 0:
         m.send(1, 5, sent)
         queue.put((rank, "sent"))

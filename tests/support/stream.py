@@ -50,11 +50,11 @@ def member(role: str, index: int, ports: tuple[int, int], queue: Any) -> None:
         dist.all_gather_object(specs, spec)
         layout = stream_layout(specs, bucket_bytes=48)
         flats = pack_shards(layout, index, local, torch.device("cpu"))
-        m = Member.join_stream("127.0.0.1", stream_port, "gloo", 60.0, 2, source=index, stream=layout if index == 0 else None)
+        m = Member.join("127.0.0.1", stream_port, "gloo", 60.0, 2, source=index, layout=layout if index == 0 else None)
         m.send_shards(1, 5, flats)
         queue.put((role, index, "sent"))
     else:
-        m = Member.join_stream("127.0.0.1", stream_port, "gloo", 60.0, 2, receiver=index)
+        m = Member.join("127.0.0.1", stream_port, "gloo", 60.0, 2, receiver=index)
         version, got = m.receive(1)
         same = version == 5 and list(got) == list(expected)
         same = same and all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected.items())

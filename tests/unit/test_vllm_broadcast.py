@@ -1,14 +1,12 @@
 """The trainer's side of the collective transport with vLLM engines (relayrl.backends.vllm.broadcast),
-without vLLM: stand-in replicas join the gloo group as an engine's worker does and receive the
-wire format relayrl.backends.vllm.transfer reads (tests/vllm/test_vllm_collective.py runs the real
+without vLLM: stand-in replicas join the gloo group and receive each round as relayrl's engine in
+vLLM's worker does, as a `Member` receiver (tests/vllm/test_vllm_collective.py runs the real
 engines). A round arrives bit for bit; a group that cannot be set up warns once, hands the
 replicas the plain snapshot (they load it by file) and covers no later round."""
 
 from __future__ import annotations
 
 import asyncio
-import pickle
-from datetime import timedelta
 from typing import Any, cast
 
 import pytest
@@ -27,8 +25,7 @@ class Replica:
         self.fail_join = fail_join
         self.transfer_member = False
         self.loaded: Weights | None = None
-        self._group: Any = None
-        self._layout: Any = None
+        self._member: Any = None
 
     def loadable(self, weights: Weights) -> dict[str, Any]:
         return dict(cast(dict[str, Any], weights.payload))
@@ -36,45 +33,26 @@ class Replica:
     def transfer_refusal(self) -> str | None:
         return "its engine was started without relayrl's weight-transfer engine" if self.fail_join else None
 
-    async def join_transfer(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
-        import torch.distributed as dist
+    async def join_transfer(self, host: str, port: int, receiver: int, world: int, backend: str, timeout_s: float) -> None:
+        from relayrl.backends.ray.collective import Member
 
-        from relayrl.backends.ray.collective import OwnGroup
-        from relayrl.backends.vllm.broadcast import GROUP_PREFIX, LAYOUT_KEY
-
-        def join() -> None:
-            store = dist.TCPStore(host, port, None, False, timedelta(seconds=30), wait_for_workers=False)
-            self._layout = pickle.loads(bytes.fromhex(store.get(LAYOUT_KEY).decode()))
-            self._group = OwnGroup(store, GROUP_PREFIX, rank, world, backend, timedelta(seconds=timeout_s))
-
-        await asyncio.to_thread(join)
+        self._member = await asyncio.to_thread(Member.join, host, port, backend, timeout_s, world - 1, receiver=receiver)
         self.transfer_member = True
 
     async def leave_transfer(self) -> None:
-        if self._group is not None:
-            self._group.close()
+        if self._member is not None:
+            self._member.close()
         self.transfer_member = False
 
     async def load_weights(self, weights: Weights) -> None:
-        from relayrl.backends.ray.collective import full_views
         from relayrl.backends.vllm.broadcast import Round
 
         if not isinstance(weights.payload, Round):  # (the file transport's payload: the snapshot itself)
             self.loaded = weights
             return
-        round_ = weights.payload.number
-
-        def receive() -> Weights:
-            header = torch.zeros(2, dtype=torch.int64)
-            self._group.broadcast(header)
-            assert header.tolist() == [round_, weights.version]
-            buckets = [torch.empty(n, dtype=d) for d, n in self._layout.buckets]
-            for b in buckets:
-                self._group.broadcast(b.view(torch.uint8))
-            views = full_views(self._layout, buckets)
-            return Weights(int(header[1]), {k: v.clone() for k, v in views.items()})
-
-        self.loaded = await asyncio.to_thread(receive)
+        version, views = await asyncio.to_thread(self._member.receive, weights.payload.number)
+        assert version == weights.version
+        self.loaded = Weights(version, {k: v.clone() for k, v in views.items()})
 
 
 class Commits:

@@ -189,3 +189,28 @@ def test_on_ray_a_cuda_build_refuses_cpu_replicas_on_the_driver(monkeypatch: pyt
     with pytest.raises(ConfigError, match="rollout.device = 'cpu' with rollout.engine = 'vllm'"):
         check_on_driver(_cfg(qwen_half_b, "ray.enabled=true"))
     check_on_driver(_cfg(qwen_half_b, "ray.enabled=true", "rollout.device=cuda"))  # Ray gives the actor its GPU
+
+
+def test_the_engine_gets_relayrls_weight_transfer_engine_where_the_collective_transport_reaches_it(
+    monkeypatch: pytest.MonkeyPatch, recorder: _Recorder
+) -> None:
+    """The collective transport lands in the engine's worker in one process and in a Ray sampler
+    actor alike (issue 31 §1): the engine is started with relayrl's weight-transfer engine
+    whenever the run sets it, and not for the file, the object store or "auto" on the CPU."""
+    from relayrl.models.loading import shipped_model_dir
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+    def started_with_transfer(*sets: str) -> bool:
+        cfg = load_config(None, ["run.backend=local", "rollout.engine=vllm", *sets])
+        VllmSamplerFactory(cfg, 0, shipped_model_dir())()
+        transfer = recorder.args.get("weight_transfer_config")
+        assert transfer in (None, {"backend": "relayrl"}), transfer
+        return transfer is not None and engine_settings(cfg, shipped_model_dir()).weight_transfer
+
+    assert started_with_transfer("rollout.weight_transport=collective")
+    assert started_with_transfer("ray.enabled=true", "rollout.weight_transport=collective")
+    assert not started_with_transfer("ray.enabled=true", "rollout.weight_transport=object_store")
+    assert not started_with_transfer("ray.enabled=true")  # "auto" on the CPU: the object store
+    assert not started_with_transfer("rollout.weight_transport=file")
+    assert not started_with_transfer()  # "auto" on the CPU in one process: the file

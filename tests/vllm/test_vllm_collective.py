@@ -117,9 +117,9 @@ def test_a_broadcast_that_fails_half_way_leaves_every_replica_on_the_version_fro
     send = broadcast._send
 
     def header_then_leave(round_: int, weights: Weights, state: Any) -> None:
-        group = broadcast._group
-        assert group is not None
-        group.broadcast(torch.tensor([round_, weights.version], dtype=torch.int64))
+        member = broadcast._member
+        assert member is not None
+        member._header([round_, weights.version])
         broadcast._leave()  # the trainer's side dies after the header
         raise RuntimeError("the trainer's side died")
 

@@ -55,3 +55,33 @@ def test_a_vllm_sampler_on_a_ray_actor_with_interruptible_loads_passes_the_check
     run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_a_vllm_sampler_on_a_ray_actor_receives_the_collective_broadcast_in_its_engine(tmp_path: Path) -> None:
+    """rollout.weight_transport = "collective" (issue 31 §1): the engine's worker joins the Ray
+    trainer's weight group in its actor's place and receives every version through vLLM's
+    weight-transfer API (no copy into the actor, no weight file): each load span of the actor
+    says so (`received_by = "engine"`), the trace passes the checker, and at staleness 0 the
+    engine's log-probs are the trainer's, step after step (so every version reached the model)."""
+    from relayrl.analysis import timeline
+
+    sets = [
+        "rollout.engine=vllm",
+        "rollout.weight_transport=collective",
+        "rollout.max_staleness=0",
+        "run.steps=3",
+        "rollout.groups_per_step=8",
+        "rollout.prompts_per_request=8",
+        "eval.enabled=false",
+        "ray.enabled=true",
+        "ray.num_cpus=2",
+    ]
+    run_dir = tmp_path / "run"
+    result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/logprob_diff_max"] < 1e-3 for r in rows), [r["train/logprob_diff_max"] for r in rows]
+    loads = [s for s in timeline.spans(result.tracer.events) if s.lane == "actor:sampler/0" and s.name == "load_weights"]
+    broadcast = [s for s in loads if "transport" in s.args]
+    assert len(broadcast) >= 2, [s.args for s in loads]  # versions 1 and 2 at least, each a broadcast round
+    assert all(s.args["transport"] == "collective" and s.args["received_by"] == "engine" for s in broadcast), [s.args for s in loads]

@@ -21,7 +21,9 @@ bounds the loads, fails replicas over and traces; a transport only moves the byt
 - "collective": on Ray (the local kind): a torch.distributed process group of the trainer actor
   (rank 0) and every sampler actor, set up once when the actors start; each version is broadcast
   from the trainer's snapshot in dtype-grouped flat buckets (gloo when the trainer computes on the
-  CPU, NCCL on CUDA; `relayrl.backends.ray.collective`). With the sharded trainer
+  CPU, NCCL on CUDA; `relayrl.backends.ray.collective`); with rollout.engine = "vllm" each
+  actor's engine worker joins the group in the actor's place and receives each version through
+  vLLM's weight-transfer API (`relayrl.backends.vllm.transfer`). With the sharded trainer
   (train.world_size > 1) each rank streams its own shards of each bucket from its own snapshot,
   one group per rank with the sampler actors, and each receiver assembles the whole tensors: no
   rank gathers the model for it (train.lora: refused, its adapters are gathered whole). A round

@@ -7,7 +7,7 @@ run:
   alone (a stream of one source: one copy into flat buckets, then the broadcasts, as the
   one-trainer collective packs each bucket once);
 - `sharded_stream`: each rank's own shards copied (its commit snapshot) and streamed from every
-  rank (`Member.join_stream` / `send_shards`, what the sharded Ray trainer does with
+  rank (`Member.join` / `send_shards`, what the sharded Ray trainer does with
   rollout.weight_transport = "collective"); the receivers assemble the tensors.
 
 Processes: the two ranks and the receivers, spawned (no Ray: the collective code the actors run,
@@ -70,12 +70,12 @@ def _source(
 
     one = None
     if index == 0:
-        one = Member.join_stream("127.0.0.1", gathered_port, "gloo", 600.0, receivers, source=0, stream=single)
+        one = Member.join("127.0.0.1", gathered_port, "gloo", 600.0, receivers, source=0, layout=single)
     spec, _ = local_shards(model.state_dict(keep_vars=True), index)
     specs: list[Any] = [None, None]
     dist.all_gather_object(specs, spec)
     stream = stream_layout(specs)
-    member = Member.join_stream("127.0.0.1", stream_port, "gloo", 600.0, receivers, source=index, stream=stream if index == 0 else None)
+    member = Member.join("127.0.0.1", stream_port, "gloo", 600.0, receivers, source=index, layout=stream if index == 0 else None)
     for way in ("gathered", "stream"):
         for v in range(versions + 1):
             barrier.wait()
@@ -115,8 +115,8 @@ def _receiver(
     _, gathered_port, stream_port = ports
     expected = {k: v.detach().clone() for k, v in build_model(model_name, dtype).state_dict().items()}
     model = build_model(model_name, dtype, seed=1 + index)
-    one = Member.join_stream("127.0.0.1", gathered_port, "gloo", 600.0, receivers, receiver=index)
-    member = Member.join_stream("127.0.0.1", stream_port, "gloo", 600.0, receivers, receiver=index)
+    one = Member.join("127.0.0.1", gathered_port, "gloo", 600.0, receivers, receiver=index)
+    member = Member.join("127.0.0.1", stream_port, "gloo", 600.0, receivers, receiver=index)
     identical: dict[str, bool] = {}
     for way, m in (("gathered", one), ("stream", member)):
         for v in range(versions + 1):

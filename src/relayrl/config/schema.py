@@ -365,8 +365,10 @@ class RolloutConfig(_Section):
     later rounds too); "object_store", on Ray, the
     trainer actor puts each version once into Ray's object store; "collective", on Ray with
     run.backend = "local", a torch.distributed broadcast from the trainer actor to the sampler
-    actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; a round that does not load
-    every sampler actor, a restart or the evaluation uses the object store); with train.world_size
+    actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; with engine = "vllm" each
+    actor's engine worker receives it through vLLM's weight-transfer API in the actor's place; a
+    round that does not load every sampler actor, a restart or the evaluation uses the object
+    store); with train.world_size
     > 1 each trainer rank streams its own shards and no rank gathers the model for it (not with
     train.lora). "auto": the fastest that applies: direct in one process, or with vLLM collective
     when the trainer computes on a GPU no engine shares, else file (close on the CPU); on Ray,

@@ -62,7 +62,7 @@ from typing import Any, cast
 import ray
 
 from relayrl.backends.protocols import PendingExport, Sampler, Trainer
-from relayrl.backends.ray.collective import Broadcast, Member, Received, backend_for, free_port, host_port, layout_of
+from relayrl.backends.ray.collective import Broadcast, Member, Received, backend_for, free_port, layout_of
 from relayrl.backends.ray.spans import ActorSpans, Timed
 from relayrl.backends.ray.transport import ArrayState, decode, encode
 from relayrl.backends.transports import STAGED
@@ -158,6 +158,7 @@ class _SamplerActor:
         self._worker = factory()  # on a restart, Ray runs this again: a fresh worker
         self._loaded: int | None = None
         self._collective: Member | None = None  # rollout.weight_transport = "collective" (never after a restart)
+        self._engine_member = False  # the worker's vLLM engine joined the group instead (never after a restart)
         self._trainer: Any = None  # the trainer actor, whose object store export a failed receive falls back to
         self._restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
@@ -188,7 +189,7 @@ class _SamplerActor:
         """Load `weights`; returns the version loaded (an export's own: see `Exporting`), as a
         `Received` in a broadcast round."""
         if isinstance(weights.payload, Broadcast):
-            received = await self._receive(weights.payload.round)
+            received = await self._receive(weights.payload.round, weights.version)
             self._loaded = received.version
             return received
         resolved = await resolve(weights)
@@ -196,36 +197,43 @@ class _SamplerActor:
         self._loaded = resolved.version
         return resolved.version
 
-    async def _receive(self, round_: int) -> Received:
-        """Load broadcast round `round_` (`relayrl.backends.ray.collective`); when the receive
-        fails, the trainer's version from the object store instead."""
+    async def _receive(self, round_: int, version: int) -> Received:
+        """Load broadcast round `round_` of `version` (`relayrl.backends.ray.collective`): received
+        here, or by the vLLM engine's worker when it joined the group in this actor's place;
+        when the receive fails, the trainer's version from the object store instead."""
         member = self._collective
-        if member is None:  # a restarted actor (a new process joined no group): restarted, it loads from the object store
+        if member is None and not self._engine_member:  # a restarted actor (a new process joined no group)
             raise SamplerNeedsWeightsError("this sampler actor was restarted: it is no member of the collective weight group")
         try:
-            version, payload = await asyncio.to_thread(member.receive, round_)
+            if self._engine_member:
+                await self._worker.receive_round(round_, version)
+                return Received(version, fell_back=False, in_engine=True)
+            assert member is not None
+            got, payload = await asyncio.to_thread(member.receive, round_)
         except Exception:
+            self._engine_member = False  # (the engine's worker left the group)
             if self._trainer is None:
                 raise
             timed: Timed = await trainer_call(self._trainer, "export_weights")
             resolved = await resolve(timed.value)
             await self._worker.load_weights(resolved)
             return Received(resolved.version, fell_back=True)
-        await self._worker.load_weights(Weights(version=version, payload=payload))
-        return Received(version, fell_back=False)
+        await self._worker.load_weights(Weights(version=got, payload=payload))
+        return Received(got, fell_back=False)
 
-    async def join_collective(
-        self, address: str, rank: int, world: int, backend: str, timeout_s: float, trainer: Any, sources: int = 0
-    ) -> bool:
-        """Join the collective weight group as `rank` (see `relayrl.backends.ray.collective.join`;
-        `sources` > 0: the sharded trainer's stream, as receiver `rank` of `world` - 1)."""
+    async def join_collective(self, host: str, port: int, backend: str, timeout_s: float, receivers: int, index: int, trainer: Any) -> bool:
+        """Join the collective weight group at `host`:`port` as receiver `index` of `receivers`
+        (see `relayrl.backends.ray.collective.join`). A vLLM worker started with relayrl's
+        weight-transfer engine joins through it in this actor's place: each version then lands
+        in the engine's worker, not in this process and a file."""
         self._trainer = trainer
-        if sources:
-            host, port = host_port(address)
-            join = functools.partial(Member.join_stream, host, port, backend, timeout_s, world - 1, receiver=rank)
-            self._collective = await asyncio.to_thread(join)
+        refusal = getattr(self._worker, "transfer_refusal", None)  # (a VllmSampler's)
+        if refusal is not None and refusal() is None:
+            await self._worker.join_transfer(host, port, index, 1 + receivers, backend, timeout_s)
+            self._engine_member = True
         else:
-            self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, None)
+            join = functools.partial(Member.join, host, port, backend, timeout_s, receivers, receiver=index)
+            self._collective = await asyncio.to_thread(join)
         return True
 
     async def _leave(self) -> None:
@@ -315,17 +323,16 @@ class _TrainerActor:
         return ray.util.get_node_ip_address(), free_port(), backend_for(cast(dict[str, Any], weights.payload)), 0
 
     @ray.method(concurrency_group="io")
-    async def join_collective(
-        self, address: str, rank: int, world: int, backend: str, timeout_s: float, _trainer: Any, sources: int = 0
-    ) -> bool:
-        """Join the collective weight group as rank 0, giving it the exported weights' layout
-        (`sources` > 0: every rank of the sharded trainer joins as a source of the stream)."""
-        if sources:
-            host, port = host_port(address)
-            await asyncio.to_thread(self._worker.join_weights, host, port, backend, timeout_s, world - 1)
+    async def join_collective(self, host: str, port: int, backend: str, timeout_s: float, receivers: int) -> bool:
+        """Join the collective weight group at `host`:`port` as its source, serving the store and
+        giving it the exported weights' layout (the sharded trainer: every rank joins as a source
+        of the stream)."""
+        if self._streams():
+            await asyncio.to_thread(self._worker.join_weights, host, port, backend, timeout_s, receivers)
             return True
         layout = layout_of(cast(dict[str, Any], (await self._committed()).payload))
-        self._collective = await asyncio.to_thread(Member.join, address, rank, world, backend, timeout_s, layout)
+        join = functools.partial(Member.join, host, port, backend, timeout_s, receivers, source=0, layout=layout)
+        self._collective = await asyncio.to_thread(join)
         return True
 
     async def _broadcast(self, round_: int) -> Weights:
@@ -437,6 +444,8 @@ class RaySampler(Sampler):
             if isinstance(value, Received):  # a broadcast round's
                 self.collective_member = self.collective_member and not value.fell_back
                 span_args = {**span_args, "transport": "object_store" if value.fell_back else "collective"}
+                if not value.fell_back:  # where the broadcast landed: the actor, or its vLLM engine's worker
+                    span_args["received_by"] = "engine" if value.in_engine else "actor"
                 value = value.version
             span_args = {**span_args, "version": value}  # the version loaded (an export's own)
         elif method == "generate":

@@ -3,10 +3,14 @@ torch.distributed process group of the trainer actor (rank 0) and every sampler 
 1..R), over which each version is broadcast from the trainer's committed snapshot.
 
 Set up once, when the actors are ready (`join`): the trainer actor picks a free port on its node
-and the backend (NCCL when its weights live on CUDA, else gloo), every member joins the group
-through a TCP store there, bounded by JOIN_TIMEOUT_S (a member that does not join, or fails to,
-fails the build naming it), and the trainer sends the payload's layout once
-(`broadcast_object_list`). Each collective after that is bounded by the group's timeout
+and the backend (NCCL when its weights live on CUDA, else gloo), serves a TCP store there and sets
+the payload's layout in it; every member joins through that store (`Member.join`), bounded by
+JOIN_TIMEOUT_S (a member that does not join, or fails to, fails the build naming it). Each group
+is made from the store directly (`OwnGroup`), never the default process group, so any process
+can join beside groups of its own: a sampler actor whose vLLM engine was started with relayrl's
+weight-transfer engine has that engine's worker join as the receiver in its place
+(`relayrl.backends.vllm.transfer`), so each version lands in the engine, not in the actor and a
+file. Each collective after that is bounded by the group's timeout
 (rollout.weight_load_timeout_s; 0: OP_TIMEOUT_S). The group is torn down when each actor closes.
 
 A version: the trainer broadcasts a header (round, version), then the payload in flat buckets,
@@ -19,9 +23,10 @@ so the bytes a worker loads are bit-identical to the trainer's snapshot. Buckets
 
 Failure: a collective that raises (a member died, a timeout) breaks the group for good on that
 member (`Member.broken`), which leaves the group at once, so that its peers' pending collectives
-fail then too (their sockets to it close) rather than at their timeout. A trainer whose broadcast failed reports it (`Broadcast.error`); a
-receiver whose receive failed fetches the trainer's version from the object store instead
-(the trainer actor's `export_weights`), so its load still lands; either way the driver
+fail then too (their sockets to it close) rather than at their timeout. A trainer whose
+broadcast failed reports it (`Broadcast.error`); a receiver whose receive failed (in the actor or
+in its engine) fetches the trainer's version from the object store instead (the trainer actor's
+`export_weights`), so its load still lands; either way the driver
 (`RayBroadcast`) broadcasts no more and the weight publisher uses the object store from then on.
 A round that does not load every member (a replica restarting or retired; a restarted actor is a
 new process, no member) is not broadcast either (`RayBroadcast.covers`).
@@ -53,7 +58,7 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -63,6 +68,8 @@ from relayrl.types import Weights
 
 BUCKET_BYTES = 256 * 2**20  # a bucket's bytes at most (one tensor larger than this travels alone)
 JOIN_TIMEOUT_S = 120.0  # every member must have joined the group within this
+GROUP_PREFIX = "weights/"  # source s's group meets under "weights/s/" in the store
+LAYOUT_KEY = "layout"  # the store's key of the version layout (source 0 sets it)
 OP_TIMEOUT_S = 600.0  # a collective's bound when rollout.weight_load_timeout_s = 0
 
 
@@ -375,12 +382,6 @@ class OwnGroup:
                 pass
 
 
-def host_port(address: str) -> tuple[str, int]:
-    """(host, port) of a tcp://host:port address."""
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    return host, int(port)
-
-
 def free_port() -> int:
     """A TCP port free on this host now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -404,15 +405,28 @@ class Broadcast:
 
 @dataclass(slots=True, frozen=True)
 class Received:
-    """A sampler actor's load result in a broadcast round: the version loaded, and whether its
-    receive failed (it loaded that version from the object store instead)."""
+    """A sampler actor's load result in a broadcast round: the version loaded, whether its
+    receive failed (it loaded that version from the object store instead), and whether its vLLM
+    engine's worker received it in the actor's place (`in_engine`)."""
 
     version: int
     fell_back: bool
+    in_engine: bool = False
+
+
+def read_layout(host: str, port: int) -> Layout:
+    """The full layout (`Layout`; a stream's `full`) of the weight group whose store is at
+    `host`:`port` (blocking, bounded by JOIN_TIMEOUT_S): what each receiver holds of a version."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, None, False, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
+    got: Layout | StreamLayout = pickle.loads(bytes.fromhex(store.get(LAYOUT_KEY).decode()))
+    return got.full if isinstance(got, StreamLayout) else got
 
 
 class Member:
-    """This process's membership of the group (one per actor)."""
+    """This process's membership of the weight groups (see the module): a source (a trainer, or a
+    rank of the sharded trainer) or a receiver (a sampler actor, or a vLLM engine's worker)."""
 
     def __init__(
         self,
@@ -421,33 +435,22 @@ class Member:
         backend: str,
         layout: Layout,
         device: torch.device,
-        stream: StreamLayout | None = None,
-        groups: Sequence[OwnGroup] = (),
+        stream: StreamLayout | None,
+        groups: Sequence[OwnGroup],
+        store: Any,
     ) -> None:
         self.rank, self.world, self.backend, self.layout, self.device = rank, world, backend, layout, device
-        # streaming from the sharded trainer: its layout, and this member's groups (a source
-        # rank's one, rank 0 of it; a receiver's one per source, rank 1 + its index in each)
+        # streaming from the sharded trainer: its layout. The groups: a source's one (its rank 0),
+        # a receiver's one per source (rank 1 + its index in each)
         self.stream, self._groups = stream, list(groups)
         self.broken: str | None = None  # why a collective failed here (then none runs again)
-        self._staging: dict[torch.dtype, torch.Tensor] = {}  # the trainer's, per dtype: one bucket
+        self._staging: dict[torch.dtype, torch.Tensor] = {}  # a source's per dtype (one bucket); a receiver's for sends of several pieces
         self._buckets: list[torch.Tensor] = []  # a receiver's, one version's
         self._views: dict[str, torch.Tensor] = {}
-        self._store: Any = None  # (streaming: the store the groups met at; source 0 serves it)
+        self._store = store  # the store the groups met at (source 0 serves it)
 
     @staticmethod
-    def join(address: str, rank: int, world: int, backend: str, timeout_s: float, layout: Layout | None) -> Member:
-        """Join the group at `address` (tcp://host:port) as `rank` (blocking; the trainer, rank 0,
-        gives the `layout`, which the others receive)."""
-        import torch.distributed as dist
-
-        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        box: list[Any] = [layout]
-        dist.broadcast_object_list(box, src=0, device=device if backend == "nccl" else None)
-        return Member(rank, world, backend, box[0], device)
-
-    @staticmethod
-    def join_stream(
+    def join(
         host: str,
         port: int,
         backend: str,
@@ -456,44 +459,43 @@ class Member:
         *,
         source: int | None = None,
         receiver: int | None = None,
-        stream: StreamLayout | None = None,
+        layout: Layout | StreamLayout | None = None,
+        device: torch.device | None = None,
     ) -> Member:
-        """Join the streaming groups at `host`:`port` (blocking) beside `receivers` sampler
-        actors: trainer rank `source` joins its own group as its rank 0 (source 0 serves the store
-        and gives the `stream` layout), sampler actor `receiver` one group per source, as rank
-        1 + `receiver` of each. The store's waits are bounded by JOIN_TIMEOUT_S, each collective
-        after by `timeout_s`."""
+        """Join the weight groups at `host`:`port` (blocking) beside `receivers` receivers: source
+        `source` joins its own group as its rank 0 (source 0 serves the store and gives the
+        `layout`: one trainer's `Layout`, or the sharded trainer's `StreamLayout`), receiver
+        `receiver` one group per source, as rank 1 + `receiver` of each. `device`: where a
+        receiver's buckets live (default: the current CUDA device for NCCL, else the CPU). The
+        store's waits are bounded by JOIN_TIMEOUT_S, each collective after by `timeout_s`."""
         import torch.distributed as dist
 
         if (source is None) == (receiver is None):
-            raise ValueError("join_stream: a member is either a source or a receiver")
+            raise ValueError("Member.join: a member is either a source or a receiver")
         store = dist.TCPStore(host, port, None, source == 0, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
         if source == 0:
-            assert stream is not None, "join_stream: source 0 gives the layout"
-            store.set("layout", pickle.dumps(stream).hex())
-        got: StreamLayout = pickle.loads(bytes.fromhex(store.get("layout").decode()))
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            assert layout is not None, "Member.join: source 0 gives the layout"
+            store.set(LAYOUT_KEY, pickle.dumps(layout).hex())
+        got: Layout | StreamLayout = pickle.loads(bytes.fromhex(store.get(LAYOUT_KEY).decode()))
+        stream = got if isinstance(got, StreamLayout) else None
+        sources = stream.sources if stream is not None else 1
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         op = timedelta(seconds=timeout_s)
         size = 1 + receivers  # each group: one source and every receiver
         if source is not None:
-            groups = [OwnGroup(store, f"weights/{source}/", 0, size, backend, op)]
+            groups = [OwnGroup(store, f"{GROUP_PREFIX}{source}/", 0, size, backend, op)]
             rank = source
         else:
             assert receiver is not None
-            groups = [OwnGroup(store, f"weights/{r}/", 1 + receiver, size, backend, op) for r in range(got.sources)]
-            rank = got.sources + receiver
-        member = Member(rank, got.sources + receivers, backend, got.full, device, got, groups)
-        member._store = store
-        return member
+            groups = [OwnGroup(store, f"{GROUP_PREFIX}{s}/", 1 + receiver, size, backend, op) for s in range(sources)]
+            rank = sources + receiver
+        full = stream.full if stream is not None else cast(Layout, got)
+        return Member(rank, sources + receivers, backend, full, device, stream, groups, store)
 
     def _header(self, values: Sequence[int]) -> list[int]:
-        import torch.distributed as dist
-
         header = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        if self._groups:
-            self._groups[0].broadcast(header)
-        else:
-            dist.broadcast(header, src=0)
+        self._groups[0].broadcast(header)
         return [int(x) for x in header.tolist()]
 
     def send_shards(self, round_: int, version: int, flats: Mapping[int, torch.Tensor]) -> None:
@@ -510,7 +512,7 @@ class Member:
                 if s.src == self.rank:
                     self._groups[0].broadcast(flats[i].view(torch.uint8))
         except Exception as exc:
-            self._abort(exc)
+            self.fail(exc)
             raise
 
     def _receive_stream(self, stream: StreamLayout) -> None:
@@ -533,25 +535,21 @@ class Member:
                 STAGED.add(s.numel * torch.empty((), dtype=s.dtype).element_size())
 
     def send(self, round_: int, version: int, payload: Mapping[str, torch.Tensor]) -> None:
-        """Rank 0: broadcast `payload` (the committed snapshot) as round `round_`. Raises (and
-        breaks the group) when a collective fails."""
-        import torch.distributed as dist
-
+        """One trainer (source 0 of a `Layout`): broadcast `payload` (the committed snapshot) as
+        round `round_`. Raises (and leaves the group) when a collective fails."""
         self._usable()
         check_layout(self.layout, payload)
         try:
             self._header([round_, version])
-            send_buckets(self.layout, payload, self._staging, self.device, lambda flat: dist.broadcast(flat, src=0))
+            send_buckets(self.layout, payload, self._staging, self.device, self._groups[0].broadcast)
         except Exception as exc:
-            self._abort(exc)
+            self.fail(exc)
             raise
 
     def receive(self, round_: int) -> tuple[int, dict[str, torch.Tensor]]:
-        """Ranks > 0: receive round `round_`; returns its version and the payload (views of this
-        member's buckets, valid until the next receive). Raises (and breaks the group) when a
+        """A receiver: receive round `round_`; returns its version and the payload (views of this
+        member's buckets, valid until the next receive). Raises (and leaves the group) when a
         collective fails or the round is not the one expected."""
-        import torch.distributed as dist
-
         self._usable()
         try:
             got, version = self._header([0, 0])
@@ -564,31 +562,20 @@ class Member:
                 self._receive_stream(self.stream)
             else:
                 for bucket in self._buckets:
-                    dist.broadcast(bucket.view(torch.uint8), src=0)
+                    self._groups[0].broadcast(bucket.view(torch.uint8))
                     if bucket.device.type == "cpu":
                         STAGED.add(bucket.numel() * bucket.element_size())
         except Exception as exc:
-            self._abort(exc)
+            self.fail(exc)
             raise
         return version, dict(self._views)
 
     def fail(self, exc: BaseException) -> None:
-        """This member cannot take part in the round under way: leave the group (see `_abort`)."""
-        self._abort(exc)
-
-    def _abort(self, exc: BaseException) -> None:
-        """The group is broken: leave it at once, so that the peers' pending collectives fail now
+        """The group is broken here (a collective failed, or this member cannot take part in the
+        round under way): leave it at once, so that the peers' pending collectives fail now
         (their sockets to this member close) instead of at their timeout."""
-        import torch.distributed as dist
-
         self.broken = f"{type(exc).__name__}: {exc}"
-        try:
-            if self._groups:
-                self._leave_groups()
-            elif dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+        self._leave_groups()
 
     def _leave_groups(self) -> None:
         groups, self._groups = self._groups, []
@@ -601,14 +588,9 @@ class Member:
             raise RuntimeError(f"the collective weight group is broken: {self.broken}")
 
     def close(self) -> None:
-        """Leave the group (this process's default group)."""
-        import torch.distributed as dist
-
+        """Leave the groups."""
         self._buckets, self._views, self._staging = [], {}, {}
-        if self.stream is not None:
-            self._leave_groups()
-        elif dist.is_initialized():
-            dist.destroy_process_group()
+        self._leave_groups()
 
 
 class RayBroadcast:
@@ -646,18 +628,14 @@ def join(trainer: Any, samplers: Sequence[Any], timeout_s: float) -> RayBroadcas
     import ray
 
     host, port, backend, sources = ray.get(trainer.actor.collective_address.remote(), timeout=JOIN_TIMEOUT_S)
-    address = f"tcp://{host}:{port}"
-    world = 1 + len(samplers)  # (streaming: each source's group)
+    receivers = len(samplers)
     op_timeout = timeout_s if timeout_s > 0 else OP_TIMEOUT_S
-    refs = [trainer.actor.join_collective.remote(address, 0, world, backend, op_timeout, None, sources)]
-    refs += [
-        s.actor.join_collective.remote(address, i if sources else i + 1, world, backend, op_timeout, trainer.actor, sources)
-        for i, s in enumerate(samplers)
-    ]
-    names = ["the trainer actor", *(f"sampler actor {i}" for i in range(len(samplers)))]
+    refs = [trainer.actor.join_collective.remote(host, port, backend, op_timeout, receivers)]
+    refs += [s.actor.join_collective.remote(host, port, backend, op_timeout, receivers, i, trainer.actor) for i, s in enumerate(samplers)]
+    names = ["the trainer actor", *(f"sampler actor {i}" for i in range(receivers))]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=JOIN_TIMEOUT_S)
-    members = f"{world} members" if not sources else f"{sources} trainer ranks streaming to {len(samplers)} sampler actors"
-    where = f"rollout.weight_transport = 'collective': the weight process group ({backend}, {address}, {members})"
+    members = f"{1 + receivers} members" if not sources else f"{sources} trainer ranks streaming to {receivers} sampler actors"
+    where = f"rollout.weight_transport = 'collective': the weight process group ({backend}, {host}:{port}, {members})"
     late = [names[i] for i, r in enumerate(refs) if r not in ready]
     if late:  # (the build kills every actor on its failure)
         raise RuntimeError(f"{where}: {', '.join(late)} did not join within {JOIN_TIMEOUT_S:.0f}s")
@@ -673,6 +651,8 @@ def join(trainer: Any, samplers: Sequence[Any], timeout_s: float) -> RayBroadcas
 
 __all__ = [
     "BUCKET_BYTES",
+    "GROUP_PREFIX",
+    "LAYOUT_KEY",
     "Broadcast",
     "Layout",
     "Member",
@@ -684,6 +664,7 @@ __all__ = [
     "free_port",
     "full_views",
     "join",
+    "read_layout",
     "layout_of",
     "send_buckets",
 ]

@@ -109,7 +109,7 @@ class _RankActor:
     @ray.method(concurrency_group="weights")
     def join_weights(self, host: str, port: int, backend: str, timeout_s: float, receivers: int) -> None:
         """Join the collective weight stream as source `rank` (its own group with the receivers)."""
-        self._member = Member.join_stream(host, port, backend, timeout_s, receivers, source=self.rank)
+        self._member = Member.join(host, port, backend, timeout_s, receivers, source=self.rank)
 
     @ray.method(concurrency_group="weights")
     def send_weights(self, round_: int, version: int) -> None:
@@ -288,7 +288,7 @@ class RayShardedTrainer(RankedTrainer):
         """Blocking: every rank joins the stream's groups as a source (rank 0 serves the store)."""
         refs = [actor.join_weights.remote(host, port, backend, timeout_s, receivers) for actor in self._ranks]
         layout = self.compute.stream_layout
-        self.member = Member.join_stream(host, port, backend, timeout_s, receivers, source=0, stream=layout)
+        self.member = Member.join(host, port, backend, timeout_s, receivers, source=0, layout=layout)
         for r, ref in enumerate(refs, start=1):
             try:
                 ray.get(ref)

@@ -5,10 +5,11 @@ weight-transfer API in relayrl's engine (`relayrl.backends.vllm.transfer`): no f
 safetensors round trip; on CUDA (NCCL) no host copy at all.
 
 Set up at the first round, on the orchestrator's loop (where the samplers' calls run): the layout
-of the committed version's loadable tensors (`loadable_state`: what the file transport would
-load), served with a TCP store on a free local port; the group (`OwnGroup`: gloo on the CPU, NCCL
-when the trainer's weights live on CUDA, which needs every engine on a GPU of its own: NCCL
-refuses two ranks on one GPU) made here in a thread while each replica's engine joins it
+of the committed version's loadable tensors (`VllmSampler.loadable`: what the file transport
+would load), served with a TCP store on a free local port; the group (the Ray transport's
+`relayrl.backends.ray.collective.Member`, this process its source: gloo on the CPU, NCCL when the
+trainer's weights live on CUDA, which needs every engine on a GPU of its own: NCCL refuses two
+ranks on one GPU) joined here in a thread while each replica's engine joins it
 (`VllmSampler.join_transfer`, vLLM's `init_weight_transfer_engine`), all bounded by
 JOIN_TIMEOUT_S; a replica that cannot join (`transfer_refusal`: its engine started without
 relayrl's weight-transfer engine, or closed) is found before anyone waits. A group that cannot be
@@ -31,28 +32,17 @@ on the CPU in a worker.
 from __future__ import annotations
 
 import asyncio
-import pickle
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from relayrl.backends.local.streams import receive
 from relayrl.backends.protocols import PendingExport, Trainer
-from relayrl.backends.ray.collective import (
-    JOIN_TIMEOUT_S,
-    OP_TIMEOUT_S,
-    Layout,
-    OwnGroup,
-    backend_for,
-    check_layout,
-    free_port,
-    layout_of,
-    send_buckets,
-)
+from relayrl.backends.ray.collective import JOIN_TIMEOUT_S, OP_TIMEOUT_S, Member, backend_for, free_port, layout_of
 from relayrl.types import Weights
 
 if TYPE_CHECKING:
@@ -61,8 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["Round", "VllmBroadcast", "WeightGroupWarning"]
 
 HOST = "127.0.0.1"  # the engines are this process's children, on this host
-GROUP_PREFIX = "vllm-weights/"  # (relayrl.backends.vllm.transfer reads the same)
-LAYOUT_KEY = "layout"
 
 
 class WeightGroupWarning(RuntimeWarning):
@@ -89,22 +77,19 @@ class VllmBroadcast:
         self._trainer = trainer
         self._samplers = list(samplers)
         self._timeout_s = timeout_s if timeout_s > 0 else OP_TIMEOUT_S
-        self._group: OwnGroup | None = None
-        self._store: Any = None
-        self._layout: Layout | None = None
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._member: Member | None = None  # this process's, the group's source
         self._round = 0
         self.broken: str | None = None
 
     def covers(self, replicas: Sequence[int]) -> bool:
         if self.broken is not None or sorted(replicas) != list(range(len(self._samplers))):
             return False
-        return self._group is None or all(s.transfer_member for s in self._samplers)
+        return self._member is None or all(s.transfer_member for s in self._samplers)
 
     async def export_ahead(self) -> PendingExport:
         weights = await self._trainer.export_weights()
         state = self._samplers[0].loadable(weights)
-        if self._group is None:
+        if self._member is None:
             await self._join(state)
         if self.broken is not None:  # (the group could not be set up: this round goes by file too)
             return PendingExport(weights, _ready(weights))
@@ -121,25 +106,21 @@ class VllmBroadcast:
 
     def _send(self, round_: int, weights: Weights, state: Mapping[str, torch.Tensor]) -> None:
         """(thread) Broadcast `state`, the loadable tensors of the committed `weights`, as round `round_`."""
-        group, layout = self._group, self._layout
-        if group is None or layout is None:
+        member = self._member
+        if member is None:
             raise RuntimeError("the weight group is not set up")
         try:
-            check_layout(layout, state)
-            device = next(iter(state.values())).device
-            receive(weights.ready, state.values(), device)  # (CUDA: after the commit's event)
-            group.broadcast(torch.tensor([round_, weights.version], dtype=torch.int64, device=device))
-            send_buckets(layout, state, self._staging, device, group.broadcast)
+            receive(weights.ready, state.values(), member.device)  # (CUDA: after the commit's event)
+            member.send(round_, weights.version, state)
         except BaseException:
             self._leave()  # (the receivers' collectives fail now, not at their timeout)
             raise
 
     async def _join(self, state: Mapping[str, torch.Tensor]) -> None:
         """Set up the group (see the module); on failure, `broken` says why."""
-        import torch.distributed as dist
-
         layout = layout_of(state)
         backend = backend_for(state)
+        device = next(iter(state.values())).device
         port = free_port()
         world = 1 + len(self._samplers)
         names = ["this process (the trainer)", *(f"sampler replica {i}" for i in range(len(self._samplers)))]
@@ -150,19 +131,17 @@ class VllmBroadcast:
             return
         results: list[object] = []
         try:
-            store = dist.TCPStore(HOST, port, None, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
-            store.set(LAYOUT_KEY, pickle.dumps(layout).hex())
-            op = timedelta(seconds=self._timeout_s)
-            own = asyncio.ensure_future(asyncio.to_thread(OwnGroup, store, GROUP_PREFIX, 0, world, backend, op))
-            joins = [s.join_transfer(HOST, port, 1 + i, world, backend, self._timeout_s) for i, s in enumerate(self._samplers)]
+            join = functools.partial(Member.join, HOST, port, backend, self._timeout_s, world - 1, source=0, layout=layout, device=device)
+            own = asyncio.ensure_future(asyncio.to_thread(join))
+            joins = [s.join_transfer(HOST, port, i, world, backend, self._timeout_s) for i, s in enumerate(self._samplers)]
             results = await asyncio.wait_for(asyncio.gather(own, *joins, return_exceptions=True), JOIN_TIMEOUT_S)
         except Exception as exc:
             results = [exc]
         failed = [(names[i], r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if not failed:
-            self._group, self._store, self._layout = cast(OwnGroup, results[0]), store, layout
+            self._member = cast(Member, results[0])
             return
-        if isinstance(results[0], OwnGroup):
+        if isinstance(results[0], Member):
             results[0].close()
         await asyncio.gather(*(s.leave_transfer() for s in self._samplers), return_exceptions=True)
         who, error = failed[0]
@@ -175,10 +154,9 @@ class VllmBroadcast:
         self._leave()
 
     def _leave(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            group.close()
-        self._store, self._staging = None, {}
+        member, self._member = self._member, None
+        if member is not None:
+            member.close()
 
 
 async def _ready(weights: Weights) -> Weights:

@@ -94,9 +94,10 @@ def engine_settings(cfg: Config, directory: Path, replica: int = 0, utilization:
         cuda_device=(device.index or 0) if cuda else None,
         gpu_memory_utilization=share,
         seed_requests=seeding == "request" or (seeding == "auto" and not cuda),
-        # the collective transport in one process (relayrl.backends.vllm.broadcast; "auto": CUDA only)
-        weight_transfer=not cfg.ray.enabled
-        and (cfg.rollout.weight_transport == "collective" or (cfg.rollout.weight_transport == "auto" and cuda)),
+        # the collective transport received in the engine's worker, in one process
+        # (relayrl.backends.vllm.broadcast) or in a Ray sampler actor (relayrl.backends.ray.collective);
+        # "auto" resolves to it on CUDA only (unused, the engine stays out of any group)
+        weight_transfer=cfg.rollout.weight_transport == "collective" or (cfg.rollout.weight_transport == "auto" and cuda),
     )
 
 

@@ -27,10 +27,13 @@ Invariants:
   seeds seed, seed + 1, ...); unless its settings seed the engine only (`seed_requests` False,
   rollout.vllm_seeding: vLLM then draws the batch's noise at once, and what a request samples
   depends on what it was batched with);
-- with the collective transport (`relayrl.backends.vllm.broadcast`) a load handed a `Round` takes
-  the gate the same way, then receives the round in its engine through vLLM's weight-transfer
-  API (`join_transfer` joined the group at the first round); when that receive fails, the
-  replica leaves the group and loads the round's snapshot from its file instead (`fell_back`);
+- with the collective transport a round is received in the engine through vLLM's weight-transfer
+  API (`receive_round`, after `join_transfer` joined the engine's worker to the weight group,
+  its names checked against the model as a payload's are), taking the gate as a file load does:
+  a load handed a `Round` (`relayrl.backends.vllm.broadcast`, in this process) that fails to
+  receive leaves the group and loads the round's snapshot from its file instead (`fell_back`);
+  in a Ray sampler actor the actor calls `receive_round`, and on failure loads from the object
+  store;
 - a weight file is written before the load takes the gate (sampling goes on while it is written),
   in /dev/shm when it has room for it, else in the temp directory on disk (Docker's and
   Kubernetes' /dev/shm is 64 MiB by default); its name carries this process's id, and files of
@@ -216,7 +219,7 @@ class VllmSampler(Sampler):
         self._home: asyncio.AbstractEventLoop | None = None  # the loop every call runs on (the first caller's)
         self.last_load_s = 0.0  # seconds the last load took in the worker (benchmarks)
         self.transfer_member = False  # its engine is in the collective weight group (relayrl.backends.vllm.broadcast)
-        self.fell_back = 0  # broadcast rounds this replica loaded from a file instead (its receive failed)
+        self.fell_back = 0  # broadcast rounds whose receive failed here (loaded another way instead)
 
     @property
     def engine(self) -> Any:
@@ -281,11 +284,9 @@ class VllmSampler(Sampler):
         if isinstance(weights.payload, Round):  # the collective transport's round (relayrl.backends.vllm.broadcast)
             round_ = weights.payload
             try:
-                await self._gated(lambda: self._receive(round_.number, weights.version))
+                await self._receive_round(round_.number, weights.version)
                 return
             except Exception:  # the engine left the group: this version from its file instead
-                self.transfer_member = False
-                self.fell_back += 1
                 weights = round_.snapshot
         state = self.loadable(weights)
         # written before the gate: calls keep sampling meanwhile
@@ -322,20 +323,42 @@ class VllmSampler(Sampler):
                 self._loading = False
                 gate.notify_all()
 
-    async def join_transfer(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
-        """Join the collective weight group at `host`:`port` as `rank` of `world` through vLLM's
-        `init_weight_transfer_engine` (relayrl.backends.vllm.transfer; the engine must have been
-        started with `weight_transfer`)."""
-        await self._at_home(self._join_transfer(dict(host=host, port=port, rank=rank, world=world, backend=backend, timeout_s=timeout_s)))
+    async def join_transfer(self, host: str, port: int, receiver: int, world: int, backend: str, timeout_s: float) -> None:
+        """Join the collective weight group at `host`:`port` as receiver `receiver` of `world` - 1
+        through vLLM's `init_weight_transfer_engine` (relayrl.backends.vllm.transfer; the engine
+        must have been started with `weight_transfer`). Raises before the engine joins when the
+        group's layout does not match the model (as `loadable`)."""
+        await self._at_home(self._join_transfer(host, port, receiver, world, backend, timeout_s))
 
-    async def _join_transfer(self, info: dict[str, Any]) -> None:
+    async def _join_transfer(self, host: str, port: int, receiver: int, world: int, backend: str, timeout_s: float) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        from relayrl.backends.ray.collective import read_layout
 
         refusal = self.transfer_refusal()
         if refusal is not None:
             raise RuntimeError(refusal)
+        layout = await asyncio.to_thread(read_layout, host, port)
+        shapes = {e.name: e.shape for e in layout.entries}
+        names = [n for n in layout.names if n not in layout.aliases and (n != _TIED_HEAD or n in self._shapes)]
+        self._check(f"VllmSampler replica {self.replica}, the collective weight group's layout", {n: shapes[n] for n in names})
+        info = dict(host=host, port=port, receiver=receiver, world=world, backend=backend, timeout_s=timeout_s, names=names)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         self.transfer_member = True
+
+    async def receive_round(self, round_: int, version: int) -> None:
+        """Receive collective round `round_` of `version` in the engine (joined by
+        `join_transfer`), gated as a file load is. Raises when the receive fails: the engine's
+        worker left the group (the model untouched), this replica is no member from then on."""
+        await self._at_home(self._receive_round(round_, version))
+
+    async def _receive_round(self, round_: int, version: int) -> None:
+        try:
+            await self._gated(lambda: self._receive(round_, version))
+        except Exception:
+            self.transfer_member = False
+            self.fell_back += 1
+            raise
 
     def transfer_refusal(self) -> str | None:
         """Why this replica cannot join a collective weight group (None: it can)."""
@@ -513,16 +536,21 @@ class VllmSampler(Sampler):
                 continue  # a tied alias (vLLM ties the head itself)
             seen.add(ptr)
             state[name] = tensor.detach().contiguous()
-        if self._shapes:
-            unexpected = sorted(set(state) - set(self._shapes))
-            missing = sorted(set(self._shapes) - set(state) - {_TIED_HEAD})
-            wrong = sorted(n for n, t in state.items() if n in self._shapes and tuple(t.shape) != self._shapes[n])
-            if unexpected or missing or wrong:
-                raise ValueError(
-                    f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]},"
-                    f" wrong shape {wrong[:5]}"
-                )
+        self._check(where, {name: tuple(t.shape) for name, t in state.items()})
         return state
+
+    def _check(self, where: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Raises unless the tensors named with their `shapes` (tied aliases dropped) are the
+        model's (when its shapes are known)."""
+        if not self._shapes:
+            return
+        unexpected = sorted(set(shapes) - set(self._shapes))
+        missing = sorted(set(self._shapes) - set(shapes) - {_TIED_HEAD})
+        wrong = sorted(n for n, shape in shapes.items() if n in self._shapes and shape != self._shapes[n])
+        if unexpected or missing or wrong:
+            raise ValueError(
+                f"{where}: payload does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]}, wrong shape {wrong[:5]}"
+            )
 
 
 class _Sampling:
