@@ -33,3 +33,21 @@ def test_bench_weights_vllm_puts_the_engines_file_and_collective_transports_side
     assert file["seconds_per_version"] > 0 and collective["seconds_per_version"] > 0
     assert file["host_copies"] == pytest.approx(4.0, abs=0.5)  # 2 replicas x (written + read)
     assert collective["host_copies"] == pytest.approx(3.0, abs=0.5)  # packed once + received by 2 engines
+
+
+def test_bench_weights_vllm_on_ray_receives_the_collective_in_the_engine_and_stages_less() -> None:
+    """`relayrl bench weights --vllm` with Ray, one replica on the tiny model: the vLLM engine in a
+    Ray sampler actor, each version through the object store, by the collective received in the
+    actor and loaded by file (the path before the engine received it), and by the collective
+    received in the engine's worker (a round received elsewhere fails the benchmark). Host
+    copies tell the paths apart: the object store's put, then the file written and read (3); the
+    bucket packed, received in the actor, written and read (4); packed and received in the engine (2)."""
+    from relayrl.bench.weights import run_weights
+
+    figures = run_weights(["tiny"], replicas=1, versions=1, dtype="float32", ray=True, sharded=False, vllm=True)
+    transports = figures["models"]["tiny"]["transports"]  # type: ignore[index]
+    rows = {name: transports[name] for name in ("vllm_ray_object_store", "vllm_ray_collective_actor", "vllm_ray_collective")}
+    assert all(row["seconds_per_version"] > 0 for row in rows.values()), rows
+    assert rows["vllm_ray_object_store"]["host_copies"] == pytest.approx(3.0, abs=0.5)
+    assert rows["vllm_ray_collective_actor"]["host_copies"] == pytest.approx(4.0, abs=0.5)
+    assert rows["vllm_ray_collective"]["host_copies"] == pytest.approx(2.0, abs=0.5)

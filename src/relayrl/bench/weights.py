@@ -25,7 +25,11 @@ version's bytes: a transport that stages nothing counts 0).
   (relayrl.bench.weight_stream: plain processes, no Ray), with rank 0's peak host bytes;
 - vllm_file and vllm_collective (`--vllm`, from .venv-vllm): `replicas` real vLLM engines in this
   process, each version by its file and through vLLM's weight-transfer API
-  (relayrl.backends.vllm.broadcast), with the bytes each engine's worker staged.
+  (relayrl.backends.vllm.broadcast), with the bytes each engine's worker staged;
+- vllm_ray_object_store, vllm_ray_collective_actor and vllm_ray_collective (`--vllm` with Ray):
+  the engines in Ray sampler actors, each version through the object store, by the collective
+  received in the actor and loaded by file (engines without relayrl's weight-transfer engine: the
+  path before it), and by the collective received in each engine's worker (the actor's place).
 
 Target (issue 31): on the 0.5B-shaped model across 2 Ray sampler actors, the collective
 transport's seconds per version at most half the object store's (printed met / MISSED).
@@ -259,55 +263,112 @@ def _vllm_engines(model: str, dtype: str, replicas: int, versions: int, nbytes: 
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _on_ray(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -> dict[str, dict[str, float]]:
-    """object_store and collective, across a trainer actor and `replicas` sampler actors."""
+def _ray_rounds(
+    model: str,
+    dtype: str,
+    versions: int,
+    nbytes: int,
+    sampler_factories: Sequence[Callable[[], Any]],
+    rows: dict[str, str],
+    *,
+    in_engine: bool = False,
+) -> dict[str, dict[str, float]]:
+    """A trainer actor and one sampler actor per factory; per transport in `rows` (object_store,
+    collective: the row's name), `versions` timed versions after one warm-up. A collective round
+    that fell back to the object store fails the benchmark, as one not received where `in_engine`
+    says (the vLLM engine's worker, or the actor)."""
     from relayrl.backends.ray.actors import RaySampler, RayTrainer, SamplerActor, TrainerActor
     from relayrl.backends.ray.collective import join
 
     trainer_actor = TrainerActor.options(num_cpus=0).remote(functools.partial(BenchTrainer, model, dtype))
-    sampler_actors = [
-        SamplerActor.options(num_cpus=0).remote(functools.partial(BenchSampler, model, dtype, 1 + i)) for i in range(replicas)
-    ]
+    sampler_actors = [SamplerActor.options(num_cpus=0).remote(f) for f in sampler_factories]
     trainer = RayTrainer(trainer_actor, queue_ahead=False)
     samplers = [RaySampler(a, i) for i, a in enumerate(sampler_actors)]
-    actors = [trainer_actor, *sampler_actors]
     out: dict[str, dict[str, float]] = {}
 
+    async def staged() -> int:
+        return _staged(trainer_actor) + sum(await asyncio.gather(*(a.staged_bytes.remote() for a in sampler_actors)))
+
+    async def measure(name: str, one: Callable[[], Awaitable[None]]) -> None:
+        before = await staged()
+        seconds = await _timed_versions(one, versions)
+        out[name] = _figures(nbytes, seconds, (await staged() - before) / (versions + 1))
+
     async def go() -> None:
-        await asyncio.gather(*(a.ready.remote() for a in actors))
+        await asyncio.gather(trainer_actor.ready.remote(), *(a.ready.remote() for a in sampler_actors))
 
         async def object_store() -> None:
             pending = await trainer.export_ahead()
             await asyncio.gather(pending.done, *(s.load_weights(pending.weights) for s in samplers))  # (as a sync round)
 
-        before = sum(_staged(a) for a in actors)
-        seconds = await _timed_versions(object_store, versions)
-        out["object_store"] = _figures(nbytes, seconds, (sum(_staged(a) for a in actors) - before) / (versions + 1))
-
-        await _forget_export(trainer_actor)  # (the last version in the object store: freed before the next phase)
+        if "object_store" in rows:
+            await measure(rows["object_store"], object_store)
+            await _forget_export(trainer_actor)  # (the last version in the object store: freed before the next phase)
+        if "collective" not in rows:
+            return
         broadcast = await asyncio.to_thread(join, trainer, samplers, 0.0)
+
+        def engine_member(self: Any) -> bool:
+            return bool(self._engine_member)
 
         async def collective() -> None:
             pending = await broadcast.export_ahead()
             await asyncio.gather(pending.done, *(s.load_weights(pending.weights) for s in samplers))
             if broadcast.broken is not None or not all(s.collective_member for s in samplers):
                 raise RuntimeError(f"the collective broadcast failed: {broadcast.broken or 'a receiver fell back to the object store'}")
+            where = await asyncio.gather(*(a.__ray_call__.remote(engine_member) for a in sampler_actors))
+            if any(w != in_engine for w in where):
+                raise RuntimeError(f"the collective broadcast was not received {'in' if in_engine else 'beside'} the engines: {where}")
 
-        before = sum(_staged(a) for a in actors)
-        seconds = await _timed_versions(collective, versions)
-        out["collective"] = _figures(nbytes, seconds, (sum(_staged(a) for a in actors) - before) / (versions + 1))
-
-    async def close() -> None:
-        await asyncio.gather(*(s.close() for s in samplers), trainer.close(), return_exceptions=True)
+        await measure(rows["collective"], collective)
 
     async def main() -> None:
         try:
             await go()
         finally:
-            await close()
+            await asyncio.gather(*(s.close() for s in samplers), trainer.close(), return_exceptions=True)
 
     asyncio.run(main())
     return out
+
+
+def _on_ray(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -> dict[str, dict[str, float]]:
+    """object_store and collective, across a trainer actor and `replicas` sampler actors."""
+    factories = [functools.partial(BenchSampler, model, dtype, 1 + i) for i in range(replicas)]
+    return _ray_rounds(model, dtype, versions, nbytes, factories, {"object_store": "object_store", "collective": "collective"})
+
+
+def _vllm_on_ray(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -> dict[str, dict[str, float]]:
+    """vllm_ray_object_store, vllm_ray_collective_actor and vllm_ray_collective: `replicas` Ray
+    sampler actors each hosting a real vLLM engine on `model` (saved to a temporary directory).
+    Engines started without relayrl's weight-transfer engine: the object store, then the
+    collective received in each actor and loaded into its engine by file (the path before the
+    engine received it); then fresh actors with engines started with it: the collective received
+    in each engine's worker."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from relayrl.backends.vllm.engine import EngineSettings, context_length
+    from relayrl.backends.vllm.sampler import VllmSampler
+
+    directory = Path(tempfile.mkdtemp(prefix="relayrl-bench-vllm-"))
+    try:
+        BenchTrainer(model, dtype).model.save_pretrained(directory)
+        context = min(256, context_length(directory))
+
+        def engines(transfer: bool) -> list[Callable[[], Any]]:
+            settings = EngineSettings(
+                model=str(directory), dtype=dtype, max_model_len=context, skip_tokenizer_init=True, weight_transfer=transfer
+            )
+            return [functools.partial(VllmSampler, settings, temperature=1.0, max_new_tokens=4, replica=i) for i in range(replicas)]
+
+        before = {"object_store": "vllm_ray_object_store", "collective": "vllm_ray_collective_actor"}
+        out = _ray_rounds(model, dtype, versions, nbytes, engines(False), before)
+        out.update(_ray_rounds(model, dtype, versions, nbytes, engines(True), {"collective": "vllm_ray_collective"}, in_engine=True))
+        return out
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_weights(
@@ -356,6 +417,8 @@ def run_weights(
         try:
             for name in models:
                 figures[name]["transports"].update(_on_ray(name, dtype, replicas, versions, sizes[name][0]))
+                if vllm:
+                    figures[name]["transports"].update(_vllm_on_ray(name, dtype, replicas, versions, sizes[name][0]))
         finally:
             cluster.close()
     target: dict[str, Any] = {"model": TARGET_MODEL, "replicas": 2, "collective_over_object_store": TARGET_SPEEDUP}

@@ -633,7 +633,9 @@ def bench_weights(
     dtype: str = typer.Option("bfloat16", help="The models' dtype: bfloat16 or float32."),
     ray: bool = typer.Option(True, "--ray/--no-ray", help="Include the Ray transports (object_store, collective) on a local cluster."),
     sharded: bool = typer.Option(True, "--sharded/--no-sharded", help="Include a 2-rank trainer's collective: gathered vs streamed."),
-    vllm: bool = typer.Option(False, "--vllm", help="Include real vLLM engines: file vs collective (needs vLLM: .venv-vllm)."),
+    vllm: bool = typer.Option(
+        False, "--vllm", help="Include real vLLM engines, in this process and (--ray) in Ray sampler actors (needs vLLM: .venv-vllm)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Every weight transport (rollout.weight_transport) side by side: one version = the trainer's
@@ -661,7 +663,7 @@ def bench_weights(
         out.print(f"{name}: export {f['export_bytes'] / 2**20:,.1f} MiB (unique parameters {f['unique_param_bytes'] / 2**20:,.1f} MiB)")
         for transport, t in cast(dict[str, dict[str, float]], f["transports"]).items():
             out.print(
-                f"  {transport:<16} {t['bytes_per_version'] / 2**20:9,.1f} MiB/version  {t['seconds_per_version']:8.3f} s/version  "
+                f"  {transport:<25} {t['bytes_per_version'] / 2**20:9,.1f} MiB/version  {t['seconds_per_version']:8.3f} s/version  "
                 f"{t['gb_per_s']:7.3f} GB/s  host copies {t['host_copies']:.1f}"
                 + (f"  rank 0 peak {t['rank0_peak_bytes'] / 2**20:,.1f} MiB" if "rank0_peak_bytes" in t else "")
             )

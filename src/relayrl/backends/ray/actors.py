@@ -189,7 +189,7 @@ class _SamplerActor:
         """Load `weights`; returns the version loaded (an export's own: see `Exporting`), as a
         `Received` in a broadcast round."""
         if isinstance(weights.payload, Broadcast):
-            received = await self._receive(weights.payload.round, weights.version)
+            received = await self._receive(weights.payload.round)
             self._loaded = received.version
             return received
         resolved = await resolve(weights)
@@ -197,17 +197,17 @@ class _SamplerActor:
         self._loaded = resolved.version
         return resolved.version
 
-    async def _receive(self, round_: int, version: int) -> Received:
-        """Load broadcast round `round_` of `version` (`relayrl.backends.ray.collective`): received
-        here, or by the vLLM engine's worker when it joined the group in this actor's place;
-        when the receive fails, the trainer's version from the object store instead."""
+    async def _receive(self, round_: int) -> Received:
+        """Load broadcast round `round_` (`relayrl.backends.ray.collective`; the version is the
+        round's own): received here, or by the vLLM engine's worker when it joined the group in
+        this actor's place; when the receive fails, the trainer's version from the object store
+        instead."""
         member = self._collective
         if member is None and not self._engine_member:  # a restarted actor (a new process joined no group)
             raise SamplerNeedsWeightsError("this sampler actor was restarted: it is no member of the collective weight group")
         try:
             if self._engine_member:
-                await self._worker.receive_round(round_, version)
-                return Received(version, fell_back=False, in_engine=True)
+                return Received(await self._worker.receive_round(round_), fell_back=False, in_engine=True)
             assert member is not None
             got, payload = await asyncio.to_thread(member.receive, round_)
         except Exception:
@@ -240,6 +240,12 @@ class _SamplerActor:
         member, self._collective = self._collective, None
         if member is not None:
             await asyncio.to_thread(member.close)
+
+    async def staged_bytes(self) -> int:
+        """The bytes this actor's process, and its worker's engine processes (a vLLM replica's),
+        staged in host memory so far (`relayrl bench weights`)."""
+        engine = getattr(self._worker, "staged_bytes", None)
+        return int(await engine()) if engine is not None else STAGED.read()
 
     async def loaded_version(self) -> int | None:
         """The version of the last weights this actor loaded (None: none yet)."""

@@ -346,15 +346,17 @@ class VllmSampler(Sampler):
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         self.transfer_member = True
 
-    async def receive_round(self, round_: int, version: int) -> None:
-        """Receive collective round `round_` of `version` in the engine (joined by
-        `join_transfer`), gated as a file load is. Raises when the receive fails: the engine's
-        worker left the group (the model untouched), this replica is no member from then on."""
-        await self._at_home(self._receive_round(round_, version))
+    async def receive_round(self, round_: int, version: int | None = None) -> int:
+        """Receive collective round `round_` in the engine (joined by `join_transfer`), gated as a
+        file load is; returns the version it carried (checked against `version` when given).
+        Raises when the receive fails: the engine's worker left the group (the model untouched),
+        this replica is no member from then on."""
+        return await self._at_home(self._receive_round(round_, version))
 
-    async def _receive_round(self, round_: int, version: int) -> None:
+    async def _receive_round(self, round_: int, version: int | None) -> int:
         try:
             await self._gated(lambda: self._receive(round_, version))
+            return self.version
         except Exception:
             self.transfer_member = False
             self.fell_back += 1
@@ -376,6 +378,10 @@ class VllmSampler(Sampler):
         if self.transfer_member and self._engine is not None:
             self.transfer_member = False
             await self._engine.shutdown_weight_transfer_engine()
+
+    async def staged_bytes(self) -> int:
+        """The bytes this process and the engine's workers staged in host memory so far (benchmarks)."""
+        return STAGED.read() + sum(await self._at_home(self._engine.collective_rpc("staged_bytes")))
 
     async def close(self) -> None:
         """Shut the engine down. Idempotent."""
@@ -403,16 +409,20 @@ class VllmSampler(Sampler):
         results = await self._engine.collective_rpc("update_from_file", args=(path,))
         await self._loaded(version, max(float(r["seconds"]) for r in results) if results else 0.0)
 
-    async def _receive(self, round_: int, version: int) -> None:
-        """Receive broadcast round `round_` of `version` in the engine (paused or idle) through
-        vLLM's weight-transfer API (relayrl.backends.vllm.transfer). Raises when the receive
-        failed (the engine's worker left the group then; the model was not touched)."""
+    async def _receive(self, round_: int, version: int | None) -> None:
+        """Receive broadcast round `round_` (of `version`; None: the round says which) in the
+        engine (paused or idle) through vLLM's weight-transfer API
+        (relayrl.backends.vllm.transfer). Raises when the receive failed (the engine's worker left
+        the group then; the model was not touched)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         start = time.perf_counter()
         await self._engine.start_weight_update()
         await self._engine.update_weights(WeightTransferUpdateRequest(update_info={"round": round_, "version": version}))
         await self._engine.finish_weight_update()
+        if version is None:
+            (version, *_) = await self._engine.collective_rpc("received_version")
+            assert isinstance(version, int), f"the engine's worker received no version in round {round_}"
         await self._loaded(version, time.perf_counter() - start)
 
     async def _loaded(self, version: int, seconds: float) -> None:

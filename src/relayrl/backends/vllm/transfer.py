@@ -15,7 +15,8 @@ drives vLLM's lifecycle as vLLM's NCCL engine does:
   model: tied names, which vLLM ties itself, left out);
 - `start_weight_update`: a version begins;
 - `update_weights` (one per version): the round is received (its header checked against the round
-  and version the sampler expects) into the buckets, and only then does vLLM's layer-wise reload
+  the sampler expects, and the version when it knows it: in a Ray actor it learns it from the
+  round, `received_version`) into the buckets, and only then does vLLM's layer-wise reload
   start and the model load the bucket views (a receive that fails has not touched the model);
 - `finish_weight_update`: the layer-wise reload ends (vLLM re-packs the weights it read), and a
   tied LM head is re-packed from the new embedding (`refresh_tied_lm_head`);
@@ -57,10 +58,10 @@ class RelayrlInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RelayrlUpdateInfo(WeightTransferUpdateInfo):
-    """One version: the round the sampler expects and its version."""
+    """One version: the round the sampler expects and its version (None: the round's, unchecked)."""
 
     round: int
-    version: int
+    version: int | None = None
 
 
 class RelayrlTransferEngine(WeightTransferEngine):
@@ -75,6 +76,7 @@ class RelayrlTransferEngine(WeightTransferEngine):
         self._names: list[str] = []
         self.broken: str | None = None
         self.last_seconds = 0.0  # the last version's receive and load
+        self.received_version: int | None = None  # the version of the last round received
         self._started = 0.0
         self._reloading = False  # vLLM's layer-wise reload started for the version received
 
@@ -101,7 +103,7 @@ class RelayrlTransferEngine(WeightTransferEngine):
             raise RuntimeError(f"relayrl's weight-transfer engine is not in a group: {self.broken or 'not initialised'}")
         try:
             version, views = member.receive(update_info.round)
-            if version != update_info.version:
+            if update_info.version is not None and version != update_info.version:
                 expected = f"round {update_info.round} is version {version}, not {update_info.version}"
                 raise RuntimeError(f"the weight group is out of step: {expected}")
         except BaseException as exc:
@@ -110,6 +112,7 @@ class RelayrlTransferEngine(WeightTransferEngine):
             raise
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.received_version = version
         initialize_layerwise_reload(self.model)  # only once the whole version is here (see the module)
         self._reloading = True
         with expected_misses(self.model):

@@ -85,6 +85,11 @@ class WeightSync:
         """The bytes this worker's process staged in host memory so far (benchmarks)."""
         return STAGED.read()
 
+    def received_version(self) -> int | None:
+        """The version of the last round relayrl's weight-transfer engine received (None: none)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return getattr(engine, "received_version", None)
+
     def update_from_file(self, path: str) -> dict[str, float]:
         """Load every tensor of the safetensors file `path` into the model, then fix a tied LM head.
         Returns the tensors read and the seconds it took."""
