@@ -196,3 +196,54 @@ def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_com
     # replica restarts, no longer a member, and no round is broadcast again).
     if broadcast.broken is not None:
         assert any(e["name"] == "load_weights_failed" for e in after)  # the killed replica's load
+
+
+def test_a_sampler_actor_whose_engine_joins_the_group_receives_there_and_falls_back_to_the_object_store(cluster: RayCluster) -> None:
+    """A sampler actor whose worker's engine can join the weight group (a vLLM replica started
+    with relayrl's weight-transfer engine; here a stand-in, support/enginesampler.py) joins it in
+    the actor's place: round 1 lands in the engine, not in the actor (`Received.in_engine`); when
+    round 2's receive fails there, the actor loads the trainer's version from the object store,
+    the replica is no member any more, and the trainer's broadcast of that round reports failure."""
+    import functools
+
+    from relayrl.backends.ray.actors import SamplerActor, TrainerActor
+    from relayrl.backends.ray.collective import Broadcast, join
+    from relayrl.bench.weights import BenchTrainer
+    from support.enginesampler import EngineSampler
+
+    trainer_actor = TrainerActor.options(num_cpus=0).remote(functools.partial(BenchTrainer, "tiny", "float32"))
+    sampler_actor = SamplerActor.options(num_cpus=0).remote(functools.partial(EngineSampler, "tiny", "float32", 1, fail_from=2))
+    trainer, sampler = RayTrainer(trainer_actor, queue_ahead=False), RaySampler(sampler_actor, 0)
+
+    def engine_side(self: Any) -> tuple[list[tuple[str, int]], bool, bool]:
+        return list(self._worker.loaded), self._engine_member, self._collective is not None
+
+    async def main() -> list[tuple[int | None, object]]:
+        try:
+            broadcast = await asyncio.to_thread(join, trainer, [sampler], 0.0)
+            rounds: list[tuple[int | None, object]] = []
+            for number in (1, 2):
+                pending = await broadcast.export_ahead()
+                done, _ = await asyncio.gather(pending.done, sampler.load_weights(pending.weights))
+                rounds.append((await sampler.loaded_version(), done.payload))
+                if number == 1:  # received in the engine, the actor no member itself
+                    assert ray.get(sampler_actor.__ray_call__.remote(engine_side)) == ([("engine", rounds[0][0])], True, False)
+            return rounds
+        finally:
+            await asyncio.gather(sampler.close(), trainer.close(), return_exceptions=True)
+
+    sides: list[Any] = []
+    real_close = sampler.close
+
+    async def read_then_close() -> None:
+        sides.append(ray.get(sampler_actor.__ray_call__.remote(engine_side)))
+        await real_close()
+
+    sampler.close = read_then_close  # type: ignore[method-assign]
+    (first, ok), (second, failed) = asyncio.run(asyncio.wait_for(main(), 120))
+    assert isinstance(ok, Broadcast) and ok.error is None
+    assert isinstance(failed, Broadcast) and failed.error is not None  # the engine left the group
+    loaded, engine_member, actor_member = sides[0]
+    assert first is not None and second is not None and second > first
+    assert loaded == [("engine", first), ("load_weights", second)]
+    assert not engine_member and not actor_member and not sampler.collective_member
