@@ -196,7 +196,8 @@ def test_the_engine_gets_relayrls_weight_transfer_engine_where_the_collective_tr
 ) -> None:
     """The collective transport lands in the engine's worker in one process and in a Ray sampler
     actor alike (issue 31 §1): the engine is started with relayrl's weight-transfer engine
-    whenever the run sets it, and not for the file, the object store or "auto" on the CPU."""
+    whenever the run's transport is or resolves to it, and not for the file, the object store or
+    "auto" in one process on the CPU."""
     from relayrl.models.loading import shipped_model_dir
 
     monkeypatch.setattr(torch.version, "cuda", None)
@@ -211,6 +212,7 @@ def test_the_engine_gets_relayrls_weight_transfer_engine_where_the_collective_tr
     assert started_with_transfer("rollout.weight_transport=collective")
     assert started_with_transfer("ray.enabled=true", "rollout.weight_transport=collective")
     assert not started_with_transfer("ray.enabled=true", "rollout.weight_transport=object_store")
-    assert not started_with_transfer("ray.enabled=true")  # "auto" on the CPU: the object store
+    assert started_with_transfer("ray.enabled=true")  # "auto" with vLLM on Ray: the collective, received in the engine
+    assert not started_with_transfer("ray.enabled=true", "train.world_size=2")  # "auto" keeps the object store there
     assert not started_with_transfer("rollout.weight_transport=file")
     assert not started_with_transfer()  # "auto" on the CPU in one process: the file

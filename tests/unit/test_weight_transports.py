@@ -22,6 +22,14 @@ from support.cli import relayrl
         # vLLM in one process: the collective through vLLM's weight-transfer API (auto: on a GPU of the trainer's own)
         (["run.backend=local", "rollout.engine=vllm"], "file", ("file", "collective")),
         (["run.backend=local", "ray.enabled=true"], "object_store", ("collective", "object_store")),
+        # vLLM engines in Ray actors: the collective received in each engine's worker (faster than the
+        # object store's file per engine, benchmarks/README.md), one trainer rank
+        (["run.backend=local", "ray.enabled=true", "rollout.engine=vllm"], "collective", ("collective", "object_store")),
+        (
+            ["run.backend=local", "ray.enabled=true", "rollout.engine=vllm", "train.world_size=2"],
+            "object_store",
+            ("collective", "object_store"),
+        ),
         (["run.backend=sim", "ray.enabled=true"], "object_store", ("object_store",)),
         # the sharded trainer streams its shards (when set: "auto" keeps the object store, NCCL unmeasured)
         (["run.backend=local", "ray.enabled=true", "train.world_size=2"], "object_store", ("collective", "object_store")),

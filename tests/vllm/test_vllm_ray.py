@@ -1,5 +1,6 @@
 """A vLLM sampler replica hosted in a Ray actor (`--ray` with `rollout.engine = "vllm"`): the
-actor builds the engine with its factory, the weights reach it through the object store, and at
+actor builds the engine with its factory, the weights reach it through the object store or (the
+default, "auto") through the collective transport received in the engine's worker, and at
 staleness 0 its log-probs are the trainer's (so every version was loaded into the engine)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import support.vllmenv  # noqa: F401  (sets the environment vLLM reads at its import)
+from relayrl.analysis import timeline
 from relayrl.config.schema import load_config
 from relayrl.orchestrator.build import build_program
 from relayrl.recipes import default_recipe
@@ -22,6 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 def test_a_vllm_sampler_on_a_ray_actor_trains_with_matching_logprobs(tmp_path: Path) -> None:
     sets = [
         "rollout.engine=vllm",
+        "rollout.weight_transport=object_store",
         "rollout.max_staleness=0",
         "run.steps=3",
         "rollout.groups_per_step=8",
@@ -39,7 +42,8 @@ def test_a_vllm_sampler_on_a_ray_actor_trains_with_matching_logprobs(tmp_path: P
 
 def test_a_vllm_sampler_on_a_ray_actor_with_interruptible_loads_passes_the_checker(tmp_path: Path) -> None:
     """rollout.interruptible at max_staleness 1: the actor serves loads on its `load` concurrency
-    group's own event loop, which the sampler runs on the engine's loop (a load there hung)."""
+    group's own event loop, which the sampler runs on the engine's loop (a load there hung); the
+    transport is "auto", the collective received in the engine's worker."""
     sets = [
         "rollout.engine=vllm",
         "rollout.max_staleness=1",
@@ -52,9 +56,11 @@ def test_a_vllm_sampler_on_a_ray_actor_with_interruptible_loads_passes_the_check
         "ray.num_cpus=2",
     ]
     run_dir = tmp_path / "run"
-    run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
+    result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    loads = [s for s in timeline.spans(result.tracer.events) if s.name == "load_weights" and "transport" in s.args]
+    assert loads and all(s.args.get("received_by") == "engine" for s in loads), [s.args for s in loads]
 
 
 def test_a_vllm_sampler_on_a_ray_actor_receives_the_collective_broadcast_in_its_engine(tmp_path: Path) -> None:
@@ -63,8 +69,6 @@ def test_a_vllm_sampler_on_a_ray_actor_receives_the_collective_broadcast_in_its_
     weight-transfer API (no copy into the actor, no weight file): each load span of the actor
     says so (`received_by = "engine"`), the trace passes the checker, and at staleness 0 the
     engine's log-probs are the trainer's, step after step (so every version reached the model)."""
-    from relayrl.analysis import timeline
-
     sets = [
         "rollout.engine=vllm",
         "rollout.weight_transport=collective",

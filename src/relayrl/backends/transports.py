@@ -34,13 +34,15 @@ bounds the loads, fails replicas over and traces; a transport only moves the byt
 sim); with vLLM in one process, collective when the trainer computes on a GPU no engine shares
 (NCCL, no host copy), else file (on the CPU the two are close, docs/design.md); on Ray,
 collective when the trainer actor computes on CUDA
-(NCCL: no host copy, where the object store copies device → host → device) for the local kind with
-one trainer rank (the sharded trainer's streaming over NCCL is not measured yet: "auto" keeps the
-object store there), else the object store: on one CPU node the object store is one copy into shared
-memory and zero-copy reads, while gloo moves each version through a loopback socket once per
-receiver (`relayrl bench weights`, 0.5B shape in bfloat16, 2 sampler actors: object store 1.7 s,
-collective 3.7 s a version). A transport set that does not apply is refused in one line naming the key
-(`refusal`).
+(NCCL: no host copy, where the object store copies device → host → device) or the sampler
+replicas are vLLM engines (each receives in its worker, where the object store writes and reads a
+file per engine: `relayrl bench weights --vllm`, 0.5B shape, 2 actors: 3.6 s a version against
+4.4 s), for the local kind with one trainer rank (the sharded trainer's streaming over NCCL is not
+measured yet: "auto" keeps the object store there), else the object store: on one CPU node the
+object store is one copy into shared memory and zero-copy reads, while gloo moves each version
+through a loopback socket once per receiver (`relayrl bench weights`, 0.5B shape in bfloat16, 2
+sampler actors: object store 0.9–1.7 s, collective 1.3–3.7 s a version). A transport set that
+does not apply is refused in one line naming the key (`refusal`).
 
 Host copies (`STAGED`): every transport adds the bytes it copies into a staging buffer in host
 memory (a `ray.put`, a `.cpu()` of a device tensor, a file written or read, a collective bucket on
@@ -104,7 +106,8 @@ def resolve(cfg: Config, trainer_on_cuda: bool = False) -> TransportName:
     if chosen != "auto":
         return chosen
     fits = applicable(cfg)
-    if "collective" in fits and trainer_on_cuda and cfg.train.world_size == 1:
+    in_engines = cfg.ray.enabled and cfg.rollout.engine == "vllm"  # (received in each engine's worker)
+    if "collective" in fits and (trainer_on_cuda or in_engines) and cfg.train.world_size == 1:
         return "collective"
     return fits[0] if fits[0] != "collective" else "object_store"
 

@@ -368,13 +368,13 @@ class RolloutConfig(_Section):
     actors in dtype-grouped buckets (gloo on the CPU, NCCL on CUDA; with engine = "vllm" each
     actor's engine worker receives it through vLLM's weight-transfer API in the actor's place; a
     round that does not load every sampler actor, a restart or the evaluation uses the object
-    store); with train.world_size
-    > 1 each trainer rank streams its own shards and no rank gathers the model for it (not with
-    train.lora). "auto": the fastest that applies: direct in one process, or with vLLM collective
-    when the trainer computes on a GPU no engine shares, else file (close on the CPU); on Ray,
-    collective when the one trainer actor computes on a GPU (NCCL), else object_store (faster on
-    one CPU node, measured by `relayrl bench weights`). One that does not apply to the hosting,
-    kind and engine is refused."""
+    store); with train.world_size > 1 each trainer rank streams its own shards and no rank
+    gathers the model for it (not with train.lora). "auto": the fastest that applies: direct in
+    one process, or with vLLM collective when the trainer computes on a GPU no engine shares, else
+    file (close on the CPU); on Ray with one trainer rank, collective when the trainer actor
+    computes on a GPU (NCCL) or the replicas are vLLM engines (received in each engine's worker),
+    else object_store (faster on one CPU node for the hf engine, measured by `relayrl bench
+    weights`). One that does not apply to the hosting, kind and engine is refused."""
     sampler_threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE)
     """Each sampler's intra-op threads; 0 = auto (see train.torch_threads)."""
     sampler_nice: int = Field(0, ge=0, le=19, json_schema_extra=RESUMABLE)

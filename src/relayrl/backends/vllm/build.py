@@ -24,6 +24,7 @@ import torch
 
 from relayrl.backends.local.devices import Accelerators, process_device
 from relayrl.backends.protocols import Sampler
+from relayrl.backends.transports import resolve
 from relayrl.backends.vllm.engine import EngineSettings, context_length
 from relayrl.config.schema import Config, ConfigError
 from relayrl.config.sizing import VLLM_MAX_UTILIZATION
@@ -96,8 +97,8 @@ def engine_settings(cfg: Config, directory: Path, replica: int = 0, utilization:
         seed_requests=seeding == "request" or (seeding == "auto" and not cuda),
         # the collective transport received in the engine's worker, in one process
         # (relayrl.backends.vllm.broadcast) or in a Ray sampler actor (relayrl.backends.ray.collective);
-        # "auto" resolves to it on CUDA only (unused, the engine stays out of any group)
-        weight_transfer=cfg.rollout.weight_transport == "collective" or (cfg.rollout.weight_transport == "auto" and cuda),
+        # "auto" may resolve to it on CUDA, and does on Ray (unused, the engine stays out of any group)
+        weight_transfer=resolve(cfg) == "collective" or (cfg.rollout.weight_transport == "auto" and cuda),
     )
 
 
