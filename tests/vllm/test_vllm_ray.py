@@ -21,10 +21,16 @@ pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-def test_a_vllm_sampler_on_a_ray_actor_trains_with_matching_logprobs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_a_vllm_sampler_on_a_ray_actor_trains_with_matching_logprobs(tmp_path: Path, transport: str) -> None:
+    """At staleness 0 the engine's log-probs are the trainer's, step after step (so every version
+    reached the model), by either Ray transport. With "collective" (issue 31 §1) the engine's worker
+    joins the Ray trainer's weight group in its actor's place and receives every version through
+    vLLM's weight-transfer API (no copy into the actor, no weight file): each broadcast load span
+    of the actor says so (`received_by = "engine"`); the trace passes the checker either way."""
     sets = [
         "rollout.engine=vllm",
-        "rollout.weight_transport=object_store",
+        f"rollout.weight_transport={transport}",
         "rollout.max_staleness=0",
         "run.steps=3",
         "rollout.groups_per_step=8",
@@ -34,10 +40,17 @@ def test_a_vllm_sampler_on_a_ray_actor_trains_with_matching_logprobs(tmp_path: P
         "ray.num_cpus=2",
     ]
     run_dir = tmp_path / "run"
-    run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
+    result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/logprob_diff_max"] < 1e-3 for r in rows), [r["train/logprob_diff_max"] for r in rows]
+    loads = [s for s in timeline.spans(result.tracer.events) if s.lane == "actor:sampler/0" and s.name == "load_weights"]
+    broadcast = [s for s in loads if "transport" in s.args]
+    if transport == "object_store":
+        assert not broadcast, [s.args for s in loads]
+        return
+    assert len(broadcast) >= 2, [s.args for s in loads]  # versions 1 and 2 at least, each a broadcast round
+    assert all(s.args["transport"] == "collective" and s.args["received_by"] == "engine" for s in broadcast), [s.args for s in loads]
 
 
 def test_a_vllm_sampler_on_a_ray_actor_with_interruptible_loads_passes_the_checker(tmp_path: Path) -> None:
@@ -61,31 +74,3 @@ def test_a_vllm_sampler_on_a_ray_actor_with_interruptible_loads_passes_the_check
     assert [r["step"] for r in rows] == [1, 2, 3]
     loads = [s for s in timeline.spans(result.tracer.events) if s.name == "load_weights" and "transport" in s.args]
     assert loads and all(s.args.get("received_by") == "engine" for s in loads), [s.args for s in loads]
-
-
-def test_a_vllm_sampler_on_a_ray_actor_receives_the_collective_broadcast_in_its_engine(tmp_path: Path) -> None:
-    """rollout.weight_transport = "collective" (issue 31 §1): the engine's worker joins the Ray
-    trainer's weight group in its actor's place and receives every version through vLLM's
-    weight-transfer API (no copy into the actor, no weight file): each load span of the actor
-    says so (`received_by = "engine"`), the trace passes the checker, and at staleness 0 the
-    engine's log-probs are the trainer's, step after step (so every version reached the model)."""
-    sets = [
-        "rollout.engine=vllm",
-        "rollout.weight_transport=collective",
-        "rollout.max_staleness=0",
-        "run.steps=3",
-        "rollout.groups_per_step=8",
-        "rollout.prompts_per_request=8",
-        "eval.enabled=false",
-        "ray.enabled=true",
-        "ray.num_cpus=2",
-    ]
-    run_dir = tmp_path / "run"
-    result = run_checked(build_program(load_config(default_recipe(), sets), run_dir=run_dir), timeout=600)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["train/logprob_diff_max"] < 1e-3 for r in rows), [r["train/logprob_diff_max"] for r in rows]
-    loads = [s for s in timeline.spans(result.tracer.events) if s.lane == "actor:sampler/0" and s.name == "load_weights"]
-    broadcast = [s for s in loads if "transport" in s.args]
-    assert len(broadcast) >= 2, [s.args for s in loads]  # versions 1 and 2 at least, each a broadcast round
-    assert all(s.args["transport"] == "collective" and s.args["received_by"] == "engine" for s in broadcast), [s.args for s in loads]
