@@ -200,16 +200,48 @@ def test_a_sampler_actor_killed_in_a_collective_run_is_restarted_and_the_run_com
 
 def test_a_sampler_actor_whose_engine_joins_the_group_receives_there_and_falls_back_to_the_object_store(cluster: RayCluster) -> None:
     """A sampler actor whose worker's engine can join the weight group (a vLLM replica started
-    with relayrl's weight-transfer engine; here a stand-in, support/enginesampler.py) joins it in
-    the actor's place: round 1 lands in the engine, not in the actor (`Received.in_engine`); when
-    round 2's receive fails there, the actor loads the trainer's version from the object store,
-    the replica is no member any more, and the trainer's broadcast of that round reports failure."""
+    with relayrl's weight-transfer engine; here a stand-in) joins it in the actor's place: round 1
+    lands in the engine, not in the actor (`Received.in_engine`); when round 2's receive fails
+    there, the actor loads the trainer's version from the object store, the replica is no member
+    any more, and the trainer's broadcast of that round reports failure."""
     import functools
 
     from relayrl.backends.ray.actors import SamplerActor, TrainerActor
-    from relayrl.backends.ray.collective import Broadcast, join
-    from relayrl.bench.weights import BenchTrainer
-    from support.enginesampler import EngineSampler
+    from relayrl.backends.ray.collective import Broadcast, Member, join
+    from relayrl.bench.weights import BenchSampler, BenchTrainer
+
+    class EngineSampler(BenchSampler):
+        """A stand-in `VllmSampler` with relayrl's weight-transfer engine: its "engine" joins the
+        group (`transfer_refusal` None, `join_transfer`, `receive_round`) and loads what it receives
+        into a plain model; from round `fail_from` on its receive fails after leaving the group, as
+        relayrl's engine does. `loaded`: ("engine", version) per round received, ("load_weights",
+        version) per other load. (Defined here: Ray's workers cannot import the tests' modules.)"""
+
+        def __init__(self, model: str, dtype: str, seed: int, fail_from: int) -> None:
+            super().__init__(model, dtype, seed)
+            self.fail_from = fail_from
+            self.loaded: list[tuple[str, int]] = []
+            self._member: Any = None
+
+        def transfer_refusal(self) -> str | None:
+            return None
+
+        async def join_transfer(self, host: str, port: int, receiver: int, world: int, backend: str, timeout_s: float) -> None:
+            self._member = await asyncio.to_thread(Member.join, host, port, backend, timeout_s, world - 1, receiver=receiver)
+
+        async def receive_round(self, round_: int, version: int | None = None) -> int:
+            if round_ >= self.fail_from:
+                error = RuntimeError(f"the stand-in engine fails round {round_}")
+                self._member.fail(error)  # (leaves the group: the trainer's broadcast fails at once)
+                raise error
+            got, views = await asyncio.to_thread(self._member.receive, round_)
+            await super().load_weights(Weights(got, views))
+            self.loaded.append(("engine", got))
+            return got
+
+        async def load_weights(self, weights: Any) -> None:
+            await super().load_weights(weights)
+            self.loaded.append(("load_weights", weights.version))
 
     trainer_actor = TrainerActor.options(num_cpus=0).remote(functools.partial(BenchTrainer, "tiny", "float32"))
     sampler_actor = SamplerActor.options(num_cpus=0).remote(functools.partial(EngineSampler, "tiny", "float32", 1, fail_from=2))
