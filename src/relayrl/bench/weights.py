@@ -46,9 +46,13 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from relayrl.bench.weight_models import WEIGHT_MODELS, build_model
+
+if TYPE_CHECKING:
+    from relayrl.backends.vllm.engine import EngineSettings
 
 TARGET_MODEL = "qwen2-0.5b"
 TARGET_SPEEDUP = 2.0  # collective vs object_store seconds per version, TARGET_MODEL, 2 replicas
@@ -207,6 +211,15 @@ async def _worker_staged(samplers: Sequence[Any]) -> int:
     return STAGED.read() + sum(workers)
 
 
+def _engine_settings(directory: Path, dtype: str, *, transfer: bool) -> EngineSettings:
+    """A benchmark engine's settings on the model saved in `directory`: no tokenizer (the engines
+    take token ids), a context of at most 256 tokens, relayrl's weight-transfer engine if `transfer`."""
+    from relayrl.backends.vllm.engine import EngineSettings, context_length
+
+    context = min(256, context_length(directory))
+    return EngineSettings(model=str(directory), dtype=dtype, max_model_len=context, skip_tokenizer_init=True, weight_transfer=transfer)
+
+
 def _vllm_engines(model: str, dtype: str, replicas: int, versions: int, nbytes: int) -> dict[str, dict[str, float]]:
     """vllm_file and vllm_collective: `replicas` real vLLM engines in this process on `model`
     saved to a temporary directory (safetensors, no tokenizer: the engines take token ids), each
@@ -214,13 +227,11 @@ def _vllm_engines(model: str, dtype: str, replicas: int, versions: int, nbytes: 
     to the file fails the benchmark); host copies read in this process and every engine's worker."""
     import shutil
     import tempfile
-    from pathlib import Path
 
     import torch
 
     from relayrl.backends.protocols import Trainer
     from relayrl.backends.vllm.broadcast import VllmBroadcast
-    from relayrl.backends.vllm.engine import EngineSettings, context_length
     from relayrl.backends.vllm.sampler import VllmSampler
 
     threads = torch.get_num_threads()
@@ -228,8 +239,7 @@ def _vllm_engines(model: str, dtype: str, replicas: int, versions: int, nbytes: 
     try:
         trainer = BenchTrainer(model, dtype)  # (one compute thread, as the other rows)
         trainer.model.save_pretrained(directory)
-        context = min(256, context_length(directory))
-        settings = EngineSettings(model=str(directory), dtype=dtype, max_model_len=context, skip_tokenizer_init=True, weight_transfer=True)
+        settings = _engine_settings(directory, dtype, transfer=True)
 
         async def main() -> dict[str, dict[str, float]]:
             samplers = [VllmSampler(settings, temperature=1.0, max_new_tokens=4, replica=i) for i in range(replicas)]
@@ -347,20 +357,15 @@ def _vllm_on_ray(model: str, dtype: str, replicas: int, versions: int, nbytes: i
     in each engine's worker."""
     import shutil
     import tempfile
-    from pathlib import Path
 
-    from relayrl.backends.vllm.engine import EngineSettings, context_length
     from relayrl.backends.vllm.sampler import VllmSampler
 
     directory = Path(tempfile.mkdtemp(prefix="relayrl-bench-vllm-"))
     try:
-        BenchTrainer(model, dtype).model.save_pretrained(directory)
-        context = min(256, context_length(directory))
+        build_model(model, dtype).save_pretrained(directory)
 
         def engines(transfer: bool) -> list[Callable[[], Any]]:
-            settings = EngineSettings(
-                model=str(directory), dtype=dtype, max_model_len=context, skip_tokenizer_init=True, weight_transfer=transfer
-            )
+            settings = _engine_settings(directory, dtype, transfer=transfer)
             return [functools.partial(VllmSampler, settings, temperature=1.0, max_new_tokens=4, replica=i) for i in range(replicas)]
 
         before = {"object_store": "vllm_ray_object_store", "collective": "vllm_ray_collective_actor"}

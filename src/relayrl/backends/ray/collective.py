@@ -419,9 +419,14 @@ def read_layout(host: str, port: int) -> Layout:
     `host`:`port` (blocking, bounded by JOIN_TIMEOUT_S): what each receiver holds of a version."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, None, False, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
-    got: Layout | StreamLayout = pickle.loads(bytes.fromhex(store.get(LAYOUT_KEY).decode()))
+    got = _stored_layout(dist.TCPStore(host, port, None, False, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False))
     return got.full if isinstance(got, StreamLayout) else got
+
+
+def _stored_layout(store: Any) -> Layout | StreamLayout:
+    """The layout source 0 set in the group's `store` (waits for it, within the store's timeout)."""
+    got: Layout | StreamLayout = pickle.loads(bytes.fromhex(store.get(LAYOUT_KEY).decode()))
+    return got
 
 
 class Member:
@@ -476,7 +481,7 @@ class Member:
         if source == 0:
             assert layout is not None, "Member.join: source 0 gives the layout"
             store.set(LAYOUT_KEY, pickle.dumps(layout).hex())
-        got: Layout | StreamLayout = pickle.loads(bytes.fromhex(store.get(LAYOUT_KEY).decode()))
+        got = _stored_layout(store)
         stream = got if isinstance(got, StreamLayout) else None
         sources = stream.sources if stream is not None else 1
         if device is None:
